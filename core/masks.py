@@ -1,0 +1,73 @@
+"""Visibility masks derived from `positions` and `segment_ids` (DESIGN.md, "Visibility").
+
+Every batch row is a packed sequence of documents: segment_ids >= 1 are real tokens, 0 is
+padding; positions restart at 0 at each document start. All masks are boolean; callers mask
+logits with `NEG` (a large finite negative) so a fully masked row is 0, never NaN.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+NEG = -1e30  # masked logit: finite, so exp() underflows to 0 instead of producing NaN
+
+
+def block_segment_ids(segment_ids, ratio: int):
+    """Segment id of each compressed block, -1 when its `ratio` tokens disagree.
+
+    Args:
+      segment_ids: int [B, T]; T a multiple of `ratio`.
+      ratio: tokens per block m (static).
+
+    Returns:
+      int [B, T // ratio]. A block straddling a document boundary or padding gets -1 and is
+      never visible; an all-padding block keeps 0, which is never visible either.
+    """
+    b, t = segment_ids.shape
+    seg_bwr = segment_ids.reshape(b, t // ratio, ratio)
+    uniform = jnp.all(seg_bwr == seg_bwr[..., :1], axis=-1)
+    return jnp.where(uniform, seg_bwr[..., 0], -1)
+
+
+def block_last_positions(positions, ratio: int):
+    """Position of each block's last token, int [B, T // ratio]."""
+    b, t = positions.shape
+    return positions.reshape(b, t // ratio, ratio)[..., -1]
+
+
+def block_first_positions(positions, ratio: int):
+    """Position of each block's first token, int [B, T // ratio] (where its RoPE applies)."""
+    b, t = positions.shape
+    return positions.reshape(b, t // ratio, ratio)[..., 0]
+
+
+def csa_visible(positions, segment_ids, ratio: int = 4):
+    """Which compressed blocks each query may see.
+
+    Block w is visible to query t iff seg_block[w] == seg[t] >= 1 and the block's last token
+    position <= positions[t]: a block appears once complete, so t < ratio - 1 sees none.
+
+    Args:
+      positions: int [B, T], restarting at 0 per document.
+      segment_ids: int [B, T], >= 1 real, 0 padding.
+      ratio: tokens per block (4 for CSA, 128 for HCA).
+
+    Returns:
+      bool [B, T, T // ratio].
+    """
+    seg_bw = block_segment_ids(segment_ids, ratio)
+    last_bw = block_last_positions(positions, ratio)
+    same_doc_btw = (seg_bw[:, None, :] == segment_ids[:, :, None]) & (segment_ids[:, :, None] >= 1)
+    complete_btw = last_bw[:, None, :] <= positions[:, :, None]
+    return same_doc_btw & complete_btw
+
+
+def sliding_window_mask(positions, segment_ids, window: int):
+    """Raw key s is in query t's window iff same document and 0 <= pos[t] - pos[s] < window.
+
+    Returns:
+      bool [B, T, S] with S = T (raw key positions).
+    """
+    same_doc_bts = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] >= 1)
+    delta_bts = positions[:, :, None] - positions[:, None, :]
+    return same_doc_bts & (delta_bts >= 0) & (delta_bts < window)

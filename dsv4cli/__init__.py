@@ -1,0 +1,3 @@
+"""dsv4 command-line interface: one thin module per command (DESIGN.md, "Layout")."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,41 @@
+"""One error handler: core's typed errors become one red line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable
+
+import typer
+
+DEBUG = {"on": False}
+
+
+def fail(message: str) -> None:
+    """Print one red line on stderr and exit 2."""
+    from rich.console import Console
+
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[red]error:[/red] {message}")
+    raise typer.Exit(2)
+
+
+def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a command body: DsvError -> one line, exit 2 (a traceback only with --debug)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from core.errors import DsvError
+
+        try:
+            return fn(*args, **kwargs)
+        except DsvError as e:
+            if DEBUG["on"]:
+                raise
+            fail(str(e))
+        except KeyboardInterrupt:
+            if DEBUG["on"]:
+                raise
+            print("interrupted", file=sys.stderr)
+            raise typer.Exit(130)
+
+    return wrapper

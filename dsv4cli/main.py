@@ -1,0 +1,54 @@
+"""`dsv4`: the Typer application. Commands import jax lazily so `dsv4 --help` is instant."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from dsv4cli import __version__
+from dsv4cli.errors import DEBUG
+
+app = typer.Typer(
+    name="dsv4",
+    help="Train and evaluate the lightning indexer of DeepSeek-V4 Compressed Sparse Attention (JAX).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"dsv4 {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")] = None,
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks for errors.")] = False,
+) -> None:
+    DEBUG["on"] = debug
+
+
+def _register() -> None:
+    from dsv4cli import bench, eval_indexer, inspect_ckpt, train_cmds
+
+    app.command("warmup", help=train_cmds.WARMUP_HELP, short_help=train_cmds.WARMUP_HELP.split(":")[0] + ".", epilog=train_cmds.WARMUP_EPILOG)(train_cmds.warmup)
+    app.command("sparse", help=train_cmds.SPARSE_HELP, short_help=train_cmds.SPARSE_HELP.split(":")[0] + ".", epilog=train_cmds.SPARSE_EPILOG)(train_cmds.sparse)
+    app.command("eval-indexer", help=eval_indexer.HELP, short_help=eval_indexer.HELP.split(":")[0] + ".", epilog=eval_indexer.EPILOG)(eval_indexer.command)
+    app.command("inspect-ckpt", help=inspect_ckpt.HELP, short_help=inspect_ckpt.HELP.split(":")[0] + ".", epilog=inspect_ckpt.EPILOG)(inspect_ckpt.command)
+    app.command("bench", help=bench.HELP, short_help=bench.HELP.split(":")[0] + ".", epilog=bench.EPILOG)(bench.command)
+
+
+_register()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
