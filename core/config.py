@@ -161,7 +161,9 @@ class Config:
 
     def replace(self, **changes: Any) -> "Config":
         """A validated copy with `changes` applied (same rules as load_config)."""
-        return _build({**self.to_dict(), **changes})
+        values = self.to_dict()
+        _merge(values, changes, "replace()")
+        return _build(values)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}

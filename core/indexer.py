@@ -1,15 +1,20 @@
-"""The lightning indexer's maths (DESIGN.md, "Lightning indexer"): scores and top-k selection.
+"""The lightning indexer (DESIGN.md, "Lightning indexer"): scores, top-k selection, the module.
 
-Pure, jit-safe functions of arrays and static ints. Scores, selection and everything downstream
-are float32 whatever the compute dtype.
+Pure, jit-safe functions of arrays and static ints (`indexer_scores`, `select_topk`,
+`selection_mask`), then the `Indexer` nnx.Module that owns the indexer's parameters. Scores,
+selection and everything downstream are float32 whatever the compute dtype.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from core.compressor import Compressor
+from core.layers import dense_init, param
 from core.masks import NEG
+from core.rope import RopeSpec, apply_rope
 
 
 def indexer_scores(q_btid, k_bwd, weights_bti, visible_btw, *, head_chunk: int = 0):
@@ -79,6 +84,64 @@ def select_topk(scores_btw, visible_btw, k: int):
 
 
 def selection_mask(idx_btk, valid_btk, num_blocks: int):
-    """bool [B, T, W]: True at the valid selected blocks."""
-    onehot_btkw = jax.nn.one_hot(idx_btk, num_blocks, dtype=jnp.bool_) & valid_btk[..., None]
-    return jnp.any(onehot_btkw, axis=-2)
+    """bool [B, T, W]: True at the valid selected blocks.
+
+    A scatter of the top-k indices (distinct per row, so invalid slots never clear a valid one):
+    a one-hot formulation would materialise [B, T, k, W], 128 GiB at T = 32K, k = 512.
+    """
+    b, t, _ = idx_btk.shape
+    rows_btw = jnp.zeros((b, t, num_blocks), jnp.bool_)
+    return rows_btw.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], idx_btk].set(valid_btk)
+
+
+# ----------------------------------------------------------------------------- module
+
+
+class Indexer(nnx.Module):
+    """The lightning indexer of one CSA layer (official names, [in, out] layout).
+
+    Parameters: wq_b [q_lora, HI, DI] (indexer queries from the main attention's c_q),
+    weights_proj [M, HI] (per-head weights from x), compressor (its own overlapping m = 4
+    compressor of width DI). Both inputs pass through `stop_gradient`, so no gradient leaves the
+    indexer. The official code also applies a Hadamard rotation and FP4 quantisation to q_I and
+    k_I; the rotation is orthogonal on both sides (dot products unchanged) and the quantisation is
+    inference-only simulation, so both are omitted.
+    """
+
+    def __init__(self, emb: int, q_lora_rank: int, heads: int, head_dim: int, rope: RopeSpec,
+                 eps: float, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32):
+        self.heads, self.head_dim, self.rope, self.dtype = heads, head_dim, rope, dtype
+        self.wq_b = param(rngs, dense_init(in_axis=0, out_axis=(1, 2)), (q_lora_rank, heads, head_dim),
+                          ("q_lora", "indexer_heads", "kv"), param_dtype)
+        self.weights_proj = param(rngs, dense_init(), (emb, heads), ("embed", "indexer_heads"),
+                                  param_dtype)
+        self.compressor = Compressor(emb, head_dim, 4, rope, eps, rngs=rngs,
+                                     param_dtype=param_dtype, dtype=dtype)
+
+    def project(self, x_btm, c_q_btr, positions_bt):
+        """Detached inputs -> (q_btid, k_bwd, weights_bti float32, scaled by HI^-1/2 DI^-1/2).
+
+        Shapes:
+          1. q_btid  = RoPE(c_q W_Iq)          at positions[t]
+          2. k_bwd   = compressor(x)           (m = 4, overlapping; RoPE at block starts)
+          3. weights = x W_Iw * HI^-1/2 * DI^-1/2
+        """
+        dt = self.dtype
+        x_btm = jax.lax.stop_gradient(x_btm).astype(dt)
+        c_q_btr = jax.lax.stop_gradient(c_q_btr).astype(dt)
+        q_btid = jnp.einsum("btr,rid->btid", c_q_btr, self.wq_b[...].astype(dt))
+        q_btid = apply_rope(q_btid, positions_bt, self.rope)
+        k_bwd = self.compressor(x_btm, positions_bt)
+        weights_bti = jnp.einsum("btm,mi->bti", x_btm, self.weights_proj[...].astype(dt))
+        weights_bti = weights_bti.astype(jnp.float32) * (self.heads ** -0.5 * self.head_dim ** -0.5)
+        return q_btid, k_bwd, weights_bti
+
+    @staticmethod
+    def score(q_btid, k_bwd, weights_bti, visible_btw, *, head_chunk: int = 0):
+        """`indexer_scores` of the projected inputs: float32 [B, T, W], NEG where invisible."""
+        return indexer_scores(q_btid, k_bwd, weights_bti, visible_btw, head_chunk=head_chunk)
+
+    def __call__(self, x_btm, c_q_btr, positions_bt, visible_btw, *, head_chunk: int = 0):
+        """Scores of every block for every query: float32 [B, T, W]."""
+        q_btid, k_bwd, weights_bti = self.project(x_btm, c_q_btr, positions_bt)
+        return self.score(q_btid, k_bwd, weights_bti, visible_btw, head_chunk=head_chunk)

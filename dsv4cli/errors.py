@@ -14,8 +14,9 @@ DEBUG = {"on": False}
 def fail(message: str) -> None:
     """Print one red line on stderr and exit 2."""
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[red]error:[/red] {message}")
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[red]error:[/red] {escape(message)}")
     raise typer.Exit(2)
 
 

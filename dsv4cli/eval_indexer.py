@@ -2,13 +2,139 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
 from dsv4cli import options as opt
-from dsv4cli.errors import fail, handle_errors
+from dsv4cli.errors import handle_errors
 
 HELP = "Measure the indexer against the dense teacher: KL, recall@k, overlap@k, recency/random baselines, LM-loss gap."
-EPILOG = "Example: dsv4 eval-indexer runs/warmup --batches 8 --topk 4,8,16"
+EPILOG = "Example: dsv4 eval-indexer runs/warmup --batches 8 --topk 4,8,16 --plot recall.png"
+
+Batches = Annotated[int, typer.Option("--batches", min=1, help="Held-out eval batches (per_device_batch_size rows each).")]
+TopK = Annotated[Optional[str], typer.Option("--topk", help="k values to sweep, e.g. 4,8,16 (default: the run's indexer_topk).")]
+Seed = Annotated[int, typer.Option("--seed", help="Seed of the random-blocks baseline.")]
+Data = Annotated[Optional[str], typer.Option("--data", help="Evaluate on this dataset instead of the run's (sets hf_path).")]
+Plot = Annotated[Optional[Path], typer.Option("--plot", help="Write recall@k against k (indexer vs baselines) to this PNG; needs matplotlib (the optional 'plot' extra).")]
+COLUMNS = (("recall", "recall@k"), ("recall_oracle", "oracle"), ("recall_recent", "recent"),
+           ("recall_random", "random"), ("overlap", "overlap@k"))
 
 
 @handle_errors
-def command(ckpt: opt.CkptPath, step: opt.StepOpt = None, json_out: opt.Json = False) -> None:
-    fail("dsv4 eval-indexer is not built yet (issue 6).")
+def command(
+    ckpt: opt.CkptPath,
+    overrides: opt.Overrides = None,
+    step: opt.StepOpt = None,
+    batches: Batches = 4,
+    topk: TopK = None,
+    seed: Seed = 0,
+    data: Data = None,
+    plot: Plot = None,
+    json_out: opt.Json = False,
+) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from core.evaluate import evaluate_checkpoint
+
+    if plot is not None:
+        _require_matplotlib()
+    overrides = list(overrides or []) + ([f"hf_path={data}"] if data else [])
+    err = Console(stderr=True)
+    with Progress(TextColumn("eval batches"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task("eval", total=batches)
+        result = evaluate_checkpoint(ckpt, step=step, overrides=overrides, batches=batches, ks=topk, seed=seed,
+                                     on_batch=lambda done: progress.update(task, completed=done))
+    report = result.to_dict()
+    if plot is not None:
+        _plot(report, plot)
+    if json_out:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    console = Console(highlight=False)
+    _render(console if console.is_terminal else Console(width=1000, soft_wrap=True, highlight=False), report, plot)
+
+
+def _fmt(x: Any, digits: int = 4) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _pct(x: Any) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _render(console, r: dict[str, Any], plot: Optional[Path]) -> None:
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    c = r["checkpoint"]
+    console.print(f"[bold]{escape(c['checkpoint'])}[/bold]  ·  {c['model_name']}  ·  stage {c['stage']}  ·  step {c['step']}  ·  "
+                  f"{r['batches']} batches x {c['batch_size']} x {c['max_target_length']} tokens  ·  data: {escape(c['data'])}")
+    for j, k in enumerate(r["ks"]):
+        table = Table(title=f"k = {k}: recall and overlap on rows with more than {k} visible blocks",
+                      box=box.SIMPLE_HEAD if console.is_terminal else None, title_justify="left")
+        for name in ("layer", "KL", "informative", *(label for _, label in COLUMNS)):
+            table.add_column(name, justify="left" if name == "layer" else "right")
+        rows = [(str(layer["layer"]), layer) for layer in r["layers"]] + [("overall", r["overall"])]
+        for i, (name, row) in enumerate(rows):
+            e = row["by_k"][j]
+            table.add_row(name, _fmt(e["all"]["kl"]), _pct(e["informative_share"]),
+                          *(_fmt(e["informative"][m]) for m, _ in COLUMNS),
+                          style="bold" if name == "overall" else None, end_section=i == len(rows) - 2)
+        console.print(table)
+    lm = r["lm_loss"]
+    gap = "-" if lm["gap"] is None else f"{lm['gap']:+.4f}"
+    console.print(f"lm_loss  dense {_fmt(lm['dense'])}  ·  top-k (k={r['indexer_topk']}) {_fmt(lm['topk'])}  ·  gap {gap}")
+    console.print("KL = KL(dense teacher || indexer) over every row with a visible block, unscaled; oracle = the "
+                  "teacher's own top-k; recent / random = the k most recent / k random visible blocks.",
+                  style="dim")
+    if plot is not None:
+        console.print(f"plot written to {escape(str(plot))}")
+
+
+def _require_matplotlib() -> None:
+    from core.errors import DsvError
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise DsvError("--plot needs matplotlib, which is not installed: pip install matplotlib "
+                       "(dsv4's optional 'plot' extra), or drop --plot.") from None
+
+
+def _plot(r: dict[str, Any], path: Path) -> None:
+    """recall@k against k, indexer vs oracle and baselines: all valid rows | informative rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from core.errors import DsvError
+
+    ks = r["ks"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, subset, title in zip(axes, ("all", "informative"), ("every row", "rows with more than k visible blocks")):
+        for metric, label, style in (("recall", "indexer", "o-"), ("recall_oracle", "oracle (teacher top-k)", "k--"),
+                                     ("recall_recent", "k most recent", "s-"), ("recall_random", "k random", "^-")):
+            ys = [e[subset][metric] for e in r["overall"]["by_k"]]
+            ax.plot(ks, [float("nan") if y is None else y for y in ys], style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+        ax.set(title=title, xlabel="k (blocks)", xticks=ks, xticklabels=[str(k) for k in ks])
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("recall@k (share of dense teacher mass)")
+    axes[0].legend(loc="upper left")
+    c = r["checkpoint"]
+    fig.suptitle(f"{c.get('model_name')} step {c.get('step')} ({c.get('stage')}): indexer recall@k, all CSA layers")
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise DsvError(f"cannot write the plot to {str(path)!r} ({e.strerror}): give a writable path.") from None
+    finally:
+        plt.close(fig)

@@ -21,3 +21,15 @@ Output = Annotated[Optional[Path], typer.Option("--output", "-o", help="Run dire
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 StepOpt = Annotated[Optional[int], typer.Option("--step", help="Checkpoint step to read (default: the latest).")]
 CkptPath = Annotated[Path, typer.Argument(help="A run directory, its checkpoints/ directory, or one step directory.")]
+
+# Multi-host (jax.distributed): give all three on every process, or none under SLURM / Open MPI /
+# DSV4_DISTRIBUTED=1, where JAX detects them. See docs/scaling.md.
+CoordinatorAddress = Annotated[Optional[str], typer.Option(
+    "--coordinator-address", help="Multi-host: HOST:PORT of process 0's coordinator (jax.distributed), the same on every process.",
+    rich_help_panel="Multi-host")]
+NumProcesses = Annotated[Optional[int], typer.Option(
+    "--num-processes", min=1, help="Multi-host: how many processes take part (one per host or per accelerator).",
+    rich_help_panel="Multi-host")]
+ProcessId = Annotated[Optional[int], typer.Option(
+    "--process-id", min=0, help="Multi-host: this process's index, 0 .. --num-processes - 1 (0 prints and writes metrics).",
+    rich_help_panel="Multi-host")]

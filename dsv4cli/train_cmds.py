@@ -8,25 +8,52 @@ from typing import Annotated, Optional
 import typer
 
 from dsv4cli import options as opt
-from dsv4cli.errors import fail, handle_errors
+from dsv4cli.errors import handle_errors
 
 WARMUP_HELP = (
     "Dense indexer warm-up: the indexer distills the main attention by a KL loss, everything else frozen. "
     "Stage defaults: use_indexer=true indexer_loss_scaling_factor=0.01 indexer_sparse_training=false "
-    "trainable_parameters_mask=['.*indexer.*'] learning_rate=1e-3 (AdamW, linear warm-up)."
+    "trainable_parameters_mask=['.*indexer.*'] learning_rate=1e-3 (AdamW, linear warm-up). "
+    "Rerun on the same --output to resume from its latest checkpoint; --steps is the run's total."
 )
 WARMUP_EPILOG = "Example: dsv4 warmup --steps 100    |    dsv4 warmup --steps 20 indexer_topk=8 max_target_length=128"
 SPARSE_HELP = (
     "Sparse pre-training: the whole model trains through the indexer's top-k. "
-    "Stage defaults: indexer_loss_scaling_factor=0.1 indexer_sparse_training=true, every parameter trained."
+    "Stage defaults: indexer_loss_scaling_factor=0.1 indexer_sparse_training=true per_device_batch_size=1, every parameter trained. "
+    "--init-from starts from a warm-up run's weights and router biases with a fresh optimizer."
 )
 SPARSE_EPILOG = "Example: dsv4 sparse --steps 100 --init-from runs/warmup"
 
+InitFrom = Annotated[Optional[Path], typer.Option(
+    "--init-from", help="A warm-up run directory or checkpoint step to start from (fresh optimizer).")]
 
-def _resolve(stage: str, model: str, config: Optional[Path], overrides: Optional[list[str]], steps: Optional[int]):
+
+def _train(stage: str, *, overrides, steps, output, model, config, init_from=None, hosts=(None, None, None)) -> None:
+    from rich.console import Console
+
     from core.config import load_config
+    from dsv4cli.display import TrainDisplay
 
-    return load_config(model, overrides or (), config_file=config, stage=stage, options={"steps": steps})
+    cfg = load_config(model, overrides or (), config_file=config, stage=stage, options={"steps": steps})
+    run_dir = output or Path(cfg.base_output_directory) / (cfg.run_name or stage)
+    from core.sharding import initialize_distributed, is_main_process  # imports jax, starts no backend
+
+    initialize_distributed(*hosts)  # before any JAX work; a no-op for a plain single process
+    from core.train import Trainer
+
+    display = TrainDisplay(None if is_main_process() else Console(quiet=True))
+    display.console.print(f"[dim]building {cfg.model_name} ({cfg.num_layers} layers) and compiling...[/dim]")
+
+    trainer = Trainer(cfg, stage=stage, run_dir=run_dir, init_from=init_from)
+    display.header(trainer.info)
+    try:
+        with display.steps():
+            for row in trainer.run():
+                display.row(row)
+    except KeyboardInterrupt:
+        display.summary(trainer.summary(), interrupted=True)
+        raise
+    display.summary(trainer.summary())
 
 
 @handle_errors
@@ -36,9 +63,12 @@ def warmup(
     output: opt.Output = None,
     model: opt.Model = "deepseek4-tiny",
     config: opt.ConfigFile = None,
+    coordinator_address: opt.CoordinatorAddress = None,
+    num_processes: opt.NumProcesses = None,
+    process_id: opt.ProcessId = None,
 ) -> None:
-    _resolve("warmup", model, config, overrides, steps)
-    fail("dsv4 warmup is not built yet (issue 5): the configuration above is valid, but training is not implemented.")
+    _train("warmup", overrides=overrides, steps=steps, output=output, model=model, config=config,
+           hosts=(coordinator_address, num_processes, process_id))
 
 
 @handle_errors
@@ -46,9 +76,12 @@ def sparse(
     overrides: opt.Overrides = None,
     steps: opt.Steps = None,
     output: opt.Output = None,
-    init_from: Annotated[Optional[Path], typer.Option("--init-from", help="A warm-up run directory or checkpoint step to start from (fresh optimizer).")] = None,
+    init_from: InitFrom = None,
     model: opt.Model = "deepseek4-tiny",
     config: opt.ConfigFile = None,
+    coordinator_address: opt.CoordinatorAddress = None,
+    num_processes: opt.NumProcesses = None,
+    process_id: opt.ProcessId = None,
 ) -> None:
-    _resolve("sparse", model, config, overrides, steps)
-    fail("dsv4 sparse is not built yet (issue 5): the configuration is valid, but training is not implemented.")
+    _train("sparse", overrides=overrides, steps=steps, output=output, model=model, config=config,
+           init_from=init_from, hosts=(coordinator_address, num_processes, process_id))

@@ -160,6 +160,8 @@ def test_config_is_frozen_and_replace_validates():
     assert cfg.replace(steps=3).steps == 3
     with pytest.raises(ConfigError):
         cfg.replace(o_groups=3)
+    with pytest.raises(ConfigError, match="did you mean 'indexer_topk'"):
+        cfg.replace(indexr_topk=3)
 
 
 def test_configs_found_from_any_directory(tmp_path):

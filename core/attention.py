@@ -1,0 +1,241 @@
+"""DeepSeek-V4 attention for SWA, CSA and HCA layers (DESIGN.md, "Queries" to "Attention").
+
+One layer, as in the official inference code's `Attention`:
+
+  c_q = q_norm(x W_qa);  q = c_q W_qb -> [H, D];  q = RoPE(rms(q));  q *= D^-1/2
+  kv  = RoPE(kv_norm(x W_kv))                     one K=V vector per token shared by all heads
+  compressed kv: the layer's Compressor (CSA m = 4 overlapping, HCA m = 128 plain)
+  keys: window raw keys + compressed entries (CSA: top-k selected, or all visible in dense mode /
+        without an indexer; HCA: all visible; SWA: none), one softmax with a per-head sink
+  o = inverse RoPE(sum p v);  out = W_ob [ per group g: W_oa[g] flatten(o heads of g) ]
+
+Masks are dense booleans over [T, T] (window) and [T, W] (blocks): the top-k selection enters
+as `allowed = visible & selected`, which is exactly the official gather of k indices but costs
+T x W scores instead of T x k (fine for training lengths; no decode cache by design).
+
+The lightning indexer (`core.indexer.Indexer`) lives under `indexer` on CSA layers; its inputs are
+detached so neither the indexer loss reaches other parameters nor (the selection being discrete)
+the LM loss the indexer. The layer computes its own indexer loss (core.indexer_loss).
+
+Deviations from the official code: no FP8/FP4 quantisation simulation; the weightless query norm
+is computed in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from core.compressor import Compressor
+from core.indexer import Indexer, select_topk, selection_mask
+from core.indexer_loss import csa_indexer_loss, csa_indexer_loss_streamed
+from core.layers import RMSNorm, dense_init, param, rms_normalize
+from core.masks import NEG, csa_visible, sliding_window_mask
+from core.rope import RopeSpec, apply_rope
+
+
+def compressed_visibility(positions_bt, segment_ids_bt, ratio: int):
+    """bool [B, T, T // ratio]: csa_visible, also when T is not a multiple of `ratio`.
+
+    Trailing tokens that do not fill a block form no entry (the compressor drops them).
+    """
+    t = positions_bt.shape[1]
+    pad = (-t) % ratio
+    if pad:  # padding tokens (segment 0) make the extra block invisible; it is then dropped
+        positions_bt = jnp.pad(positions_bt, ((0, 0), (0, pad)))
+        segment_ids_bt = jnp.pad(segment_ids_bt, ((0, 0), (0, pad)))
+    return csa_visible(positions_bt, segment_ids_bt, ratio)[:, :t, : t // ratio]
+
+
+def attention(q_bthd, kv_bsd, window_bts, sink_h, ckv_bwd=None, allowed_btw=None):
+    """Window raw keys + allowed compressed entries + per-head sink in one softmax.
+
+    Args:
+      q_bthd: queries [B, T, H, D], RoPE applied and already scaled by D^-1/2.
+      kv_bsd: raw keys = values [B, S=T, D].
+      window_bts: bool [B, T, S], raw key s in query t's window.
+      sink_h: per-head sink logit [H]; adds exp(sink) to the denominator only.
+      ckv_bwd: compressed entries [B, W, D] (keys = values), or None (SWA).
+      allowed_btw: bool [B, T, W], which entries query t attends.
+
+    Returns:
+      o_bthd [B, T, H, D] in q's dtype. A row with no allowed key returns 0 (the sink takes all).
+
+    Shapes:
+      1. logits_bhts = q . kv,  logits_bhtw = q . ckv            (float32, masked with NEG)
+      2. p = exp(logit - mx) / (sum exp(logit - mx) + exp(sink - mx)),  mx = max(logits, sink)
+      3. o_bthd = p_bhts . kv + p_bhtw . ckv
+    """
+    acc = jnp.promote_types(q_bthd.dtype, jnp.float32)
+    q = q_bthd.astype(acc)
+    keys = [(kv_bsd.astype(acc), window_bts)]
+    if ckv_bwd is not None:
+        keys.append((ckv_bwd.astype(acc), allowed_btw))
+    logits = [jnp.where(mask[:, None], jnp.einsum("bthd,bsd->bhts", q, k), NEG) for k, mask in keys]
+    sink_bht = jnp.broadcast_to(sink_h.astype(acc)[None, :, None], logits[0].shape[:3])
+    mx_bht = jax.lax.stop_gradient(
+        jnp.maximum(sink_bht, jnp.max(jnp.concatenate(logits, axis=-1), axis=-1)))
+    exps = [jnp.where(mask[:, None], jnp.exp(l - mx_bht[..., None]), 0.0)
+            for l, (_, mask) in zip(logits, keys)]
+    denom_bht = jnp.exp(sink_bht - mx_bht) + sum(jnp.sum(e, axis=-1) for e in exps)
+    o_bthd = sum(jnp.einsum("bhts,bsd->bthd", e, k) for e, (k, _) in zip(exps, keys))
+    return (o_bthd / jnp.transpose(denom_bht, (0, 2, 1))[..., None]).astype(q_bthd.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Static shape and behaviour of one attention layer (derived from the config)."""
+
+    emb: int
+    heads: int
+    head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    window: int
+    ratio: int                 # 0 SWA, 4 CSA, 128 HCA
+    eps: float
+    rope: RopeSpec
+    indexer_heads: int = 0     # 0: no indexer (SWA, HCA, or use_indexer=false)
+    indexer_head_dim: int = 0
+    indexer_topk: int = 0
+    loss_scale: float = 0.0    # indexer_loss_scaling_factor
+    teacher: str = "compressed"
+    head_chunk: int = 0
+    query_chunk: int = 0
+
+    @classmethod
+    def from_config(cls, cfg, layer: int) -> "AttentionSpec":
+        ratio = cfg.compress_ratios[layer]
+        indexed = ratio == 4 and cfg.use_indexer
+        return cls(
+            emb=cfg.emb, heads=cfg.num_heads, head_dim=cfg.head_dim, q_lora_rank=cfg.q_lora_rank,
+            o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank, window=cfg.sliding_window_size,
+            ratio=ratio, eps=cfg.normalization_layer_epsilon, rope=RopeSpec.for_layer(cfg, ratio),
+            indexer_heads=cfg.indexer_n_heads if indexed else 0,
+            indexer_head_dim=cfg.indexer_head_dim if indexed else 0,
+            indexer_topk=cfg.indexer_topk if indexed else 0,
+            loss_scale=cfg.indexer_loss_scaling_factor, teacher=cfg.indexer_teacher,
+            head_chunk=cfg.csa_qk_head_chunk_size, query_chunk=cfg.csa_query_chunk_size)
+
+
+class Attention(nnx.Module):
+    """One attention sublayer. Parameters (official names, [in, out] layout):
+
+    wq_a [M, q_lora], q_norm.weight [q_lora], wq_b [q_lora, H, D], wkv [M, D], kv_norm.weight [D],
+    wo_a [G, H/G * D, o_lora], wo_b [G * o_lora, M], attn_sink [H] (init 0); compressed layers add
+    `compressor`, CSA layers with the indexer add `indexer`.
+    """
+
+    def __init__(self, spec: AttentionSpec, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
+                 dtype=jnp.float32):
+        s = self.spec = spec
+        self.dtype = dtype
+        g_width = s.heads // s.o_groups * s.head_dim
+        self.wq_a = param(rngs, dense_init(), (s.emb, s.q_lora_rank), ("embed", "q_lora"), param_dtype)
+        self.q_norm = RMSNorm(s.q_lora_rank, s.eps, rngs=rngs, param_dtype=param_dtype)
+        self.wq_b = param(rngs, dense_init(in_axis=0, out_axis=(1, 2)), (s.q_lora_rank, s.heads, s.head_dim),
+                          ("q_lora", "heads", "kv"), param_dtype)
+        self.wkv = param(rngs, dense_init(), (s.emb, s.head_dim), ("embed", "kv"), param_dtype)
+        self.kv_norm = RMSNorm(s.head_dim, s.eps, rngs=rngs, param_dtype=param_dtype)
+        self.wo_a = param(rngs, dense_init(in_axis=1, out_axis=2, batch_axis=(0,)),
+                          (s.o_groups, g_width, s.o_lora_rank), ("heads", None, "o_lora"), param_dtype)
+        self.wo_b = param(rngs, dense_init(), (s.o_groups * s.o_lora_rank, s.emb), ("o_lora", "embed"),
+                          param_dtype)
+        self.attn_sink = param(rngs, nnx.initializers.zeros, (s.heads,), ("heads",), param_dtype)
+        if s.ratio:
+            self.compressor = Compressor(s.emb, s.head_dim, s.ratio, s.rope, s.eps, rngs=rngs,
+                                         param_dtype=param_dtype, dtype=dtype)
+        if s.indexer_heads:
+            self.indexer = Indexer(s.emb, s.q_lora_rank, s.indexer_heads, s.indexer_head_dim, s.rope,
+                                   s.eps, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+
+    def _queries(self, x_btm, positions_bt):
+        """(c_q_btr, q_bthd): low-rank queries, per-head weightless RMS norm, RoPE, * D^-1/2."""
+        s, dt = self.spec, self.dtype
+        c_q = self.q_norm(jnp.einsum("btm,mr->btr", x_btm, self.wq_a[...].astype(dt)))
+        q = jnp.einsum("btr,rhd->bthd", c_q, self.wq_b[...].astype(dt))
+        q = apply_rope(rms_normalize(q, s.eps).astype(dt), positions_bt, s.rope)
+        return c_q, q * jnp.asarray(s.head_dim ** -0.5, dt)
+
+    def _output(self, o_bthd, positions_bt):
+        """Inverse RoPE, then the grouped low-rank projection back to the model width."""
+        s, dt = self.spec, self.dtype
+        o = apply_rope(o_bthd, positions_bt, s.rope, inverse=True)
+        b, t = o.shape[:2]
+        o_btgf = o.reshape(b, t, s.o_groups, -1)
+        lat_btgr = jnp.einsum("btgf,gfr->btgr", o_btgf, self.wo_a[...].astype(dt))
+        return jnp.einsum("btr,rm->btm", lat_btgr.reshape(b, t, -1), self.wo_b[...].astype(dt))
+
+    def __call__(self, x_btm, positions_bt, segment_ids_bt, *, dense: bool = False,
+                 indexer_loss: bool = False, collect: bool = False):
+        """Args:
+          x_btm: [B, T, M] (already attn-normed).
+          positions_bt, segment_ids_bt: int [B, T].
+          dense: CSA attends every visible block (dense warm-up, eval_dense) instead of the top-k.
+          indexer_loss: compute this CSA layer's indexer loss (dense if `dense`, else sparse).
+          collect: also return the indexer's scores, selection and teacher inputs.
+
+        Returns:
+          (y_btm [B, T, M], aux). CSA layers with an indexer: aux["indexer_loss"] (f32 scalar,
+          times loss_scale; 0.0 when not computed) and, when collecting, index_scores,
+          topk_idx, topk_valid, teacher_query, compressed_kv, visible, raw_kv, window, sink.
+        """
+        s, dt = self.spec, self.dtype
+        x_btm = x_btm.astype(dt)
+        c_q, q = self._queries(x_btm, positions_bt)
+        kv = apply_rope(self.kv_norm(jnp.einsum("btm,md->btd", x_btm, self.wkv[...].astype(dt))),
+                        positions_bt, s.rope)
+        window_bts = sliding_window_mask(positions_bt, segment_ids_bt, s.window)
+        sink_h = self.attn_sink[...].astype(jnp.promote_types(dt, jnp.float32))
+        aux = {}
+        ckv = allowed = None
+        if s.ratio:
+            ckv = self.compressor(x_btm, positions_bt)
+            allowed = compressed_visibility(positions_bt, segment_ids_bt, s.ratio)
+            if s.indexer_heads:
+                allowed, aux = self._index(x_btm, c_q, q, kv, ckv, allowed, window_bts, sink_h,
+                                           positions_bt, segment_ids_bt, dense=dense,
+                                           loss=indexer_loss, collect=collect)
+        o = attention(q, kv, window_bts, sink_h, ckv, allowed)
+        return self._output(o, positions_bt), aux
+
+    def _index(self, x_btm, c_q, q, kv, ckv, visible_btw, window_bts, sink_h, positions_bt,
+               segment_ids_bt, *, dense: bool, loss: bool, collect: bool):
+        """Indexer scores, top-k selection and the indexer loss; returns (allowed_btw, aux)."""
+        s = self.spec
+        streamed = loss and s.query_chunk > 0
+        need_scores = collect or not dense or (loss and not streamed)
+        aux = {"indexer_loss": jnp.zeros((), jnp.float32)}
+        allowed = visible_btw
+        if not (need_scores or streamed):  # eval_dense: the indexer plays no part
+            return allowed, aux
+        q_idx, k_idx, w_idx = self.indexer.project(x_btm, c_q, positions_bt)
+        if need_scores:
+            scores = self.indexer.score(q_idx, k_idx, w_idx, visible_btw, head_chunk=s.head_chunk)
+            idx_btk, valid_btk = select_topk(scores, visible_btw, s.indexer_topk)
+            selected_btw = selection_mask(idx_btk, valid_btk, visible_btw.shape[-1])
+            if not dense:
+                allowed = visible_btw & selected_btw
+        sg = jax.lax.stop_gradient
+        teacher = dict(teacher=s.teacher, head_chunk=s.head_chunk, query_chunk=s.query_chunk,
+                       sink=sg(sink_h) if s.teacher == "joint" else None,
+                       raw_kv=sg(kv) if s.teacher == "joint" else None)
+        if loss and streamed:
+            aux["indexer_loss"] = csa_indexer_loss_streamed(
+                q_idx, k_idx, w_idx, sg(q), sg(ckv), positions_bt, segment_ids_bt,
+                topk=None if dense else s.indexer_topk, scale=s.loss_scale,
+                window=s.window if s.teacher == "joint" else 0, **teacher)
+        elif loss:
+            aux["indexer_loss"] = csa_indexer_loss(
+                scores, sg(q), sg(ckv), allowed, scale=s.loss_scale,
+                window_mask=window_bts if s.teacher == "joint" else None, **teacher)
+        if collect:
+            aux.update(index_scores=sg(scores), topk_idx=idx_btk, topk_valid=valid_btk,
+                       teacher_query=sg(q), compressed_kv=sg(ckv), visible=visible_btw)
+            if s.teacher == "joint":
+                aux.update(raw_kv=sg(kv), window=window_bts, sink=sg(sink_h))
+        return allowed, aux

@@ -1,0 +1,439 @@
+"""Training and evaluation batches: text sources, tokenizers, document packing, resumable position.
+
+Sources (`dataset_type`):
+- `hf`: `hf_path` is a hub dataset name (`datasets.load_dataset(hf_path, hf_name, data_files=...)`)
+  or a local file, glob or directory of .txt/.text/.json/.jsonl/.parquet files (a .txt file is
+  split into documents at blank lines). Empty `hf_path`: the Python standard library's pydoc
+  topics (`pydoc_data.topics`, 79 documents of real English, ~465 KB) so a fresh machine trains
+  offline. Evaluation documents come from `hf_eval_split`, else the last `eval_holdout_fraction`
+  of the documents (streaming: every round(1 / fraction)-th document) and never reach training.
+- `synthetic`: uniformly random tokens, one document per row (for benchmarks).
+
+Tokenizer (`tokenizer_path`): `byte` = UTF-8 bytes 0..255 with BOS 256 and EOS 257; otherwise a
+tokenizer.json file or hub id through the optional `tokenizers` package.
+
+Packing (DESIGN.md, "Notation"): each document is [BOS] ids [EOS]; its (input, next-token) pairs
+stream into rows of `max_target_length`. A document cut by a row end continues in the next row
+as a new segment whose positions restart at 0. `segment_ids` count segments from 1 per row (0 is
+padding), `positions` restart at 0 per segment, `targets[t]` is always the next token of the same
+document, and `loss_mask` is 1 exactly on non-padding tokens. Training rows are never padded (the
+stream runs over epochs, reshuffled per epoch); only the last evaluation row can be.
+
+Position: `TrainBatches.state()` is a small JSON-able dict (epoch, document index, token offset,
+plus a fingerprint of the data settings); `restore(state)` continues exactly where it was.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from core.errors import DataError
+
+BYTE_BOS, BYTE_EOS = 256, 257
+BATCH_KEYS = ("tokens", "positions", "segment_ids", "targets", "loss_mask")
+_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_STREAM_SHUFFLE_BUFFER = 1024  # documents
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, BOS 256, EOS 257."""
+
+    name = "byte"
+    vocab_size = 258
+    bos_id, eos_id = BYTE_BOS, BYTE_EOS
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+
+class HFTokenizer:
+    """A `tokenizers.Tokenizer`; BOS/EOS are its first known begin/end special tokens, if any."""
+
+    _BOS = ("<｜begin▁of▁sentence｜>", "<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
+    _EOS = ("<｜end▁of▁sentence｜>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[SEP]")
+
+    def __init__(self, tokenizer: Any, name: str):
+        self._tok = tokenizer
+        self.name = name
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_id = next((i for t in self._BOS if (i := tokenizer.token_to_id(t)) is not None), None)
+        self.eos_id = next((i for t in self._EOS if (i := tokenizer.token_to_id(t)) is not None), None)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+
+def load_tokenizer(path: str, vocab_size: int) -> ByteTokenizer | HFTokenizer:
+    """`byte`, a tokenizer.json path or a hub id; raises DataError if it does not fit `vocab_size`."""
+    if path == "byte":
+        tok: ByteTokenizer | HFTokenizer = ByteTokenizer()
+    else:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError(f"tokenizer_path={path!r} needs the `tokenizers` package: "
+                            "pip install 'dsv4[tokenizers]', or use tokenizer_path=byte.") from None
+        local = Path(path).expanduser()
+        try:
+            raw = Tokenizer.from_file(str(local)) if local.exists() else Tokenizer.from_pretrained(path)
+        except Exception as e:  # tokenizers raises plain Exception for both files and the hub
+            raise DataError(f"tokenizer_path={path!r} cannot be loaded ({str(e).splitlines()[0]}): "
+                            "give a tokenizer.json file, a reachable hub id, or byte.") from None
+        tok = HFTokenizer(raw, path)
+    if tok.vocab_size > vocab_size:
+        raise DataError(f"tokenizer {path!r} produces token ids up to {tok.vocab_size - 1} but "
+                        f"vocab_size={vocab_size}: set vocab_size={tok.vocab_size} or more.")
+    return tok
+
+
+def document_ids(tokenizer, text: str) -> np.ndarray:
+    """[BOS] ids [EOS] (each marker only if the tokenizer has one), int32."""
+    parts = [tokenizer.encode(text)]
+    if tokenizer.bos_id is not None:
+        parts.insert(0, np.array([tokenizer.bos_id], np.int32))
+    if tokenizer.eos_id is not None:
+        parts.append(np.array([tokenizer.eos_id], np.int32))
+    return np.concatenate(parts)
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def embedded_documents() -> list[str]:
+    """The pydoc topics of the standard library, one document per topic, in sorted order."""
+    from pydoc_data.topics import topics
+
+    return [topics[k].strip() for k in sorted(topics) if topics[k].strip()]
+
+
+def _local_files(hf_path: str) -> list[str] | None:
+    """Files for a local hf_path, None if it names a hub dataset; DataError if it matches none."""
+    path = Path(hf_path).expanduser()
+    # Hub ids are "name" or "org/name"; anything else path-like is a local path.
+    looks_local = (path.exists() or any(c in hf_path for c in "*?[") or hf_path.startswith((".", "/", "~"))
+                   or path.suffix in _BUILDERS or hf_path.count("/") >= 2)
+    if not looks_local:
+        return None
+    if path.is_dir():
+        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix in _BUILDERS)
+    else:
+        files = sorted(globlib.glob(str(path), recursive=True))
+    if not files:
+        raise DataError(f"hf_path={hf_path!r} matches no file: give an existing .txt/.json/.jsonl/.parquet "
+                        "file, glob or directory, or a hub dataset name.")
+    kinds = {_BUILDERS.get(Path(f).suffix) for f in files}
+    if None in kinds or len(kinds) > 1:
+        raise DataError(f"hf_path={hf_path!r} matches {len(files)} files of types "
+                        f"{sorted({Path(f).suffix for f in files})}: use one of .txt, .json/.jsonl or .parquet.")
+    return files
+
+
+def _quiet_datasets():
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity_error()
+    return datasets
+
+
+def _load_split(cfg, split: str, files: list[str] | None):
+    """A datasets.Dataset / IterableDataset of `split` (or of local `files`), text column only."""
+    datasets = _quiet_datasets()
+    try:
+        if files is not None:
+            builder = _BUILDERS[Path(files[0]).suffix]
+            extra = {"sample_by": "paragraph"} if builder == "text" else {}
+            ds = datasets.load_dataset(builder, data_files={"train": files}, split="train",
+                                       streaming=cfg.hf_streaming, **extra)
+        else:
+            ds = datasets.load_dataset(cfg.hf_path, cfg.hf_name or None, data_files=cfg.hf_data_files or None,
+                                       split=split, streaming=cfg.hf_streaming)
+    except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ValueError...)
+        raise DataError(f"hf_path={cfg.hf_path!r} (split {split!r}) cannot be loaded: "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}.") from None
+    columns = ds.column_names or []
+    if cfg.hf_text_column not in columns:
+        raise DataError(f"hf_text_column={cfg.hf_text_column!r} is not a column of {cfg.hf_path!r}: "
+                        f"choose one of {', '.join(columns) or '(none)'}.")
+    return ds.select_columns([cfg.hf_text_column])
+
+
+class Documents:
+    """The train or eval documents of a config, as an epoch-ordered text stream.
+
+    Map-style sources index texts directly; streaming sources are read in order through a
+    seeded shuffle buffer, so resuming replays the epoch's stream up to the saved document.
+    """
+
+    def __init__(self, cfg, split: str):
+        self.column = cfg.hf_text_column
+        self.seed = cfg.data_shuffle_seed
+        self.split = split
+        self.streaming = False
+        self._stream = None
+        self._every = 0
+        self._texts: Sequence[Any]
+        if not cfg.hf_path:
+            texts = embedded_documents()
+            self._texts, self._index = texts, self._holdout(len(texts), cfg, split, "the embedded text")
+            self.column = None
+            return
+        use_eval_split = split == "eval" and cfg.hf_eval_split
+        files = _local_files(cfg.hf_path)
+        if cfg.hf_eval_split and files is not None:
+            raise DataError(f"hf_eval_split={cfg.hf_eval_split!r} applies to hub datasets; for local files "
+                            "leave it empty and set eval_holdout_fraction.")
+        ds = _load_split(cfg, cfg.hf_eval_split if use_eval_split else cfg.hf_split, files)
+        if cfg.hf_streaming:
+            self.streaming, self._stream = True, ds
+            if not use_eval_split and not cfg.hf_eval_split:
+                self._every = max(2, round(1 / cfg.eval_holdout_fraction)) if cfg.eval_holdout_fraction > 0 else 0
+                if split == "eval" and not self._every:
+                    raise DataError("no evaluation documents: set hf_eval_split or eval_holdout_fraction > 0.")
+            return
+        self._texts = ds
+        self._index = (np.arange(len(ds)) if use_eval_split or cfg.hf_eval_split
+                       else self._holdout(len(ds), cfg, split, repr(cfg.hf_path)))
+        if len(self._index) == 0:
+            raise DataError(f"hf_path={cfg.hf_path!r} has no {split} documents: give a non-empty dataset.")
+
+    @staticmethod
+    def _holdout(n: int, cfg, split: str, what: str) -> np.ndarray:
+        n_eval = min(n - 1, max(1, round(n * cfg.eval_holdout_fraction))) if cfg.eval_holdout_fraction > 0 else 0
+        if split == "eval" and n_eval <= 0:
+            raise DataError(f"{what} has {n} document(s): no evaluation documents can be held out; "
+                            "set eval_holdout_fraction > 0 or use more documents.")
+        return np.arange(n - n_eval, n) if split == "eval" else np.arange(n - n_eval)
+
+    def _text(self, row: Any) -> str:
+        text = row if self.column is None else row[self.column]
+        return text if isinstance(text, str) else ("" if text is None else str(text))
+
+    def epoch(self, epoch: int, start: int, shuffle: bool) -> Iterator[str]:
+        """Texts of `epoch` from document `start` on (shuffled by (seed, epoch) if `shuffle`)."""
+        if not self.streaming:
+            order = self._index
+            if shuffle:
+                order = order[np.random.default_rng([self.seed, epoch]).permutation(len(order))]
+            for i in order[start:]:
+                yield self._text(self._texts[int(i)])
+            return
+        docs = (self._text(r) for i, r in enumerate(self._stream)
+                if not self._every or (i % self._every == self._every - 1) == (self.split == "eval"))
+        if shuffle:
+            docs = _buffer_shuffle(docs, np.random.default_rng([self.seed, epoch]))
+        for i, text in enumerate(docs):
+            if i >= start:
+                yield text
+
+
+def _buffer_shuffle(items: Iterator[str], rng: np.random.Generator) -> Iterator[str]:
+    buf: list[str] = []
+    for item in items:
+        buf.append(item)
+        if len(buf) == _STREAM_SHUFFLE_BUFFER:
+            j = int(rng.integers(len(buf)))
+            buf[j], buf[-1] = buf[-1], buf[j]
+            yield buf.pop()
+    rng.shuffle(buf)
+    yield from buf
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def _empty_batch(batch: int, length: int) -> dict[str, np.ndarray]:
+    return {k: np.zeros((batch, length), np.int32) for k in BATCH_KEYS}
+
+
+class _Packer:
+    """Streams documents' (input, next-token) pairs into rows; subclasses supply the documents."""
+
+    def __init__(self, tokenizer, batch_size: int, length: int):
+        self.tokenizer, self.batch_size, self.length = tokenizer, batch_size, length
+        self._doc = 0      # index of the current document in the epoch's order
+        self._offset = 0   # pairs of the current document already emitted
+        self._ids: np.ndarray | None = None
+        self._used_in_epoch = False  # some document of this epoch had a token to predict
+
+    def _next_text(self) -> str | None:
+        raise NotImplementedError
+
+    def _current(self) -> np.ndarray | None:
+        """The current document's ids (>= 2 of them), or None when the documents are exhausted."""
+        while self._ids is None:
+            text = self._next_text()
+            if text is None:
+                return None
+            ids = document_ids(self.tokenizer, text)
+            if len(ids) >= 2:
+                self._ids, self._used_in_epoch = ids, True
+            else:
+                self._doc += 1  # nothing to predict in an empty document
+        return self._ids
+
+    def _fill(self, out: dict[str, np.ndarray], row: int) -> bool:
+        """Packs one row in place; False if no document was left for it."""
+        pos, seg = 0, 0
+        while pos < self.length:
+            ids = self._current()
+            if ids is None:
+                break
+            o = self._offset
+            take = min(len(ids) - 1 - o, self.length - pos)
+            sl = slice(pos, pos + take)
+            out["tokens"][row, sl] = ids[o:o + take]
+            out["targets"][row, sl] = ids[o + 1:o + 1 + take]
+            out["positions"][row, sl] = np.arange(take)
+            seg += 1
+            out["segment_ids"][row, sl] = seg
+            out["loss_mask"][row, sl] = 1
+            pos += take
+            self._offset += take
+            if self._offset == len(ids) - 1:
+                self._doc, self._offset, self._ids = self._doc + 1, 0, None
+        return pos > 0
+
+
+class TrainBatches(_Packer):
+    """Endless packed training batches over epochs of shuffled documents; resumable."""
+
+    def __init__(self, cfg, batch_size: int):
+        tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.vocab_size)
+        super().__init__(tokenizer, batch_size, cfg.max_target_length)
+        self.documents = Documents(cfg, "train")
+        self.fingerprint = data_fingerprint(cfg)
+        self._epoch = 0
+        self._texts: Iterator[str] | None = None
+
+    def _next_text(self) -> str | None:
+        while True:
+            if self._texts is None:
+                self._texts = self.documents.epoch(self._epoch, self._doc, shuffle=True)
+                self._used_in_epoch = self._doc > 0
+            text = next(self._texts, None)
+            if text is not None:
+                return text
+            if not self._used_in_epoch:
+                raise DataError(f"the training documents of {self.fingerprint['source']!r} are all empty: "
+                                "check hf_text_column and the data files.")
+            self._epoch, self._doc, self._texts = self._epoch + 1, 0, None
+
+    def __iter__(self) -> "TrainBatches":
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        out = _empty_batch(self.batch_size, self.length)
+        for row in range(self.batch_size):
+            self._fill(out, row)
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """Where the next batch starts: JSON-able, for the checkpoint."""
+        return {"epoch": self._epoch, "document": self._doc, "offset": self._offset, "data": self.fingerprint}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from `state()`: the following batches equal an uninterrupted run's."""
+        _check_fingerprint(state, self.fingerprint)
+        self._epoch, self._doc, self._offset = int(state["epoch"]), int(state["document"]), int(state["offset"])
+        self._ids, self._texts = None, None
+
+
+class SyntheticBatches:
+    """Uniform random tokens, one document per row; batch n depends only on (seed, n)."""
+
+    def __init__(self, cfg, batch_size: int, split: str = "train"):
+        self.batch_size, self.length, self.vocab = batch_size, cfg.max_target_length, cfg.vocab_size
+        self.seed = [cfg.data_shuffle_seed, 0 if split == "train" else 1]
+        self.fingerprint = data_fingerprint(cfg)
+        self._step = 0
+
+    def __iter__(self) -> "SyntheticBatches":
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([*self.seed, self._step])
+        self._step += 1
+        ids = rng.integers(0, self.vocab, (self.batch_size, self.length + 1), dtype=np.int32)
+        positions = np.broadcast_to(np.arange(self.length, dtype=np.int32), (self.batch_size, self.length))
+        ones = np.ones((self.batch_size, self.length), np.int32)
+        return {"tokens": ids[:, :-1], "positions": positions.copy(), "segment_ids": ones,
+                "targets": ids[:, 1:], "loss_mask": ones.copy()}
+
+    def state(self) -> dict[str, Any]:
+        return {"batch": self._step, "data": self.fingerprint}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        _check_fingerprint(state, self.fingerprint)
+        self._step = int(state["batch"])
+
+
+class _EvalPacker(_Packer):
+    """One pass over the evaluation documents in stored order."""
+
+    def __init__(self, cfg, batch_size: int):
+        super().__init__(load_tokenizer(cfg.tokenizer_path, cfg.vocab_size), batch_size, cfg.max_target_length)
+        self._texts = Documents(cfg, "eval").epoch(0, 0, shuffle=False)
+
+    def _next_text(self) -> str | None:
+        return next(self._texts, None)
+
+    def batches(self, max_batches: int | None) -> Iterator[dict[str, np.ndarray]]:
+        count = 0
+        while max_batches is None or count < max_batches:
+            out = _empty_batch(self.batch_size, self.length)
+            if not [self._fill(out, row) for row in range(self.batch_size)][0]:
+                return
+            count += 1
+            yield out
+
+
+def data_fingerprint(cfg) -> dict[str, Any]:
+    """The data settings a saved position is only meaningful for."""
+    keys = ("dataset_type", "hf_path", "hf_name", "hf_data_files", "hf_split", "hf_eval_split",
+            "hf_text_column", "hf_streaming", "tokenizer_path", "eval_holdout_fraction", "data_shuffle_seed")
+    fp = {k: getattr(cfg, k) for k in keys}
+    fp["source"] = cfg.hf_path or ("synthetic" if cfg.dataset_type == "synthetic" else "embedded pydoc topics")
+    return fp
+
+
+def _check_fingerprint(state: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+    saved = state.get("data", {})
+    diff = sorted(k for k in fingerprint if saved.get(k) != fingerprint[k])
+    if diff:
+        k = diff[0]
+        raise DataError(f"the checkpoint's data position was saved with {k}={saved.get(k)!r}, not {fingerprint[k]!r}: "
+                        "resume with the same data settings or start a new run (--output).")
+
+
+def train_batches(cfg, batch_size: int) -> TrainBatches | SyntheticBatches:
+    """The training batch stream of `cfg` (global `batch_size` rows of `max_target_length`).
+
+    Returns:
+      an iterator of dicts of int32 [batch_size, max_target_length] arrays (`BATCH_KEYS`) with
+      `state()` / `restore(state)`.
+    """
+    if cfg.dataset_type == "synthetic":
+        return SyntheticBatches(cfg, batch_size)
+    return TrainBatches(cfg, batch_size)
+
+
+def eval_batches(cfg, batch_size: int, max_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """Held-out batches in a fixed order (same keys as training); the last batch may hold padding.
+
+    Stops when the evaluation documents run out or after `max_batches`. Synthetic data yields
+    `max_batches` (default 1) batches from a seed stream disjoint from training's.
+    """
+    if cfg.dataset_type == "synthetic":
+        synthetic = SyntheticBatches(cfg, batch_size, split="eval")
+        for _ in range(max_batches or 1):
+            yield next(synthetic)
+        return
+    yield from _EvalPacker(cfg, batch_size).batches(max_batches)

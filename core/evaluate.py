@@ -1,0 +1,451 @@
+"""Indexer quality against the dense teacher: KL, recall@k, overlap@k, baselines, LM-loss gap.
+
+Implements `dsv4 eval-indexer` (issue 6) on top of DESIGN.md, "The indexer loss". Per CSA
+layer, the *dense teacher* is the loss's "compressed" teacher with every visible block allowed:
+P[t, :] = sum_h softmax_w(Q_h[t] . K[w] over visible w), L1-normalised (+1e-8, as in the loss).
+
+Definitions, per query row (b, t); n_vis = #visible blocks, k_eff = min(k, n_vis):
+  valid row          n_vis >= 1 (rows with nothing visible have no teacher and are skipped).
+  informative row    n_vis > k. On the other valid rows every k-selection takes all visible
+                     blocks, so recall = overlap = 1 trivially; `informative` reports the
+                     metrics on the informative rows only, `all` on every valid row.
+  kl                 KL(P || softmax(I over visible)), unscaled, exactly the per-row term of the
+                     indexer loss (so mean kl over valid rows = dense indexer_loss / scale).
+  recall@k           sum of P over the indexer's top-k_eff blocks / sum of P over visible blocks.
+  overlap@k          |indexer top-k_eff  ∩  teacher top-k_eff| / k_eff.
+  recall_oracle      recall of the teacher's own top-k_eff (the best any k-selection can do).
+  recall_recent      recall of the k_eff most recent visible blocks (highest block index; the
+                     visible blocks of a row all belong to its document, in position order).
+  recall_random      recall of k_eff visible blocks chosen uniformly at random (seeded).
+Top-k everywhere is `core.indexer.select_topk`: ties to the lower block index.
+Aggregates are means over rows pooled across batches (not means of batch means); `overall`
+pools the rows of every CSA layer (every layer sees the same rows, so it is the layer mean).
+
+Choices: the metrics use the aux of a dense forward (mode "eval_dense"), so every layer's
+teacher and indexer see the hidden states the warm-up distils on; the LM loss is reported for
+both that forward and the top-k forward (mode "eval") that inference runs. The teacher is the
+"compressed" one even for runs trained with indexer_teacher=joint (it is what attention over the
+blocks alone would do, and the selection only decides among blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from core.indexer import select_topk, selection_mask
+from core.masks import NEG
+
+EPS = 1e-8  # the indexer loss's normaliser / log epsilon (DESIGN.md)
+METRICS = ("kl", "recall", "overlap", "recall_oracle", "recall_recent", "recall_random")
+SUBSETS = ("all", "informative")
+
+
+# ----------------------------------------------------------------------------- pure maths
+
+
+def _upcast(x):
+    """float32 for bf16/f32 inputs; float64 stays float64 (the float64 reference tests)."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def dense_teacher(q_bthd, kv_bwd, visible_btw):
+    """The dense teacher distribution over compressed blocks (DESIGN.md, "The indexer loss").
+
+    Args:
+      q_bthd: teacher queries [B, T, H, D], already scaled by D^-1/2.
+      kv_bwd: the layer's main compressed keys [B, W, D].
+      visible_btw: bool [B, T, W].
+
+    Returns:
+      float32 [B, T, W]: sum over heads of per-head softmaxes over visible blocks, divided by
+      (its row sum + 1e-8); 0 on invisible blocks and on rows with nothing visible.
+
+    Shapes:
+      1. logits_bhtw = q_bthd . kv_bwd, NEG where invisible
+      2. probs_bhtw  = softmax over w, zeroed where invisible
+      3. p_btw       = sum_h probs_bhtw / (sum_w + 1e-8)
+    """
+    q_bthd, kv_bwd = _upcast(q_bthd), _upcast(kv_bwd)
+    logits_bhtw = jnp.einsum("bthd,bwd->bhtw", q_bthd, kv_bwd)
+    vis_b1tw = visible_btw[:, None]
+    probs_bhtw = jax.nn.softmax(jnp.where(vis_b1tw, logits_bhtw, NEG), axis=-1)
+    p_btw = jnp.einsum("bhtw->btw", jnp.where(vis_b1tw, probs_bhtw, 0.0))
+    return p_btw / (jnp.sum(p_btw, axis=-1, keepdims=True) + EPS)
+
+
+def row_kl(p_btw, scores_btw, visible_btw):
+    """KL(P || softmax(I)) per row over visible blocks, as the indexer loss computes it.
+
+    Args:
+      p_btw: teacher distribution [B, T, W] (from `dense_teacher`).
+      scores_btw: indexer scores [B, T, W] (any value where invisible).
+      visible_btw: bool [B, T, W].
+
+    Returns:
+      float32 [B, T]: sum over visible w with P > 0 of P (log(P + 1e-8) - log_softmax(I));
+      0 on rows with nothing visible.
+    """
+    p_btw = _upcast(p_btw)
+    logq_btw = jax.nn.log_softmax(jnp.where(visible_btw, _upcast(scores_btw), NEG), axis=-1)
+    keep_btw = visible_btw & (p_btw > 0)
+    terms_btw = jnp.where(keep_btw, p_btw * (jnp.log(p_btw + EPS) - logq_btw), 0.0)
+    return jnp.sum(terms_btw, axis=-1)
+
+
+def topk_blocks(scores_btw, visible_btw, k: int):
+    """bool [B, T, W]: the top-k_eff visible blocks of each row by `scores` (ties: lower index)."""
+    idx_btk, valid_btk = select_topk(scores_btw, visible_btw, k)
+    return selection_mask(idx_btk, valid_btk, scores_btw.shape[-1])
+
+
+def recency_scores(visible_btw):
+    """float32 [B, T, W]: the block index, so a top-k picks the k most recent visible blocks."""
+    w = visible_btw.shape[-1]
+    return jnp.broadcast_to(jnp.arange(w, dtype=jnp.float32), visible_btw.shape)
+
+
+def row_metrics(p_btw, scores_btw, visible_btw, random_btw, k: int) -> dict[str, Any]:
+    """Per-row metrics of one CSA layer at one k (definitions in the module docstring).
+
+    Args:
+      p_btw: dense teacher [B, T, W] (from `dense_teacher`).
+      scores_btw: indexer scores [B, T, W].
+      visible_btw: bool [B, T, W].
+      random_btw: float [B, T, W] random scores whose top-k is the random baseline.
+      k: static top-k.
+
+    Returns:
+      dict of [B, T] arrays: every name in METRICS (float32), "valid" and "informative" (bool).
+      Metric values on invalid rows are 0.
+
+    Shapes:
+      1. four selections sel_btw: indexer, teacher, recency, random (top-k_eff of visible)
+      2. recall_bt  = sum_w P * sel / sum_w P * visible
+      3. overlap_bt = |sel_index & sel_teacher| / k_eff
+    """
+    p_btw = _upcast(p_btw)
+    n_vis_bt = jnp.sum(visible_btw, axis=-1)
+    valid_bt = n_vis_bt > 0
+    k_eff_bt = jnp.minimum(n_vis_bt, k)
+    mass_bt = jnp.sum(jnp.where(visible_btw, p_btw, 0.0), axis=-1)
+    safe_mass_bt = jnp.where(valid_bt, mass_bt, 1.0)
+
+    def recall(sel_btw):
+        return jnp.where(valid_bt, jnp.sum(jnp.where(sel_btw, p_btw, 0.0), axis=-1) / safe_mass_bt, 0.0)
+
+    sel_index = topk_blocks(scores_btw, visible_btw, k)
+    sel_teacher = topk_blocks(p_btw, visible_btw, k)
+    shared_bt = jnp.sum(sel_index & sel_teacher, axis=-1)
+    return {
+        "kl": row_kl(p_btw, scores_btw, visible_btw),
+        "recall": recall(sel_index),
+        "overlap": jnp.where(valid_bt, shared_bt / jnp.maximum(k_eff_bt, 1), 0.0).astype(p_btw.dtype),
+        "recall_oracle": recall(sel_teacher),
+        "recall_recent": recall(topk_blocks(recency_scores(visible_btw), visible_btw, k)),
+        "recall_random": recall(topk_blocks(random_btw, visible_btw, k)),
+        "valid": valid_bt,
+        "informative": n_vis_bt > k,
+    }
+
+
+def layer_sums(q_bthd, kv_bwd, scores_btw, visible_btw, random_btw, ks: Sequence[int]) -> dict[str, Any]:
+    """Row sums of every metric for one CSA layer, for each k in `ks` (jit-safe, ks static).
+
+    Returns:
+      {"valid": int32 [], "informative": int32 [K], "sums": {"all" | "informative": {metric:
+      float32 [K]}}}: counts of valid and informative rows, and each metric summed over them.
+    """
+    p_btw = dense_teacher(q_bthd, kv_bwd, visible_btw)
+    per_k = [row_metrics(p_btw, scores_btw, visible_btw, random_btw, k) for k in ks]
+    valid_bt = per_k[0]["valid"]
+
+    def sums(mask_key):
+        return {m: jnp.stack([jnp.sum(jnp.where(r[mask_key], r[m], 0.0)) for r in per_k]) for m in METRICS}
+
+    return {
+        "valid": jnp.sum(valid_bt, dtype=jnp.int32),
+        "informative": jnp.stack([jnp.sum(r["informative"], dtype=jnp.int32) for r in per_k]),
+        "sums": {"all": sums("valid"), "informative": sums("informative")},
+    }
+
+
+def batch_sums(aux: dict[str, Any], random_lbtw, ks: Sequence[int]) -> dict[str, Any]:
+    """`layer_sums` for every CSA layer of a collected aux (leading layer axis L).
+
+    Args:
+      aux: the model's collected aux with "teacher_query" [L,B,T,H,D], "compressed_kv" [L,B,W,D],
+        "index_scores" [L,B,T,W] and "visible" [L,B,T,W].
+      random_lbtw: float [L, B, T, W] random scores for the random baseline.
+      ks: static tuple of k values.
+
+    Returns:
+      `layer_sums`' dict with a leading L axis on every array.
+    """
+    fn = lambda q, kv, s, v, r: layer_sums(q, kv, s, v, r, ks)  # noqa: E731
+    return jax.vmap(fn)(aux["teacher_query"], aux["compressed_kv"], aux["index_scores"], aux["visible"], random_lbtw)
+
+
+def token_nll(logits_btv, targets_bt, weights_bt):
+    """(sum over weighted tokens of -log softmax(logits)[target], sum of weights), float32.
+
+    Computed as logsumexp - target logit, so no [B, T, V] log-probability array is kept.
+    """
+    logits_btv = _upcast(logits_btv)
+    target_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    nll_bt = jax.nn.logsumexp(logits_btv, axis=-1) - target_bt
+    w_bt = weights_bt.astype(logits_btv.dtype)
+    return jnp.sum(nll_bt * w_bt), jnp.sum(w_bt)
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+class MetricSums:
+    """Float64 host-side running sums of `batch_sums` outputs, pooled over batches.
+
+    Args:
+      layers: the CSA layer ids, in the aux's layer order.
+      ks: the k values, in `batch_sums`' order.
+    """
+
+    def __init__(self, layers: Sequence[int], ks: Sequence[int]):
+        self.layers, self.ks = tuple(layers), tuple(ks)
+        shape = (len(self.layers), len(self.ks))
+        self.valid = np.zeros(len(self.layers), np.int64)
+        self.informative = np.zeros(shape, np.int64)
+        self.sums = {s: {m: np.zeros(shape, np.float64) for m in METRICS} for s in SUBSETS}
+
+    def add(self, sums: dict[str, Any]) -> None:
+        """Add one batch's `batch_sums` (arrays with leading L axis)."""
+        self.valid += np.asarray(sums["valid"], np.int64)
+        self.informative += np.asarray(sums["informative"], np.int64)
+        for subset in SUBSETS:
+            for m in METRICS:
+                self.sums[subset][m] += np.asarray(sums["sums"][subset][m], np.float64)
+
+    def _row(self, valid: int, informative: np.ndarray, sums: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
+        by_k = []
+        for j, k in enumerate(self.ks):
+            n_inf = int(informative[j])
+            by_k.append({
+                "k": k,
+                "informative_rows": n_inf,
+                "informative_share": _ratio(n_inf, valid),
+                "all": {m: _ratio(sums["all"][m][j], valid) for m in METRICS},
+                "informative": {m: _ratio(sums["informative"][m][j], n_inf) for m in METRICS},
+            })
+        return {"valid_rows": int(valid), "by_k": by_k}
+
+    def layer_reports(self) -> list[dict[str, Any]]:
+        """One dict per CSA layer: {"layer", "valid_rows", "by_k": [...]}, means over rows."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            sums = {s: {m: self.sums[s][m][i] for m in METRICS} for s in SUBSETS}
+            out.append({"layer": layer, **self._row(int(self.valid[i]), self.informative[i], sums)})
+        return out
+
+    def overall(self) -> dict[str, Any]:
+        """The same as a layer report with the rows of every layer pooled (no "layer" key)."""
+        sums = {s: {m: self.sums[s][m].sum(axis=0) for m in METRICS} for s in SUBSETS}
+        return self._row(int(self.valid.sum()), self.informative.sum(axis=0), sums)
+
+
+def _ratio(num: float, den: float) -> float | None:
+    """num / den as a float, None (JSON null) when there is no row to average over."""
+    return float(num) / float(den) if den else None
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerEval:
+    """What `evaluate_indexer` measured. `to_dict()` is the `--json` schema.
+
+    Fields:
+      ks: the k values swept. indexer_topk: the config's k (the model's own selection).
+      batches, rows, tokens: eval batches run, query rows (B*T) per layer, real target tokens.
+      lm_loss_dense / lm_loss_topk: mean next-token loss with every visible block / top-k blocks;
+        lm_loss_gap = topk - dense.
+      layers: per CSA layer {"layer", "valid_rows", "by_k": [{"k", "informative_rows",
+        "informative_share", "all": {METRICS}, "informative": {METRICS}}]}; overall: the same,
+        rows of every layer pooled, without "layer".
+      seed: the random baseline's seed.
+      context: where the numbers come from ({"checkpoint", "step", "stage", "model_name",
+        "batch_size", "max_target_length", "data"} from `evaluate_checkpoint`; {} otherwise).
+    """
+
+    ks: tuple[int, ...]
+    indexer_topk: int
+    batches: int
+    rows: int
+    tokens: int
+    lm_loss_dense: float | None
+    lm_loss_topk: float | None
+    layers: list[dict[str, Any]]
+    overall: dict[str, Any]
+    seed: int
+    context: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def lm_loss_gap(self) -> float | None:
+        both = self.lm_loss_dense is not None and self.lm_loss_topk is not None
+        return self.lm_loss_topk - self.lm_loss_dense if both else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"checkpoint": dict(self.context), "ks": list(self.ks), "indexer_topk": self.indexer_topk,
+                "batches": self.batches, "rows": self.rows, "tokens": self.tokens, "seed": self.seed,
+                "lm_loss": {"dense": self.lm_loss_dense, "topk": self.lm_loss_topk, "gap": self.lm_loss_gap},
+                "layers": self.layers, "overall": self.overall}
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def parse_ks(text: str | Iterable[int] | None, default: int, num_blocks: int) -> tuple[int, ...]:
+    """'4,8,16' -> (4, 8, 16), sorted and deduplicated; None -> (default,).
+
+    Raises ConfigError for a non-integer, a k < 1, or a k above the row's num_blocks.
+    """
+    from core.errors import ConfigError
+
+    if text is None or text == "":
+        items: list[Any] = [default]
+    elif isinstance(text, str):
+        items = [s.strip() for s in text.split(",") if s.strip()]
+    else:
+        items = list(text)
+    ks = []
+    for item in items:
+        try:
+            k = int(item)
+        except (TypeError, ValueError):
+            raise ConfigError(f"--topk value {item!r} is not an integer: write e.g. --topk 4,8,16.") from None
+        if not 1 <= k <= num_blocks:
+            raise ConfigError(f"--topk {k} is out of range: each k must be in 1..{num_blocks} "
+                              f"(max_target_length // 4 blocks).")
+        ks.append(k)
+    return tuple(sorted(set(ks)))
+
+
+@functools.lru_cache(maxsize=8)
+def make_eval_step(ks: tuple[int, ...]) -> Callable[..., Any]:
+    """A jitted (model, batch arrays, key) -> (metric sums, nll dense, nll top-k, target weight).
+
+    Runs the decoder twice: mode "eval_dense" with collect=True (teacher, indexer scores,
+    dense LM loss) and mode "eval" (top-k LM loss). Cached per ks, so repeated evaluations of
+    same-shaped models reuse the compiled step.
+    """
+    from flax import nnx
+
+    @nnx.jit
+    def step(model, tokens, positions, segment_ids, targets, loss_mask, key):
+        logits_dense, aux = model(tokens, positions, segment_ids, mode="eval_dense", collect=True)
+        logits_topk, _ = model(tokens, positions, segment_ids, mode="eval")
+        random_lbtw = jax.random.uniform(key, aux["visible"].shape, jnp.float32)
+        sums = batch_sums(aux, random_lbtw, ks)
+        nll_dense, weight = token_nll(logits_dense, targets, loss_mask)
+        nll_topk, _ = token_nll(logits_topk, targets, loss_mask)
+        return sums, nll_dense, nll_topk, weight
+
+    return step
+
+
+def evaluate_indexer(model, cfg, batches: Iterable[dict[str, Any]], *, ks: Sequence[int] | None = None,
+                     seed: int = 0, on_batch: Callable[[int], None] | None = None) -> IndexerEval:
+    """Measure a decoder's indexers against their dense teachers over held-out batches.
+
+    Args:
+      model: a `core.model.Transformer` built from `cfg` (with use_indexer and CSA layers).
+      cfg: its Config.
+      batches: dicts of int [B, T] arrays with tokens, positions, segment_ids, targets, loss_mask
+        (`core.data.eval_batches`).
+      ks: the k values to sweep (default: cfg.indexer_topk).
+      seed: the random baseline's seed (batch i uses fold_in(key(seed), i)).
+      on_batch: called with the number of batches done after each one (progress display).
+
+    Returns:
+      IndexerEval (module docstring for every definition).
+    """
+    from core.errors import ConfigError
+
+    if not cfg.use_indexer or not cfg.csa_layers:
+        raise ConfigError("this model has no lightning indexer to evaluate: it needs use_indexer=true "
+                          "and at least one CSA layer (compress_ratios entry 4).")
+    ks = tuple(ks or (cfg.indexer_topk,))
+    step = make_eval_step(ks)
+    acc = MetricSums(cfg.csa_layers, ks)
+    nll = np.zeros(3, np.float64)  # dense, top-k, weight
+    done = rows = 0
+    for batch in batches:
+        arrays = [jnp.asarray(batch[name]) for name in ("tokens", "positions", "segment_ids", "targets", "loss_mask")]
+        sums, nll_dense, nll_topk, weight = step(model, *arrays, jax.random.fold_in(jax.random.key(seed), done))
+        acc.add(jax.tree.map(np.asarray, sums))
+        nll += [float(nll_dense), float(nll_topk), float(weight)]
+        rows += int(np.prod(batch["tokens"].shape))
+        done += 1
+        if on_batch is not None:
+            on_batch(done)
+    return IndexerEval(
+        ks=ks, indexer_topk=cfg.indexer_topk, batches=done, rows=rows, tokens=int(nll[2]),
+        lm_loss_dense=_ratio(nll[0], nll[2]), lm_loss_topk=_ratio(nll[1], nll[2]),
+        layers=acc.layer_reports(), overall=acc.overall(), seed=seed)
+
+
+def with_overrides(cfg, overrides: Sequence[str]):
+    """cfg with "KEY=VALUE" overrides applied (validated; unknown keys get a did-you-mean)."""
+    import difflib
+
+    from core.config import ALIASES, FIELDS, parse_override
+    from core.errors import ConfigError
+
+    changes = {}
+    for text in overrides:
+        key, value = parse_override(text)
+        key = ALIASES.get(key, key)
+        if key not in FIELDS:
+            hint = difflib.get_close_matches(key, list(FIELDS), n=1)
+            fix = f"did you mean {hint[0]!r}?" if hint else "see configs/base.yml for every key."
+            raise ConfigError(f"unknown config key {key!r} (from override {text!r}): {fix}")
+        changes[key] = value
+    return cfg.replace(**changes) if changes else cfg
+
+
+def evaluate_checkpoint(path, *, step: int | None = None, overrides: Sequence[str] = (),
+                        batches: int = 4, ks: str | Sequence[int] | None = None, seed: int = 0,
+                        on_batch: Callable[[int], None] | None = None) -> IndexerEval:
+    """Restore a checkpoint's model and run `evaluate_indexer` on its held-out eval batches.
+
+    Args:
+      path: a run directory, its checkpoints/ directory or one step directory.
+      step: the checkpoint step (default: the latest).
+      overrides: "KEY=VALUE" changes to the saved config (e.g. the data source: hf_path,
+        hf_eval_split, per_device_batch_size); keys that change parameter shapes fail with a
+        CheckpointError naming the parameter.
+      batches: at most this many eval batches of per_device_batch_size rows (fewer if the held-out
+        documents run out).
+      ks: '4,8,16' or a sequence (default: the config's indexer_topk).
+      seed, on_batch: as in `evaluate_indexer`.
+    """
+    from core import checkpoint as ckpt
+    from core.data import data_fingerprint, eval_batches
+
+    _, ckpt_dir, step = ckpt.resolve_checkpoint(path, step)
+    cfg = ckpt.config_of(ckpt_dir, step)
+    cfg = with_overrides(cfg, overrides)
+    ks = parse_ks(ks, cfg.indexer_topk, cfg.max_target_length // 4)
+    model, cfg, meta = ckpt.restore_model(ckpt_dir, step, cfg)
+    data = eval_batches(cfg, cfg.per_device_batch_size, batches)
+    result = evaluate_indexer(model, cfg, data, ks=ks, seed=seed, on_batch=on_batch)
+    if not result.batches:
+        from core.errors import DataError
+
+        raise DataError(f"the evaluation data of {data_fingerprint(cfg)['source']!r} is empty: give held-out "
+                        "documents (hf_eval_split=..., a larger eval_holdout_fraction, or more data).")
+    context = {"checkpoint": str(ckpt_dir / str(step)), "step": step, "stage": meta.get("stage"),
+               "model_name": cfg.model_name, "batch_size": cfg.per_device_batch_size,
+               "max_target_length": cfg.max_target_length, "data": data_fingerprint(cfg)["source"]}
+    return dataclasses.replace(result, context=context)

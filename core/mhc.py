@@ -1,0 +1,154 @@
+"""Manifold-constrained hyper-connections (DESIGN.md, "mHC"), as in the official DeepSeek-V4 code.
+
+The residual stream holds n copies X[i] of width M. Around each sublayer F (attention, MoE):
+
+  mixes = (flatten(X) @ fn) * rsqrt(mean(flatten(X)^2) + norm_eps)       [n + n + n*n]
+  pre   = sigmoid(mixes[:n]    * scale[0] + base[:n])    + eps
+  post  = 2 * sigmoid(mixes[n:2n] * scale[1] + base[n:2n])
+  comb  = sinkhorn(mixes[2n:] * scale[2] + base[2n:] as [n, n], iters, eps)
+  y     = sum_i pre_i X[i];   X'[i] = post_i F(y) + sum_j comb[j, i] X[j]
+
+Sinkhorn follows the official `hc_split_sinkhorn` kernel exactly: row softmax, + eps, a column
+normalisation, then iters - 1 (row, column) normalisation pairs, every division by (sum + eps).
+So `iters` column normalisations in all; the result is column-stochastic up to eps and near
+doubly stochastic. Before the final norm and head, `HeadCollapse` mixes the copies with
+sigmoid(mixes * scale + base) + eps from its own fn [n*M, n] (one scale). All mixing maths is
+float32 whatever the compute dtype; the sublayer's RMSNorm (attn_norm/ffn_norm) comes after
+`pre`, outside these modules.
+
+Parameter layout (per HyperConnection): fn [n, M, (2+n)n] (the official [(2+n)n, n*M] with its
+input axis unflattened copy-major: official[j, i*M + m] = ours[i, m, j]), base [(2+n)n],
+scale [3]; HeadCollapse: fn [n, M, n], base [n], scale [1].
+
+Initialisation (the official code ships trained values only; HF starts the bases at zero):
+scale = 0.01 so the input-dependent part starts small; base gives pre = 1/n (y = the mean copy),
+post = 1 and a uniform comb, so at init each sublayer adds about F(mean X) to every copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from core.layers import dense_init, param, rms_normalize, upcast
+
+SCALE_INIT = 0.01
+
+
+def sinkhorn(logits_bnn, iters: int, eps: float):
+    """Row softmax + eps, then `iters` column normalisations interleaved with iters-1 row ones.
+
+    Args:
+      logits_bnn: [..., n, n] comb logits (row i = source copy, column j = destination copy).
+      iters: hc_sinkhorn_iters (>= 1).
+      eps: hc_eps, added after the softmax and to every normaliser.
+    Returns:
+      float32 [..., n, n]: columns sum to 1 (up to eps), rows close to 1.
+    """
+    def normalize(comb, axis):
+        return comb / (jnp.sum(comb, axis=axis, keepdims=True) + eps)
+
+    comb = normalize(jax.nn.softmax(upcast(logits_bnn), axis=-1) + eps, -2)
+    # A loop, not a Python unroll: one small body to compile per call site instead of 2*iters
+    # (static trip count, so reverse-mode differentiation works).
+    return jax.lax.fori_loop(0, iters - 1, lambda _, c: normalize(normalize(c, -1), -2), comb)
+
+
+def hc_mixes(x_btnm, fn_nmj, norm_eps: float):
+    """float32 [B, T, J]: the RMS-normalised flattened copies projected by fn (no bias)."""
+    x_btnm = upcast(x_btnm)
+    b, t, n, m = x_btnm.shape
+    x_flat = rms_normalize(x_btnm.reshape(b, t, n * m), norm_eps).reshape(b, t, n, m)
+    return jnp.einsum("btnm,nmj->btj", x_flat, upcast(fn_nmj))
+
+
+def hc_split(mixes_btj, scale_3, base_j, n: int, iters: int, eps: float):
+    """(pre_btn, post_btn, comb_btnn) from the (2+n)n mixing logits (module docstring)."""
+    mixes_btj = upcast(mixes_btj)
+    scale_3 = upcast(scale_3)
+    base_j = upcast(base_j)
+    pre = jax.nn.sigmoid(mixes_btj[..., :n] * scale_3[0] + base_j[:n]) + eps
+    post = 2.0 * jax.nn.sigmoid(mixes_btj[..., n:2 * n] * scale_3[1] + base_j[n:2 * n])
+    comb_logits = mixes_btj[..., 2 * n:] * scale_3[2] + base_j[2 * n:]
+    comb = sinkhorn(comb_logits.reshape(*comb_logits.shape[:-1], n, n), iters, eps)
+    return pre, post, comb
+
+
+def expand(x_btm, n: int):
+    """[B, T, M] -> [B, T, n, M]: the embedding fills all n copies."""
+    return jnp.broadcast_to(x_btm[:, :, None, :], (*x_btm.shape[:2], n, x_btm.shape[-1]))
+
+
+def _pre_base_logit(n: int) -> float:
+    """sigmoid(b) = 1/n, so the pre weights start as a plain mean over the copies."""
+    return -math.log(n - 1) if n > 1 else 0.0
+
+
+class HyperConnection(nnx.Module):
+    """The mHC around one sublayer: parameters fn, base, scale; `pre` and `post` as in DESIGN.md."""
+
+    def __init__(self, emb, n, sinkhorn_iters, eps, norm_eps, *, rngs, param_dtype=jnp.float32):
+        self.n = int(n)
+        self.iters = int(sinkhorn_iters)
+        self.eps = float(eps)
+        self.norm_eps = float(norm_eps)
+        mix = (2 + n) * n
+        self.fn = param(rngs, dense_init(in_axis=(0, 1), out_axis=2), (n, emb, mix),
+                        ("mhc", "embed", None), param_dtype)
+        base = jnp.concatenate([jnp.full((n,), _pre_base_logit(n)), jnp.zeros((n + n * n,))])
+        self.base = param(rngs, lambda *_: base.astype(param_dtype), (mix,), (None,), param_dtype)
+        self.scale = param(rngs, lambda *_: jnp.full((3,), SCALE_INIT, param_dtype), (3,), (None,),
+                           param_dtype)
+
+    def pre(self, x_btnm):
+        """Collapse the copies for the sublayer's input and compute its post/comb weights.
+
+        Args:
+          x_btnm: the residual stream [B, T, n, M].
+        Returns:
+          (y_btm in x's dtype, post_btn f32, comb_btnn f32).
+
+        Shapes:
+          1. mixes_btj = rmsnorm(flatten(x)) @ fn         j = (2+n)n
+          2. pre_btn, post_btn, comb_btnn = hc_split(mixes_btj)
+          3. y_btm = sum_n pre_btn * x_btnm
+        """
+        mixes_btj = hc_mixes(x_btnm, self.fn[...], self.norm_eps)
+        pre_btn, post_btn, comb_btnn = hc_split(mixes_btj, self.scale[...], self.base[...],
+                                                self.n, self.iters, self.eps)
+        y_btm = jnp.einsum("btn,btnm->btm", pre_btn, upcast(x_btnm))
+        return y_btm.astype(x_btnm.dtype), post_btn, comb_btnn
+
+    @staticmethod
+    def post(out_btm, x_btnm, post_btn, comb_btnn):
+        """X'[i] = post_i F(y) + sum_j comb[j, i] X[j], in float32; returns x's dtype [B,T,n,M]."""
+        mixed_btnm = jnp.einsum("btji,btjm->btim", upcast(comb_btnn),
+                                upcast(x_btnm))
+        new_btnm = upcast(post_btn)[..., None] * upcast(out_btm)[:, :, None, :]
+        return (new_btnm + mixed_btnm).astype(x_btnm.dtype)
+
+
+class HeadCollapse(nnx.Module):
+    """Collapse the n copies before the final norm: y = sum_i (sigmoid(mix_i*scale + base_i) + eps) X[i]."""
+
+    def __init__(self, emb, n, eps, norm_eps, *, rngs, param_dtype=jnp.float32):
+        self.n = int(n)
+        self.eps = float(eps)
+        self.norm_eps = float(norm_eps)
+        self.fn = param(rngs, dense_init(in_axis=(0, 1), out_axis=2), (n, emb, n),
+                        ("mhc", "embed", None), param_dtype)
+        self.base = param(rngs, lambda *_: jnp.full((n,), _pre_base_logit(n), param_dtype), (n,),
+                          (None,), param_dtype)
+        self.scale = param(rngs, lambda *_: jnp.full((1,), SCALE_INIT, param_dtype), (1,), (None,),
+                           param_dtype)
+
+    def __call__(self, x_btnm):
+        """Args: x_btnm [B, T, n, M]. Returns: y_btm [B, T, M] in x's dtype."""
+        mixes_btn = hc_mixes(x_btnm, self.fn[...], self.norm_eps)
+        scale = upcast(self.scale[...])[0]
+        pre_btn = jax.nn.sigmoid(mixes_btn * scale + upcast(self.base[...])) + self.eps
+        y_btm = jnp.einsum("btn,btnm->btm", pre_btn, upcast(x_btnm))
+        return y_btm.astype(x_btnm.dtype)

@@ -1,0 +1,416 @@
+"""Training: the jitted step, AdamW with the trainable mask, router-bias updates, the run loop.
+
+DESIGN.md's stage table decides what a step computes (the model routes by the config):
+total_loss = lm_loss + indexer_loss + moe_lb_loss, where lm_loss is the mean next-token
+cross-entropy over `loss_mask` and exactly 0.0 (not computed) when the model skips its head in
+the dense warm-up.
+
+Optimizer: AdamW (decoupled weight decay) on a linear warm-up then cosine schedule, after
+global-norm clipping, inside `optax.multi_transform({"train": ..., "frozen": set_to_zero()})`
+keyed by `trainable_parameters_mask` (regexes fully matching '/'-joined parameter paths such as
+`layers/3/attn/indexer/wq_b`; empty = everything). Frozen parameters hold no optimizer state.
+Gradients are only taken with respect to trainable parameters, so XLA never builds the frozen
+part of the backward pass (in the warm-up only the indexer's own small backward runs); frozen
+parameters get an explicit zero gradient for the optimizer's tree and stay bitwise unchanged.
+
+Router biases are not trained by gradients: after each step every learned-routing layer's
+`RouterBias` moves by `routed_bias_update_rate` towards balance, unless that router is frozen
+(neither its weight nor its bias matches the mask: the warm-up's '.*indexer.*' freezes them all).
+
+Deviation from MaxText's schedule: the linear warm-up starts at peak / warmup_steps instead of 0,
+so step 0 already trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from core import checkpoint as ckpt
+from core.data import train_batches
+from core.errors import CheckpointError, ConfigError
+from core.model import Transformer
+from core.moe import RouterBias
+from core.sharding import (abstract_state, create_sharded, describe_mesh, make_mesh, shard_batch, shard_state,
+                           state_shardings)
+
+METRIC_KEYS = ("total_loss", "lm_loss", "indexer_loss", "moe_lb_loss", "grad_norm", "learning_rate")
+
+
+# ----------------------------------------------------------------------------- losses and schedule
+
+
+def lm_loss(logits_btv, targets_bt, mask_bt):
+    """Mean next-token cross-entropy over the positions where mask_bt is nonzero.
+
+    Computed in at least float32 (bfloat16 logits are upcast; float64 stays float64 for tests),
+    as logsumexp - target logit, so no [B, T, V] log-probabilities are materialised.
+    Shapes: 1. lse_bt = logsumexp_v(logits)  2. nll_bt = lse_bt - logits[targets]  3. sum(nll * mask) / max(#mask, 1)
+    """
+    dtype = jnp.promote_types(logits_btv.dtype, jnp.float32)
+    logits_btv = logits_btv.astype(dtype)
+    target_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
+    nll_bt = jax.nn.logsumexp(logits_btv, axis=-1) - target_bt
+    mask_bt = mask_bt.astype(dtype)
+    return jnp.sum(nll_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1.0)
+
+
+def learning_rate_schedule(cfg) -> Callable[[Any], Any]:
+    """lr(step): linear from peak/W to peak over W = round(warmup_steps_fraction * steps) steps,
+    then cosine from peak to peak * cosine_learning_rate_final_fraction at the last step."""
+    peak, final = cfg.learning_rate, cfg.learning_rate * cfg.cosine_learning_rate_final_fraction
+    warm = int(round(cfg.warmup_steps_fraction * cfg.steps))
+    decay = max(cfg.steps - 1 - warm, 1)
+
+    def lr(step):
+        step = jnp.asarray(step, jnp.float32)
+        warm_lr = peak * (step + 1) / max(warm, 1)
+        frac = jnp.clip((step - warm) / decay, 0.0, 1.0)
+        cos_lr = final + 0.5 * (peak - final) * (1 + jnp.cos(jnp.pi * frac))
+        return jnp.where(step < warm, warm_lr, cos_lr)
+
+    return lr
+
+
+# ----------------------------------------------------------------------------- trainable mask
+
+
+def _path(path: Sequence[Any]) -> str:
+    """'/'-joined parameter path from nnx (str/int) or pytree (DictKey, SequenceKey, .value) keys."""
+    names = []
+    for k in path:
+        name = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+        if not (hasattr(k, "name") and name == "value"):  # a Variable's own value attribute
+            names.append(str(name))
+    return "/".join(names)
+
+
+def path_matcher(patterns: Sequence[str]) -> Callable[[Sequence[Any]], bool]:
+    """path -> True if it is trainable: empty patterns, or one fully matches the '/'-joined path."""
+    compiled = [re.compile(p) for p in patterns]
+    return lambda path: not compiled or any(c.fullmatch(_path(path)) for c in compiled)
+
+
+def trainable_labels(model: nnx.Module, patterns: Sequence[str]) -> dict[str, bool]:
+    """{parameter path: trainable?}; ConfigError if a non-empty mask matches nothing."""
+    trainable = path_matcher(patterns)
+    paths = list(ckpt.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    labels = {p: trainable(p.split("/")) for p in paths}
+    if not any(labels.values()):
+        raise ConfigError(f"trainable_parameters_mask={list(patterns)} matches no parameter: paths look like "
+                          f"{paths[0]!r}; write e.g. '.*indexer.*'.")
+    return labels
+
+
+# Config keys a compiled step does not depend on (data source, run directory, checkpointing).
+_RUN_ONLY_KEYS = frozenset({
+    "dataset_type", "hf_path", "hf_name", "hf_data_files", "hf_split", "hf_eval_split", "hf_text_column",
+    "hf_streaming", "tokenizer_path", "eval_holdout_fraction", "data_shuffle_seed", "checkpoint_period",
+    "max_checkpoints", "async_checkpointing", "base_output_directory", "run_name"})
+# Per process, keyed by the compile-relevant config: the optax transformation (it is part of the
+# optimizer's graphdef, so reusing it makes equal configs give equal graphdefs) and the jitted
+# step, so a resumed or repeated run in the same process does not compile again.
+_TX_CACHE: dict[Any, optax.GradientTransformation] = {}
+_STEP_CACHE: dict[Any, Callable] = {}
+
+
+def _compile_key(cfg) -> tuple:
+    return tuple((f, v) for f, v in vars(cfg).items() if f not in _RUN_ONLY_KEYS)
+
+
+def make_optimizer(cfg) -> optax.GradientTransformation:
+    """clip -> AdamW(schedule) for trainable leaves, set_to_zero (no state) for frozen ones."""
+    key = _compile_key(cfg)
+    if key not in _TX_CACHE:
+        _TX_CACHE[key] = _make_optimizer(cfg)
+    return _TX_CACHE[key]
+
+
+def _make_optimizer(cfg) -> optax.GradientTransformation:
+    trainable = path_matcher(cfg.trainable_parameters_mask)
+    train = [optax.clip_by_global_norm(cfg.gradient_clipping_threshold)] if cfg.gradient_clipping_threshold > 0 else []
+    train.append(optax.adamw(learning_rate_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
+                             weight_decay=cfg.adam_weight_decay))
+
+    def labels(params):
+        return jax.tree_util.tree_map_with_path(lambda p, _: "train" if trainable(p) else "frozen", params)
+
+    return optax.multi_transform({"train": optax.chain(*train), "frozen": optax.set_to_zero()}, labels)
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def make_train_step(cfg, graphdef, state, mesh):
+    """A jitted `(state, batch) -> (state, metrics)` over the split (model, optimizer) `state`.
+
+    The output state keeps the input's rule-given shardings (so step 1 reuses step 0's program);
+    one compiled step is shared by every Trainer of an equal (cfg, graphdef, mesh) in a process.
+    """
+    key = (_compile_key(cfg), graphdef, mesh)
+    if key not in _STEP_CACHE:
+        _STEP_CACHE[key] = jax.jit(_step_fn(cfg, graphdef), donate_argnums=0,
+                                   out_shardings=(state_shardings(state, mesh), None))
+    return _STEP_CACHE[key]
+
+
+def _step_fn(cfg, graphdef):
+    trainable = path_matcher(cfg.trainable_parameters_mask)
+    grad_filter = nnx.All(nnx.Param, lambda path, _: trainable(path))
+    frozen_filter = nnx.All(nnx.Param, nnx.Not(grad_filter))
+    # A router bias moves unless its router is frozen: neither it nor the router weight is trainable.
+    fixed_bias = nnx.All(RouterBias, lambda path, _: not (trainable(path) or trainable((*path[:-1], "weight"))))
+    schedule, rate = learning_rate_schedule(cfg), cfg.routed_bias_update_rate
+
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+
+        def loss_fn(model):
+            logits, aux = model(batch["tokens"], batch["positions"], batch["segment_ids"], mode="train")
+            lm = (jnp.zeros((), jnp.float32) if logits is None
+                  else lm_loss(logits, batch["targets"], batch["loss_mask"]))
+            return lm + aux["indexer_loss"] + aux["moe_lb_loss"], (lm, aux)
+
+        grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, grad_filter), has_aux=True)
+        (total, (lm, aux)), grads = grad_fn(model)
+        zeros = jax.tree.map(jnp.zeros_like, nnx.state(model, frozen_filter))
+        metrics = {"total_loss": total, "lm_loss": lm, "indexer_loss": aux["indexer_loss"],
+                   "moe_lb_loss": aux["moe_lb_loss"], "grad_norm": optax.tree.norm(grads),
+                   "learning_rate": schedule(optimizer.step[...])}
+        optimizer.update(model, nnx.merge_state(grads, zeros))
+        # a snapshot (new Variables): update_router_biases changes the model's Variables in place
+        fixed = jax.tree.map(lambda v: v, nnx.state(model, fixed_bias))
+        model.update_router_biases(aux["expert_load"], rate)
+        nnx.update(model, fixed)  # frozen routers keep their biases
+        return nnx.state((model, optimizer)), metrics
+
+    return step
+
+
+# ----------------------------------------------------------------------------- building
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything a training loop needs, built from a config."""
+
+    cfg: Any
+    mesh: Any
+    model: Transformer
+    optimizer: nnx.Optimizer
+    batch_size: int      # global rows per step
+    params_total: int
+    params_trainable: int
+
+
+def build(cfg) -> Setup:
+    """Model and optimizer on the config's mesh, with their rule-given shardings.
+
+    On a single CPU process they are built eagerly and then placed (`shard_state`): compiling the
+    initialiser of a 43-layer model as one XLA program takes minutes on a CPU, op-by-op creation
+    seconds. Elsewhere `create_sharded` builds them directly into their shards.
+    """
+    mesh = make_mesh(cfg)
+    make_model = lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))  # noqa: E731
+    make_opt = lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param)  # noqa: E731
+    if jax.process_count() == 1 and jax.default_backend() == "cpu":
+        model = shard_state(make_model(), mesh)
+        optimizer = shard_state(make_opt(model), mesh)
+    else:
+        model = create_sharded(make_model, mesh)
+        optimizer = create_sharded(make_opt, mesh, model)
+    labels = trainable_labels(model, cfg.trainable_parameters_mask)
+    sizes = {p: math.prod(x.shape) for p, x in ckpt.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
+    return Setup(cfg, mesh, model, optimizer, cfg.per_device_batch_size * mesh.size,
+                 sum(sizes.values()), sum(n for p, n in sizes.items() if labels[p]))
+
+
+def _abstract_pure(obj, mesh):
+    return nnx.to_pure_dict(abstract_state(obj, mesh))
+
+
+def load_init_weights(setup: Setup, path: str | Path) -> int:
+    """Overwrite the model's variables (params, router biases) with a checkpoint's; returns its step."""
+    target = _abstract_pure(setup.model, setup.mesh)
+    values, step = ckpt.restore_model_state(path, target)
+    state = nnx.state(setup.model)
+    nnx.replace_by_pure_dict(state, values)
+    nnx.update(setup.model, state)
+    return step
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@contextlib.contextmanager
+def _deferred_sigint() -> Iterator[threading.Event]:
+    """Ctrl-C sets the returned event instead of raising; a second Ctrl-C raises at once."""
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        flag.set()
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield flag
+    finally:
+        if signal.getsignal(signal.SIGINT) is handler:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("dsv4")
+    except Exception:  # not installed (running from a source tree)
+        return "unknown"
+
+
+class Trainer:
+    """One run directory: fresh, resumed from its latest checkpoint, or initialised from another run.
+
+    `info` describes the run before it starts; `run()` yields one metrics dict per step (the
+    same object appended to metrics.jsonl) and raises KeyboardInterrupt after saving when Ctrl-C
+    arrived; `summary()` describes the result.
+    """
+
+    def __init__(self, cfg, *, stage: str, run_dir: str | Path, init_from: str | Path | None = None):
+        self.cfg, self.stage, self.run_dir = cfg, stage, Path(run_dir)
+        self.ckpt = ckpt.RunCheckpointer(self.run_dir, max_to_keep=cfg.max_checkpoints,
+                                         async_save=cfg.async_checkpointing)
+        self.start_step, self.resumed_from, self.init_step = 0, self.ckpt.latest_step(), None
+        # Cheap checks first (stage, data, shapes from metadata): building and compiling take a while.
+        if self.resumed_from is not None:
+            self._check_stage(self.resumed_from)
+        self.data = train_batches(cfg, cfg.per_device_batch_size * jax.device_count())
+        if self.resumed_from is not None or init_from is not None:
+            abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
+            source = self.ckpt.dir if self.resumed_from is not None else init_from
+            ckpt.check_model_shapes(source, ckpt.shapes(nnx.to_pure_dict(nnx.state(abstract))), self.resumed_from)
+        self.setup = setup = build(cfg)
+        if self.resumed_from is not None:
+            self._resume(self.resumed_from)
+        elif init_from is not None:
+            self.init_step = load_init_weights(setup, init_from)
+        self.init_from = None if self.resumed_from is not None else init_from
+        ckpt.write_config(self.run_dir, cfg)
+        ckpt.truncate_metrics(self.run_dir, self.start_step - 1)
+        self.graphdef, self.state = nnx.split((setup.model, setup.optimizer))
+        self._step_fn = make_train_step(cfg, self.graphdef, self.state, setup.mesh)
+        self.last_saved = self.resumed_from
+        devices = jax.devices()
+        self.info = {
+            "model_name": cfg.model_name, "stage": stage, "run_dir": str(self.run_dir),
+            "params_total": setup.params_total, "params_trainable": setup.params_trainable,
+            "batch_size": setup.batch_size, "max_target_length": cfg.max_target_length,
+            "tokens_per_step": setup.batch_size * cfg.max_target_length,
+            "devices": f"{len(devices)} x {devices[0].platform}", "mesh": describe_mesh(setup.mesh), "steps": cfg.steps,
+            "start_step": self.start_step, "resumed_from": self.resumed_from,
+            "init_from": None if self.init_from is None else str(self.init_from), "init_step": self.init_step,
+            "init_from_ignored": init_from is not None and self.resumed_from is not None,
+            "data": self.data.fingerprint["source"],
+        }
+
+    def _check_stage(self, step: int) -> None:
+        meta = ckpt.read_metadata(self.ckpt.dir, step)
+        if meta.get("stage") != self.stage:
+            raise CheckpointError(f"{str(self.run_dir)!r} holds a {meta.get('stage')} run, which dsv4 {self.stage} "
+                                  "cannot resume: choose another --output (and --init-from this run for sparse).")
+
+    def _resume(self, step: int) -> None:
+        setup = self.setup
+        out = self.ckpt.restore(step, model=_abstract_pure(setup.model, setup.mesh),
+                                optimizer=_abstract_pure(setup.optimizer, setup.mesh))
+        for obj, values in ((setup.model, out["model"]), (setup.optimizer, out["optimizer"])):
+            state = nnx.state(obj)
+            nnx.replace_by_pure_dict(state, values)
+            nnx.update(obj, state)
+        self.data.restore(out["data"])
+        self.start_step = step + 1
+
+    def _save(self, step: int, row: dict[str, Any]) -> None:
+        model, optimizer = nnx.merge(self.graphdef, self.state)
+        metadata = {"config": self.cfg.to_dict(), "stage": self.stage, "step": step, "metrics": row,
+                    "model_name": self.cfg.model_name, "dsv4_version": _version()}
+        self.ckpt.save(step, model=nnx.to_pure_dict(nnx.state(model)),
+                       optimizer=nnx.to_pure_dict(nnx.state(optimizer)), data=self.data.state(), metadata=metadata)
+        self.last_saved = step
+
+    def run(self) -> Iterator[dict[str, Any]]:
+        cfg, tokens = self.cfg, self.info["tokens_per_step"]
+        row: dict[str, Any] = {}
+        try:
+            with _deferred_sigint() as interrupted:
+                for step in range(self.start_step, cfg.steps):
+                    if interrupted.is_set():
+                        break
+                    start = time.perf_counter()
+                    batch = shard_batch(next(self.data), self.setup.mesh)
+                    self.state, metrics = self._step_fn(self.state, batch)
+                    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    elapsed = time.perf_counter() - start
+                    row = {"step": step, **{k: metrics[k] for k in METRIC_KEYS}, "step_time_s": elapsed,
+                           "tokens_per_s": tokens / elapsed, "compile": step == self.start_step}
+                    if jax.process_index() == 0:
+                        ckpt.append_metrics(self.run_dir, row)
+                    if step == cfg.steps - 1 or (step + 1) % cfg.checkpoint_period == 0:
+                        self._save(step, row)
+                    yield row
+                if interrupted.is_set():
+                    if row and self.last_saved != row["step"]:
+                        self._save(row["step"], row)
+                    raise KeyboardInterrupt
+        finally:
+            self.ckpt.close()
+
+    def summary(self) -> dict[str, Any]:
+        """First and last rows of the run's metrics and the latest checkpoint directory."""
+        rows = ckpt.read_metrics(self.run_dir)
+        latest = self.ckpt.latest_step()
+        return {"run_dir": str(self.run_dir), "first": rows[0] if rows else None, "last": rows[-1] if rows else None,
+                "checkpoint": None if latest is None else str(self.ckpt.dir / str(latest))}
+
+
+def benchmark_train_step(cfg, steps: int) -> dict[str, Any]:
+    """Time `steps` train steps of `cfg` after a compile step (no checkpoints, batches made upfront).
+
+    Returns:
+      {"stage", "compile_s" (first step, compile included), "step_time_s" (median), "tokens_per_step",
+       "tokens_per_s", "params_total", "params_trainable", "devices", "last": metrics of the last step}.
+    """
+    setup = build(cfg)
+    graphdef, state = nnx.split((setup.model, setup.optimizer))
+    step_fn = make_train_step(cfg, graphdef, state, setup.mesh)
+    data = train_batches(cfg, setup.batch_size)
+    batches = [next(data) for _ in range(steps + 1)]
+    times, metrics = [], {}
+    for batch in batches:
+        start = time.perf_counter()
+        state, metrics = step_fn(state, shard_batch(batch, setup.mesh))
+        metrics = jax.device_get(metrics)
+        times.append(time.perf_counter() - start)
+    tokens = setup.batch_size * cfg.max_target_length
+    step_time = float(np.median(times[1:])) if steps else times[0]
+    return {"stage": "warmup" if cfg.dense_warmup else "sparse", "compile_s": times[0], "step_time_s": step_time,
+            "tokens_per_step": tokens, "tokens_per_s": tokens / step_time, "params_total": setup.params_total,
+            "params_trainable": setup.params_trainable, "devices": jax.device_count(),
+            "last": {k: float(v) for k, v in metrics.items()}}

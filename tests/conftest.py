@@ -1,0 +1,52 @@
+"""Shared test setup: offline Hugging Face caches and a shrunken deepseek4-tiny.
+
+HF_HOME points at a temporary directory and the hub is switched offline before any test module
+imports `datasets` (they read these variables once, at import), so no test touches the network or
+the user's cache.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+_HF_HOME = tempfile.mkdtemp(prefix="dsv4-test-hf-")
+os.environ["HF_HOME"] = _HF_HOME
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+# Five layers (SWA, then CSA/HCA twice: the hash-routed first layer stays unrolled, the repeating
+# CSA/HCA pair is scanned), 128-token rows (HCA needs a multiple of 128), two rows per step: every
+# layer and routing kind and the scanned path, compiled in seconds.
+TINY_OVERRIDES = (
+    "compress_ratios=[0,4,128,4,128]", "base_num_decoder_layers=5", "first_num_hash_layers=1",
+    "vocab_size=512", "max_target_length=128", "per_device_batch_size=2",
+)
+
+
+def tiny_config(stage: str | None = None, *overrides: str, **options):
+    """deepseek4-tiny shrunk by TINY_OVERRIDES, then `overrides` ("key=value") and `options`."""
+    from core.config import load_config
+
+    return load_config("deepseek4-tiny", [*TINY_OVERRIDES, *overrides], stage=stage, options=options or None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _hf_home():
+    """The temporary HF_HOME, removed at the end of the session."""
+    yield _HF_HOME
+    shutil.rmtree(_HF_HOME, ignore_errors=True)
+
+
+@pytest.fixture
+def x64():
+    """float64 JAX for the duration of one test (float64 reference parity)."""
+    import jax
+
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)

@@ -1,0 +1,71 @@
+"""core.bench and `dsv4 bench` (issue 7): memory scaling of the streamed loss, the CLI's JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from core import bench
+from dsv4cli.main import app
+
+SMALL = bench.LossShape("test", "none", batch=1, heads=4, head_dim=16, indexer_heads=4, indexer_head_dim=16, topk=8)
+
+
+def test_streamed_memory_grows_linearly_in_t():
+    """XLA's temp size of the compiled fwd+bwd step: streamed ~2x per doubling, direct ~4x."""
+    def temp(variant, seq):
+        return bench.compile_step(SMALL, seq, variant, head_chunk=2, query_chunk=32)[2].temp_size_in_bytes
+
+    streamed = [temp("streamed", seq) for seq in (256, 512)]
+    direct = [temp("direct", seq) for seq in (256, 512)]
+    assert streamed[1] / streamed[0] < 2.5, streamed
+    assert direct[1] / direct[0] > 3.5, direct  # the test can tell quadratic from linear
+    assert streamed[1] < direct[1] / 10, (streamed, direct)
+
+
+def test_step_flops_by_hand():
+    # B=1, T=8, W=2, H*D=64, HI*DI=64, HI=4: 2 * 16 * (64 + 3 * 64 + 2 * 4)
+    assert bench.step_flops(SMALL, 8) == 2 * 16 * (64 + 192 + 8)
+
+
+def test_cli_bench_tiny_json_has_every_field():
+    result = CliRunner().invoke(app, ["bench", "--shape", "tiny", "--seq", "64", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert set(out) == {f.name for f in dataclasses.fields(bench.LossBenchResult)}
+    assert out["shape"]["name"] == "tiny" and out["matmul_gflops"] > 0 and out["budget_bytes"] > 0
+    (row,) = out["seqs"]
+    assert set(row) == {f.name for f in dataclasses.fields(bench.SeqResult)}
+    assert row["seq"] == 64 and row["fits"] and row["flops"] == bench.step_flops(bench.loss_shape("tiny"), 64)
+    assert [v["variant"] for v in row["variants"]] == list(bench.VARIANTS)
+    for v in row["variants"]:
+        assert set(v) == {f.name for f in dataclasses.fields(bench.VariantResult)}
+        no_grad_diff = {"grad_abs_diff"} if v["variant"] == "teacher+kl" else set()
+        assert v["ran"] and all(value is not None for k, value in v.items() if k not in no_grad_diff), v
+        assert v["compile_s"] > 0 and v["step_s"] > 0 and v["temp_bytes"] >= 0 and v["gflops"] > 0
+        assert v["loss_abs_diff"] <= 1e-5 * v["loss"] and (v["grad_abs_diff"] or 0) <= 1e-5, v
+    assert row["variants"][3]["query_chunk"] == 16 and row["variants"][3]["head_chunk"] == 1
+
+
+def test_cli_rejects_chunks_that_do_not_divide():
+    result = CliRunner().invoke(app, ["bench", "--shape", "tiny", "--seq", "64", "--chunk", "3"])
+    assert result.exit_code == 2 and "--chunk 3" in result.output
+
+
+def test_cli_train_without_core_train(monkeypatch):
+    monkeypatch.setitem(sys.modules, "core.train", None)  # import fails as if not built yet
+    result = CliRunner().invoke(app, ["bench", "--train"])
+    assert result.exit_code == 2 and "benchmark_train_step" in result.output
+
+
+@pytest.mark.parametrize("name", ["flash", "tiny"])
+def test_loss_shapes_come_from_the_model_configs(name):
+    shape = bench.loss_shape(name)
+    if name == "flash":
+        assert (shape.heads, shape.head_dim, shape.indexer_heads, shape.indexer_head_dim, shape.topk) == (64, 512, 64, 128, 512)
+        assert shape.default_head_chunk == 8
+    assert shape.heads % shape.default_head_chunk == 0
