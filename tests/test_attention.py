@@ -14,14 +14,6 @@ from core.rope import RopeSpec
 from tests import reference as ref
 
 
-@pytest.fixture
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
 def packed(rows, t):
     """positions, segment_ids [B, T] for rows of document lengths (the rest is padding)."""
     pos, seg = np.zeros((len(rows), t), np.int64), np.zeros((len(rows), t), np.int64)

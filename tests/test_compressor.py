@@ -14,14 +14,6 @@ from tests import reference as ref
 compress = jax.jit(compress_eager, static_argnames=("ratio", "eps", "rope"))
 
 
-@pytest.fixture
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
 def _packed(lengths, t):
     """positions/segment ids of documents of `lengths` packed into one row, padded to t."""
     pos, seg = np.zeros(t, np.int64), np.zeros(t, np.int64)

@@ -22,14 +22,6 @@ dense_teacher = jax.jit(ev.dense_teacher)
 row_kl = jax.jit(ev.row_kl)
 
 
-@pytest.fixture
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
 def _packed_case(seed, dtype=np.float64):
     """Two packed rows (two documents; one document then padding), random teacher and indexer."""
     rng = np.random.default_rng(seed)

@@ -29,14 +29,6 @@ CHUNKS = {"compressed": [(1, 0), (0, 4), (2, 8)], "joint": [(2, 8)]}
 STREAM_CASES = [("compressed", None, 0, 4), ("compressed", TOPK, 2, 8), ("joint", TOPK, 2, 8)]
 
 
-@pytest.fixture
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
 def packed(lengths, t):
     """positions / segment ids of documents of `lengths` packed into one row, padded to t."""
     pos, seg = np.zeros(t, np.int32), np.zeros(t, np.int32)

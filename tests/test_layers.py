@@ -12,14 +12,6 @@ from core import layers
 from tests import reference_moe as ref
 
 
-@pytest.fixture
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
 def _normal(seed, shape, dtype=jnp.float32, scale=1.0):
     """Seeded NumPy N(0, scale^2) inputs (jax.random would compile a sampler per shape)."""
     return jnp.asarray(np.random.default_rng(seed).normal(size=shape) * scale, dtype)

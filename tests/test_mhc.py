@@ -15,14 +15,6 @@ from tests import reference_moe as ref
 N, M, ITERS, EPS, NORM_EPS = 4, 8, 20, 1e-6, 1e-6
 
 
-@pytest.fixture
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
 def _close(actual, expected, tol, what):
     actual = np.asarray(actual, np.float64)
     expected = np.asarray(expected, np.float64)

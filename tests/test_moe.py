@@ -13,14 +13,6 @@ from core import moe
 from tests import reference_moe as ref
 
 
-@pytest.fixture
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
 def _close(actual, expected, tol, what):
     actual = np.asarray(actual, np.float64)
     expected = np.asarray(expected, np.float64)

@@ -1,6 +1,5 @@
 """Partial interleaved RoPE, its inverse, YaRN and per-layer theta vs the float64 reference."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,14 +7,6 @@ import pytest
 from core.config import load_config
 from core.rope import RopeSpec, apply_rope, rope_frequencies
 from tests import reference as ref
-
-
-@pytest.fixture
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
 
 
 SPECS = [
