@@ -8,22 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from tests.reference import visible  # noqa: F401  (the shared mask reference)
+
 EPS = 1e-8
-
-
-def visible(positions, segment_ids, ratio=4):
-    """bool [B, T, W]: block w visible to t iff all its tokens share t's segment (>= 1) and its
-    last token's position <= positions[t]."""
-    b_, t_ = segment_ids.shape
-    w_ = t_ // ratio
-    out = np.zeros((b_, t_, w_), bool)
-    for b in range(b_):
-        for t in range(t_):
-            for w in range(w_):
-                segs = [segment_ids[b, w * ratio + j] for j in range(ratio)]
-                same = all(s == segment_ids[b, t] for s in segs) and segment_ids[b, t] >= 1
-                out[b, t, w] = same and positions[b, w * ratio + ratio - 1] <= positions[b, t]
-    return out
 
 
 def teacher(q, kv, vis):

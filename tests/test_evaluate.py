@@ -28,7 +28,7 @@ def _packed_case(seed, dtype=np.float64):
     b, t, h, d = 2, 32, 3, 8
     seg = np.array([[1] * 10 + [2] * 22, [1] * 27 + [0] * 5])
     pos = np.array([list(range(10)) + list(range(22)), list(range(27)) + [0] * 5])
-    vis = ref.visible(pos, seg)
+    vis = ref.visible(pos, seg, 4)
     q = rng.normal(size=(b, t, h, d)) * d ** -0.5
     kv = rng.normal(size=(b, t // 4, d))
     scores = np.where(vis, rng.normal(size=vis.shape), NEG)
