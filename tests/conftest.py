@@ -50,3 +50,15 @@ def x64():
     jax.config.update("jax_enable_x64", True)
     yield
     jax.config.update("jax_enable_x64", previous)
+
+
+def packed(lengths, t):
+    """positions / segment ids of documents of `lengths` packed into one row, padded to t."""
+    import numpy as np
+
+    pos, seg = np.zeros(t, np.int32), np.zeros(t, np.int32)
+    start = 0
+    for doc, n in enumerate(lengths, start=1):
+        pos[start:start + n], seg[start:start + n] = np.arange(n), doc
+        start += n
+    return pos, seg

@@ -20,6 +20,7 @@ import reference_loss as ref
 from core.indexer import indexer_scores, select_topk, selection_mask
 from core.indexer_loss import csa_indexer_loss, csa_indexer_loss_streamed
 from core.masks import csa_visible, sliding_window_mask
+from conftest import packed
 
 RATIO, WINDOW, TOPK = 4, 5, 2
 # Chunk settings shared by the tests so jit's cache is hit: (head_chunk, query_chunk).
@@ -27,16 +28,6 @@ CHUNKS = {"compressed": [(1, 0), (0, 4), (2, 8)], "joint": [(2, 8)]}
 # (teacher, topk, head_chunk, query_chunk): one indexer head group (kept residuals) or several
 # (recomputed per group), dense and sparse, both teachers.
 STREAM_CASES = [("compressed", None, 0, 4), ("compressed", TOPK, 2, 8), ("joint", TOPK, 2, 8)]
-
-
-def packed(lengths, t):
-    """positions / segment ids of documents of `lengths` packed into one row, padded to t."""
-    pos, seg = np.zeros(t, np.int32), np.zeros(t, np.int32)
-    start = 0
-    for doc, n in enumerate(lengths, start=1):
-        pos[start:start + n], seg[start:start + n] = np.arange(n), doc
-        start += n
-    return pos, seg
 
 
 def problem(seed, b=2, t=16, h=4, d=8, hi=4, di=8, docs=None):

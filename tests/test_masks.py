@@ -16,21 +16,12 @@ from hypothesis import strategies as st
 import reference_loss as ref
 from core.indexer import indexer_scores, select_topk, selection_mask
 from core.masks import NEG, block_segment_ids, csa_visible, sliding_window_mask
+from conftest import packed
 
 visible = jax.jit(csa_visible, static_argnums=2)
 window = jax.jit(sliding_window_mask, static_argnums=2)
 scores_fn = jax.jit(indexer_scores, static_argnames="head_chunk")
 topk_fn = jax.jit(select_topk, static_argnums=2)
-
-
-def packed(lengths, t):
-    """positions / segment ids of documents of `lengths` packed into one row, padded to t."""
-    pos, seg = np.zeros(t, np.int32), np.zeros(t, np.int32)
-    start = 0
-    for doc, n in enumerate(lengths, start=1):
-        pos[start:start + n], seg[start:start + n] = np.arange(n), doc
-        start += n
-    return pos, seg
 
 
 def batch(*rows, t):
