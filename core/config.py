@@ -216,13 +216,30 @@ def _read_yaml(path: Path, what: str) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text())
     except OSError as e:
         raise ConfigError(f"{what} {str(path)!r} cannot be read ({e.strerror}): check the path.") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {str(path)!r} is not UTF-8 text (byte {e.start}): give a YAML file.") from e
     except yaml.YAMLError as e:
-        raise ConfigError(f"{what} {str(path)!r} is not valid YAML ({e}): fix its syntax.") from e
+        raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {_yaml_problem(e)}; fix the syntax there.") from e
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {str(path)!r} must be a mapping of KEY: VALUE lines, got {type(data).__name__}.")
     return data
+
+
+def _yaml_problem(e: Exception) -> str:
+    """PyYAML's multi-line error as one phrase: 'line L, column C: problem (context at line L', column C')'."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if mark is None or not problem:
+        return " ".join(str(e).split()) or type(e).__name__
+    where = lambda m: f"line {m.line + 1}, column {m.column + 1}"  # noqa: E731  (marks are 0-based)
+    text = f"{where(mark)}: {problem}"
+    context, context_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context and context_mark is not None and (context_mark.line, context_mark.column) != (mark.line, mark.column):
+        text += f" ({context} started at {where(context_mark)})"
+    elif context:
+        text += f" ({context})"
+    return text
 
 
 def _model_file(model: str) -> Path:

@@ -52,3 +52,18 @@ def test_config_errors_are_one_line_exit_2(args, key):
     lines = [l for l in out.stderr.splitlines() if l.strip()]
     assert len(lines) == 1, out.stderr
     assert key in lines[0] and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("option", ["--config", "--model"])
+def test_malformed_yaml_is_one_line_with_line_and_column(tmp_path, option):
+    """PyYAML's multi-line context becomes one line: file, line, column, problem (issue 14)."""
+    bad = tmp_path / "bad.yml"
+    bad.write_text("steps: 3\nlearning_rate: [1e-3\nindexer_topk: 8\n")
+    out = subprocess.run([sys.executable, "-m", "dsv4cli.main", "warmup", option, str(bad),
+                          "--output", str(tmp_path / "run")], capture_output=True, text=True)
+    assert out.returncode == 2, out.stderr
+    lines = [l for l in out.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert str(bad) in lines[0] and "line 3, column 13: expected ',' or ']'" in lines[0], lines[0]
+    assert "flow sequence started at line 2, column 16" in lines[0]
+    assert not (tmp_path / "run").exists()
