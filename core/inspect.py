@@ -6,11 +6,10 @@ optimizer items from Orbax's tree metadata). Sizes on disk come from the step di
 
 Variable kinds are told apart by path, following core/moe.py's names: `.../gate/tid2eid` is the
 hash-routing table (not a parameter), `.../gate/bias` the router selection bias (moved by the
-load-balance update, not by gradients), everything else an `nnx.Param`. Totals follow the
-training header (core.train.build): parameters = the nnx.Params; trainable = those whose
-'/'-joined path one of `trainable_parameters_mask`'s regexes fully matches (empty mask =
-all), the rule of `core.train.path_matcher`; frozen = the rest. Router biases and hash tables are
-reported as non-parameter state.
+load-balance update, not by gradients), everything else an `nnx.Param`. Totals are
+`core.params.count_parameters`, the one count the training header and `core.model.param_counts`
+also use: parameters = the nnx.Params + the router biases (the official inventory, MTP excluded)
+= trainable + frozen + router bias; the hash tables are listed beside it, not counted.
 """
 
 from __future__ import annotations
@@ -27,11 +26,11 @@ from typing import Any, Sequence
 
 from core import checkpoint as ckpt
 from core.errors import CheckpointError
+from core.params import KINDS, count_parameters, mask_matcher, variable_kind  # noqa: F401  (re-exported)
 
 INDEXER_KEYS = ("use_indexer", "indexer_n_heads", "indexer_head_dim", "indexer_topk",
                 "indexer_loss_scaling_factor", "indexer_sparse_training", "indexer_teacher",
                 "trainable_parameters_mask")
-KINDS = ("param", "router_bias", "hash_table")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,22 +61,6 @@ def _itemsize(dtype: str) -> int:
         import ml_dtypes
 
         return np.dtype(getattr(ml_dtypes, dtype)).itemsize
-
-
-def variable_kind(path: str) -> str:
-    """'hash_table' for .../gate/tid2eid, 'router_bias' for .../gate/bias, else 'param'."""
-    parts = path.split("/")
-    if parts[-1] == "tid2eid":
-        return "hash_table"
-    if parts[-2:] == ["gate", "bias"]:
-        return "router_bias"
-    return "param"
-
-
-def mask_matcher(patterns: Sequence[str]):
-    """path -> trainable?, the rule of core.train.path_matcher (kept import-light here)."""
-    compiled = [re.compile(p) for p in patterns]
-    return lambda path: not compiled or any(c.fullmatch(path) for c in compiled)
 
 
 def fold(leaves: Sequence[Leaf], depth: int | None) -> list[dict[str, Any]]:
@@ -137,16 +120,15 @@ class CheckpointSummary:
     disk_bytes: int            # files of this step directory
 
     def totals(self) -> dict[str, int]:
-        params = [l for l in self.leaves if l.kind == "param"]
-        trainable = sum(l.count for l in params if l.trainable)
-        total = sum(l.count for l in params)
+        trained = {l.path for l in self.leaves if l.trainable}
+        counts = count_parameters({l.path: l.shape for l in self.leaves}, trained.__contains__)
         return {
-            "parameters": total,
-            "trainable": trainable,
-            "frozen": total - trainable,
-            "parameter_bytes": sum(l.bytes for l in params),
-            "router_bias": sum(l.count for l in self.leaves if l.kind == "router_bias"),
-            "hash_table": sum(l.count for l in self.leaves if l.kind == "hash_table"),
+            "parameters": counts["parameters"],
+            "trainable": counts["trainable"],
+            "frozen": counts["frozen"],
+            "parameter_bytes": sum(l.bytes for l in self.leaves if l.kind != "hash_table"),
+            "router_bias": counts["router_bias"],
+            "hash_table": counts["hash_table"],
             "optimizer_state": self.optimizer_count,
             "optimizer_bytes": self.optimizer_bytes,
             "disk_bytes": self.disk_bytes,

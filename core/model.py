@@ -42,7 +42,7 @@ from flax import nnx
 from core.attention import Attention, AttentionSpec
 from core.layers import RMSNorm, dense_init, param
 from core.mhc import HeadCollapse, HyperConnection, expand
-from core.moe import MoE, RouterBias, hash_table, update_router_bias
+from core.moe import MoE, hash_table, update_router_bias
 
 MODES = ("train", "eval", "eval_dense")
 COLLECT_KEYS = ("index_scores", "topk_idx", "topk_valid", "teacher_query", "compressed_kv", "visible")
@@ -283,19 +283,20 @@ class Transformer(nnx.Module):
 def param_counts(cfg) -> dict[str, int]:
     """{"total", "active"} parameter counts of `cfg`'s decoder, computed abstractly.
 
-    Counted as the official checkpoint's tensor inventory (MTP excluded): every nnx.Param plus
-    the router selection biases; the hash tables are not parameters. active = total - the
-    embedding - the routed experts a token does not choose ((E - k) / E of every expert weight).
+    total is `core.params.count_parameters`'s "parameters" (the official checkpoint's tensor
+    inventory, MTP excluded: every nnx.Param plus the router selection biases; the hash tables
+    are not parameters). active = total - the embedding - the routed experts a token does not
+    choose ((E - k) / E of every expert weight).
     """
+    from core.checkpoint import shapes
+    from core.params import count_parameters
+
     model = nnx.eval_shape(lambda: Transformer(cfg.replace(scan_layers=True), rngs=nnx.Rngs(0)))
-    total = unchosen = 0
+    total = count_parameters(shapes(nnx.to_pure_dict(nnx.state(model))))["parameters"]
+    unchosen = 0
     e, k = cfg.num_experts, cfg.num_experts_per_tok
     for _, var in nnx.iter_graph(model):
-        if not isinstance(var, (nnx.Param, RouterBias)):
-            continue
-        size = math.prod(var.shape)
-        total += size
-        if "experts" in (var.get_metadata().get("out_sharding") or ()):
-            unchosen += size // e * (e - k)
+        if isinstance(var, nnx.Param) and "experts" in (var.get_metadata().get("out_sharding") or ()):
+            unchosen += math.prod(var.shape) // e * (e - k)
     embed = cfg.vocab_size * cfg.emb
     return {"total": total, "active": total - embed - unchosen}

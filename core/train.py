@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import re
 import signal
 import threading
@@ -44,6 +43,7 @@ from core.data import train_batches
 from core.errors import CheckpointError, ConfigError
 from core.model import Transformer
 from core.moe import RouterBias
+from core.params import count_parameters
 from core.sharding import (abstract_state, create_sharded, describe_mesh, make_mesh, shard_batch, shard_state,
                            state_shardings)
 
@@ -212,7 +212,7 @@ class Setup:
     model: Transformer
     optimizer: nnx.Optimizer
     batch_size: int      # global rows per step
-    params_total: int
+    params_total: int    # core.params.count_parameters: nnx.Params + router biases
     params_trainable: int
 
 
@@ -233,9 +233,9 @@ def build(cfg) -> Setup:
         model = create_sharded(make_model, mesh)
         optimizer = create_sharded(make_opt, mesh, model)
     labels = trainable_labels(model, cfg.trainable_parameters_mask)
-    sizes = {p: math.prod(x.shape) for p, x in ckpt.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
+    counts = count_parameters(ckpt.shapes(nnx.to_pure_dict(nnx.state(model))), lambda p: labels.get(p, False))
     return Setup(cfg, mesh, model, optimizer, cfg.per_device_batch_size * mesh.size,
-                 sum(sizes.values()), sum(n for p, n in sizes.items() if labels[p]))
+                 counts["parameters"], counts["trainable"])
 
 
 def _abstract_pure(obj, mesh):

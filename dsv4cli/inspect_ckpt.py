@@ -62,7 +62,13 @@ def _render(console, s: dict[str, Any]) -> None:
         table.add_row(escape(g["path"]), shape, ",".join(g["dtypes"]), f"{g['count']:,}", trainable)
     console.print(table)
     t = s["totals"]
-    console.print(f"parameters {t['parameters']:,} ({_size(t['parameter_bytes'])})  ·  trainable {t['trainable']:,}  ·  "
-                  f"frozen {t['frozen']:,}  ·  router bias {t['router_bias']:,}  ·  hash table {t['hash_table']:,}")
+    console.print(f"parameters {t['parameters']:,} ({_size(t['parameter_bytes'])}; nnx.Params + router biases, "
+                  "the official inventory's count)")
+    width = len(f"{t['parameters']:,}")
+    for name, key, note in (("trainable", "trainable", "gradient-trained (trainable_parameters_mask)"),
+                            ("frozen", "frozen", "other nnx.Params"),
+                            ("router bias", "router_bias", "moved by the load-balance update, not by gradients"),
+                            ("hash table", "hash_table", "token -> experts table, not a parameter (not in the total)")):
+        console.print(f"  {name:<12}{t[key]:>{width},}  {note}")
     console.print(f"optimizer state {t['optimizer_state']:,} ({_size(t['optimizer_bytes'])})  ·  "
                   f"on disk {_size(t['disk_bytes'])}")

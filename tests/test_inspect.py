@@ -6,6 +6,7 @@ import atexit
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -39,7 +40,7 @@ def warmup_run() -> Path:
         result = runner.invoke(app, ["warmup", "--steps", str(len(STEPS)), "--output", str(run / "run"),
                                      *OVERRIDES, "checkpoint_period=1"])
         assert result.exit_code == 0, result.output
-        done.write_text("ok")
+        done.write_text(result.output)  # the training header, for test_one_parameter_count
     return run / "run"
 
 
@@ -49,6 +50,7 @@ def abstract_expectations(run: Path) -> dict:
 
     from core import checkpoint as ckpt
     from core.model import Transformer
+    from core.moe import RouterBias
     from core.train import make_optimizer
 
     cfg = ckpt.config_of(run)
@@ -56,9 +58,11 @@ def abstract_expectations(run: Path) -> dict:
     optimizer = nnx.eval_shape(lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param), model)
     params = {p: math.prod(x.shape) for p, x in ckpt.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
     indexer = {p: "indexer" in p.split("/") for p in params}  # the warm-up mask '.*indexer.*'
+    biases = sum(math.prod(x.shape) for x in ckpt.flatten(nnx.to_pure_dict(nnx.state(model, RouterBias))).values())
     return {
         "model": {p: (tuple(x.shape), str(x.dtype)) for p, x in ckpt.flatten(nnx.to_pure_dict(nnx.state(model))).items()},
-        "parameters": sum(params.values()),
+        "parameters": sum(params.values()) + biases,  # the official inventory: nnx.Params + router biases
+        "router_bias": biases,
         "trainable": sum(n for p, n in params.items() if indexer[p]),
         "optimizer_state": sum(math.prod(x.shape) for x in ckpt.flatten(nnx.to_pure_dict(nnx.state(optimizer))).values()),
         "params": params,
@@ -84,9 +88,10 @@ def test_summary_matches_the_model_it_was_written_from(run_dir):
     assert {l.path: (l.shape, l.dtype) for l in s.leaves} == want["model"]
     t = s.totals()
     assert t["parameters"] == want["parameters"] and t["trainable"] == want["trainable"] > 0
-    assert t["frozen"] == want["parameters"] - want["trainable"]
+    assert t["frozen"] == want["parameters"] - want["router_bias"] - want["trainable"]
+    assert t["router_bias"] == want["router_bias"]
     assert t["optimizer_state"] == want["optimizer_state"]
-    assert t["router_bias"] > 0 and t["hash_table"] == 512 * 4  # layer 0's token -> experts table
+    assert want["router_bias"] > 0 and t["hash_table"] == 512 * 4  # layer 0's token -> experts table
     assert {l.path for l in s.leaves if l.kind == "param"} == set(want["params"])
     assert {l.path: l.trainable for l in s.leaves if l.kind == "param"} == want["labels"]
     assert t["disk_bytes"] > 0 and t["parameter_bytes"] == 4 * t["parameters"]
@@ -170,8 +175,27 @@ def test_cli_table(run_dir):
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert "steps present: 0, 1" in out and "stage warmup" in out and "indexer_topk=4" in out
-    assert f"trainable {want['trainable']:,}" in out
+    assert re.search(rf"^  trainable +{want['trainable']:,}  ", out, re.M), out
     assert "layers/1 " in out and "layers/1/attn" not in out  # folded at depth 2
+
+
+def test_one_parameter_count(run_dir):
+    """inspect-ckpt's table and --json, the training header and param_counts: one total (issue 14)."""
+    from core.checkpoint import config_of
+    from core.model import param_counts
+
+    run, want = run_dir
+    total = param_counts(config_of(run))["total"]
+    assert total == want["parameters"]  # nnx.Params + router biases, the official inventory
+    d = json.loads(runner.invoke(app, ["inspect-ckpt", str(run), "--json"]).stdout)["totals"]
+    assert d["parameters"] == total == d["trainable"] + d["frozen"] + d["router_bias"]
+    table = runner.invoke(app, ["inspect-ckpt", str(run)]).stdout
+    assert f"parameters {total:,} (" in table
+    sub = {m[1]: int(m[2].replace(",", "")) for m in re.finditer(r"^  (\w+(?: \w+)?) +([\d,]+)  ", table, re.M)}
+    assert sub == {"trainable": d["trainable"], "frozen": d["frozen"], "router bias": want["router_bias"],
+                   "hash table": d["hash_table"]}, table
+    header = (run.parent / "done").read_text()
+    assert f"params {total:,} (" in header and f"{want['trainable']:,} trainable" in header
 
 
 def _corrupt(run: Path, tmp_path: Path, how: str) -> Path:
