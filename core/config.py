@@ -115,6 +115,7 @@ class Config:
     tokenizer_path: str
     eval_holdout_fraction: float
     data_shuffle_seed: int
+    allow_data_change: bool           # resume although the data contents' identity changed
     # device mesh
     ici_data_parallelism: int
     ici_fsdp_parallelism: int

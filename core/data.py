@@ -20,17 +20,20 @@ document, and `loss_mask` is 1 exactly on non-padding tokens. Training rows are 
 stream runs over epochs, reshuffled per epoch); only the last evaluation row can be.
 
 Position: `TrainBatches.state()` is a small JSON-able dict (epoch, document index, token offset,
-plus a fingerprint of the data settings); `restore(state)` continues exactly where it was.
+plus a fingerprint of the data settings and a cheap identity of the contents, core/data_identity.py);
+`restore(state)` continues exactly where it was, and refuses changed data unless allow_data_change.
 """
 
 from __future__ import annotations
 
 import glob as globlib
+import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from core import data_identity
 from core.errors import DataError
 
 BYTE_BOS, BYTE_EOS = 256, 257
@@ -182,6 +185,7 @@ class Documents:
         self._texts: Sequence[Any]
         if not cfg.hf_path:
             texts = embedded_documents()
+            self.identity = data_identity.texts_identity(texts, f"pydoc_data.topics (Python {sys.version.split()[0]})")
             self._texts, self._index = texts, self._holdout(len(texts), cfg, split, "the embedded text")
             self.column = None
             return
@@ -191,6 +195,7 @@ class Documents:
             raise DataError(f"hf_eval_split={cfg.hf_eval_split!r} applies to hub datasets; for local files "
                             "leave it empty and set eval_holdout_fraction.")
         ds = _load_split(cfg, cfg.hf_eval_split if use_eval_split else cfg.hf_split, files)
+        self.identity = data_identity.files_identity(files) if files is not None else data_identity.dataset_identity(ds)
         if cfg.hf_streaming:
             self.streaming, self._stream = True, ds
             if not use_eval_split and not cfg.hf_eval_split:
@@ -309,7 +314,8 @@ class TrainBatches(_Packer):
         tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.vocab_size)
         super().__init__(tokenizer, batch_size, cfg.max_target_length)
         self.documents = Documents(cfg, "train")
-        self.fingerprint = data_fingerprint(cfg)
+        self.fingerprint = {**data_fingerprint(cfg), "contents": self.documents.identity}
+        self._allow_change = cfg.allow_data_change
         self._epoch = 0
         self._texts: Iterator[str] | None = None
 
@@ -339,11 +345,16 @@ class TrainBatches(_Packer):
         """Where the next batch starts: JSON-able, for the checkpoint."""
         return {"epoch": self._epoch, "document": self._doc, "offset": self._offset, "data": self.fingerprint}
 
-    def restore(self, state: dict[str, Any]) -> None:
-        """Continue from `state()`: the following batches equal an uninterrupted run's."""
-        _check_fingerprint(state, self.fingerprint)
+    def check(self, state: dict[str, Any]) -> list[str]:
+        """DataError if `state` was saved for other data (see `_check_fingerprint`); returns notices."""
+        return _check_fingerprint(state, self.fingerprint, self._allow_change)
+
+    def restore(self, state: dict[str, Any]) -> list[str]:
+        """Continue from `state()`: the following batches equal an uninterrupted run's. Returns `check`'s notices."""
+        notices = self.check(state)
         self._epoch, self._doc, self._offset = int(state["epoch"]), int(state["document"]), int(state["offset"])
         self._ids, self._texts = None, None
+        return notices
 
 
 class SyntheticBatches:
@@ -352,7 +363,8 @@ class SyntheticBatches:
     def __init__(self, cfg, batch_size: int, split: str = "train"):
         self.batch_size, self.length, self.vocab = batch_size, cfg.max_target_length, cfg.vocab_size
         self.seed = [cfg.data_shuffle_seed, 0 if split == "train" else 1]
-        self.fingerprint = data_fingerprint(cfg)
+        self.fingerprint = {**data_fingerprint(cfg), "contents": data_identity.SYNTHETIC}
+        self._allow_change = cfg.allow_data_change
         self._step = 0
 
     def __iter__(self) -> "SyntheticBatches":
@@ -370,9 +382,13 @@ class SyntheticBatches:
     def state(self) -> dict[str, Any]:
         return {"batch": self._step, "data": self.fingerprint}
 
-    def restore(self, state: dict[str, Any]) -> None:
-        _check_fingerprint(state, self.fingerprint)
+    def check(self, state: dict[str, Any]) -> list[str]:
+        return _check_fingerprint(state, self.fingerprint, self._allow_change)
+
+    def restore(self, state: dict[str, Any]) -> list[str]:
+        notices = self.check(state)
         self._step = int(state["batch"])
+        return notices
 
 
 class _EvalPacker(_Packer):
@@ -404,13 +420,16 @@ def data_fingerprint(cfg) -> dict[str, Any]:
     return fp
 
 
-def _check_fingerprint(state: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+def _check_fingerprint(state: dict[str, Any], fingerprint: dict[str, Any], allow_change: bool = False) -> list[str]:
+    """DataError if the settings differ, or the contents (unless `allow_change`); returns notices."""
     saved = state.get("data", {})
-    diff = sorted(k for k in fingerprint if saved.get(k) != fingerprint[k])
+    diff = sorted(k for k in fingerprint if k != "contents" and saved.get(k) != fingerprint[k])
     if diff:
         k = diff[0]
         raise DataError(f"the checkpoint's data position was saved with {k}={saved.get(k)!r}, not {fingerprint[k]!r}: "
                         "resume with the same data settings or start a new run (--output).")
+    return data_identity.check_contents(saved.get("contents"), fingerprint["contents"], source=fingerprint["source"],
+                                        allow=allow_change)
 
 
 def train_batches(cfg, batch_size: int) -> TrainBatches | SyntheticBatches:

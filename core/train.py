@@ -119,7 +119,7 @@ def trainable_labels(model: nnx.Module, patterns: Sequence[str]) -> dict[str, bo
 _RUN_ONLY_KEYS = frozenset({
     "dataset_type", "hf_path", "hf_name", "hf_data_files", "hf_split", "hf_eval_split", "hf_text_column",
     "hf_streaming", "tokenizer_path", "eval_holdout_fraction", "data_shuffle_seed", "checkpoint_period",
-    "max_checkpoints", "async_checkpointing", "base_output_directory", "run_name"})
+    "max_checkpoints", "async_checkpointing", "base_output_directory", "run_name", "allow_data_change"})
 # Per process, keyed by the compile-relevant config: the optax transformation (it is part of the
 # optimizer's graphdef, so reusing it makes equal configs give equal graphdefs) and the jitted
 # step, so a resumed or repeated run in the same process does not compile again.
@@ -301,7 +301,10 @@ class Trainer:
         # Cheap checks first (stage, data, shapes from metadata): building and compiling take a while.
         if self.resumed_from is not None:
             self._check_stage(self.resumed_from)
+            ckpt.read_metrics(self.run_dir)  # a corrupt metrics.jsonl stops the resume before anything is written
         self.data = train_batches(cfg, cfg.per_device_batch_size * jax.device_count())
+        data_notices = ([] if self.resumed_from is None  # changed data stops a resume before the model is built
+                        else self.data.check(ckpt.read_data_state(self.ckpt.dir, self.resumed_from)))
         if self.resumed_from is not None or init_from is not None:
             abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
             source = self.ckpt.dir if self.resumed_from is not None else init_from
@@ -313,7 +316,7 @@ class Trainer:
             self.init_step = load_init_weights(setup, init_from)
         self.init_from = None if self.resumed_from is not None else init_from
         ckpt.write_config(self.run_dir, cfg)
-        ckpt.truncate_metrics(self.run_dir, self.start_step - 1)
+        notices = [*data_notices, *ckpt.truncate_metrics(self.run_dir, self.start_step - 1)]
         self.graphdef, self.state = nnx.split((setup.model, setup.optimizer))
         self._step_fn = make_train_step(cfg, self.graphdef, self.state, setup.mesh)
         self.last_saved = self.resumed_from
@@ -328,6 +331,7 @@ class Trainer:
             "init_from": None if self.init_from is None else str(self.init_from), "init_step": self.init_step,
             "init_from_ignored": init_from is not None and self.resumed_from is not None,
             "data": self.data.fingerprint["source"],
+            "notices": notices,  # one-line messages for the user before the first step
         }
 
     def _check_stage(self, step: int) -> None:

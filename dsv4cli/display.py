@@ -12,6 +12,7 @@ from typing import Any, Iterator, Mapping
 
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 COLUMNS = (  # (key, title, format)
@@ -60,6 +61,8 @@ class TrainDisplay:
                 f"tokens/step {info['tokens_per_step']:,} ({info['batch_size']} x {info['max_target_length']})  ·  "
                 f"devices {info['mesh']}")
         c.print(f"run {info['run_dir']}  ·  data {info['data']}  ·  steps {info['start_step']}..{info['steps'] - 1}")
+        for notice in info.get("notices", ()):
+            c.print(f"[yellow]notice:[/yellow] {escape(notice)}")
         if info["resumed_from"] is not None:
             c.print(f"resuming from checkpoint step {info['resumed_from']}, continuing to step {info['steps'] - 1}"
                     + ("  (--init-from ignored: the run already has checkpoints)" if info["init_from_ignored"] else ""))
