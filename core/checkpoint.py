@@ -124,7 +124,8 @@ def read_metrics(run_dir: Path, notices: list[str] | None = None) -> list[dict[s
                     notices.append(f"{str(path)!r} line {lineno} is torn (a run killed while writing it): "
                                    "dropped; the earlier rows are kept.")
                 break
-            raise CheckpointError(f"{str(path)!r} line {lineno} is corrupt ({str(e).splitlines()[0][:80]}): "
+            detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+            raise CheckpointError(f"{str(path)!r} line {lineno} is corrupt ({detail[:80]}): "
                                   "delete or repair that line, or train into a new --output.") from None
         rows.append(row)
     return rows

@@ -46,7 +46,7 @@ def files_identity(files: Sequence[str]) -> dict[str, Any]:
     when = datetime.datetime.fromtimestamp(newest / 1e9).isoformat(sep=" ", timespec="seconds")
     size = sum(s for _, s, _ in stats)
     return {"digest": _digest(stats),
-            "summary": f"{len(stats)} file(s), {size:,} bytes, newest modified {when}"}
+            "summary": f"{len(stats)} file{'s' * (len(stats) != 1)}, {size:,} bytes, newest modified {when}"}
 
 
 def dataset_identity(ds: Any) -> dict[str, Any]:

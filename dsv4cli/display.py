@@ -61,8 +61,6 @@ class TrainDisplay:
                 f"tokens/step {info['tokens_per_step']:,} ({info['batch_size']} x {info['max_target_length']})  ·  "
                 f"devices {info['mesh']}")
         c.print(f"run {info['run_dir']}  ·  data {info['data']}  ·  steps {info['start_step']}..{info['steps'] - 1}")
-        for notice in info.get("notices", ()):
-            c.print(f"[yellow]notice:[/yellow] {escape(notice)}")
         if info["resumed_from"] is not None:
             c.print(f"resuming from checkpoint step {info['resumed_from']}, continuing to step {info['steps'] - 1}"
                     + ("  (--init-from ignored: the run already has checkpoints)" if info["init_from_ignored"] else ""))
@@ -70,6 +68,8 @@ class TrainDisplay:
             c.print(f"initialised from {info['init_from']} (step {info['init_step']}), fresh optimizer")
         if info["start_step"] >= info["steps"]:
             c.print(f"nothing to do: the run already has {info['steps']} steps (raise --steps to continue)")
+        for notice in info.get("notices", ()):
+            c.print(f"[yellow]notice:[/yellow] {escape(notice)}")
 
     def _table(self) -> Table:
         table = Table(box=None, pad_edge=False, header_style="bold")

@@ -106,8 +106,10 @@ def test_torn_last_metrics_line_is_dropped_and_the_run_goes_on(tmp_path):
     metrics = run / ckpt.METRICS_FILE
     rows = metrics.read_text().splitlines()
     metrics.write_text(rows[0] + "\n" + rows[1][: len(rows[1]) // 2])  # killed while appending step 1's row
-    for command in (["inspect-ckpt", str(run)], ["inspect-ckpt", str(run), "--json"]):
-        assert runner.invoke(app, command).exit_code == 0  # readers of a torn run are unaffected
+    # readers of a torn run are unaffected (eval-indexer reuses tests/test_eval_cli.py's compiled step)
+    for command in (["inspect-ckpt", str(run), "--json"], ["eval-indexer", str(run), "--batches", "1", "--topk", "2,4,8"]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 0, result.output
     result = _warmup(run)
     assert result.exit_code == 0, result.output
     assert f"notice: {str(metrics)!r} line 2 is torn" in result.stdout, result.stdout
