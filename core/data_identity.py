@@ -6,7 +6,8 @@ this covers the contents, without reading them:
 
 - local files: their paths, sizes and modification times (append a document, replace a file,
   add one to the glob or directory: the identity changes; `touch` alone changes it too);
-- a hub dataset loaded whole: the `datasets` library's own fingerprint of the loaded split;
+- a hub dataset loaded whole: the names of its Arrow cache files (dataset, configuration and
+  revision) and its row count;
 - a streamed hub dataset: none (nothing cheap identifies it; the settings still must match);
 - the embedded text: a hash of its documents (pydoc_data changes between Python versions);
 - synthetic data: its generator, which depends on the settings alone.
@@ -22,6 +23,7 @@ import datetime
 import hashlib
 import json
 import os
+from pathlib import Path
 from typing import Any, Sequence
 
 from core.errors import DataError
@@ -50,7 +52,17 @@ def files_identity(files: Sequence[str]) -> dict[str, Any]:
 
 
 def dataset_identity(ds: Any) -> dict[str, Any]:
-    """Identity of a loaded `datasets` split: its library fingerprint (None when streamed)."""
+    """Identity of a loaded `datasets` split (digest None when streamed).
+
+    From the split's Arrow cache files, named by `datasets` after the dataset, its configuration
+    and revision: their last path components (not the machine's cache directory, and not their
+    modification times, which the library's own `_fingerprint` hashes, so a re-download or
+    another HF_HOME keeps the identity), plus the row count. An in-memory split: `_fingerprint`.
+    """
+    files = [f["filename"] for f in (getattr(ds, "cache_files", None) or [])]
+    if files:
+        names = ["/".join(Path(f).parts[-4:]) for f in files]
+        return {"digest": _digest([names, len(ds)]), "summary": f"{len(ds):,} rows, cache {Path(files[0]).parent.name[:16]}"}
     fingerprint = getattr(ds, "_fingerprint", None)
     if fingerprint is None:
         return {"digest": None, "summary": "a streamed hub dataset (contents not fingerprinted)"}

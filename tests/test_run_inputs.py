@@ -148,3 +148,23 @@ def test_resume_on_changed_data_stops_unless_allowed(tmp_path):
     assert allowed.exit_code == 0, allowed.output
     assert "resuming anyway (allow_data_change=true)" in allowed.stdout
     assert ckpt.finished_steps(run / "checkpoints") == [0, 1]
+
+
+def test_hub_and_embedded_identities():
+    """A hub split is identified by its cache files' names and row count, not the machine's cache dir."""
+    import datasets
+
+    from core import data, data_identity
+
+    class Split(list):
+        def __init__(self, rows, home):
+            super().__init__(rows)
+            self.cache_files = [{"filename": f"{home}/datasets/org___docs/default/0.0.0/{'ab' * 20}/docs-train.arrow"}]
+
+    here, there = data_identity.dataset_identity(Split("xy", "/a")), data_identity.dataset_identity(Split("xy", "/b/c"))
+    assert here == there and data_identity.dataset_identity(Split("xyz", "/a"))["digest"] != here["digest"]
+    in_memory = datasets.Dataset.from_dict({"text": ["a", "b"]})
+    assert data_identity.dataset_identity(in_memory)["digest"] == in_memory._fingerprint
+    texts = data.embedded_documents()
+    assert data_identity.texts_identity(texts, "x") == data_identity.texts_identity(list(texts), "x")
+    assert data_identity.texts_identity(texts[:-1], "x")["digest"] != data_identity.texts_identity(texts, "x")["digest"]
