@@ -57,7 +57,8 @@ class TrainDisplay:
     def header(self, info: Mapping[str, Any]) -> None:
         c = self.console
         c.print(f"[bold]dsv4 {info['stage']}[/bold]  model {info['model_name']}  ·  params "
-                f"{info['params_total']:,} ({fmt_count(info['params_total'])}) total, {info['params_trainable']:,} trainable  ·  "
+                f"{info['params_total']:,} ({fmt_count(info['params_total'])}) total, "
+                f"{info['params_trainable']:,} trainable  ·  "
                 f"tokens/step {info['tokens_per_step']:,} ({info['batch_size']} x {info['max_target_length']})  ·  "
                 f"devices {info['mesh']}")
         c.print(f"run {info['run_dir']}  ·  data {info['data']}  ·  steps {info['start_step']}..{info['steps'] - 1}")
