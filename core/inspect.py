@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import os
-import re
 from pathlib import Path
 from typing import Any, Sequence
 
