@@ -272,6 +272,39 @@ def hf_shape(rule: Rule, layout: str, ours_shape: tuple, dims: dict) -> tuple:
 # ----------------------------------------------------------------------------- into a model
 
 
+def state_slots(cfg) -> tuple[dict[str, tuple[str, int | None]], dict[str, object], object]:
+    """Where each logical path lives in the model state (scanned segments of core.model.layer_plan).
+
+    Returns:
+      ({logical path: (flat '/'-joined state key, index on the stacked layer axis or None)},
+       {flat key: abstract leaf (ShapeDtypeStruct)} in state order, the state's treedef).
+    """
+    import jax
+    from flax import nnx
+
+    from core.checkpoint import flatten
+    from core.model import Transformer
+
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
+    pure = nnx.to_pure_dict(nnx.state(abstract))
+    leaves = flatten(pure)
+    where = {}
+    for key in leaves:
+        parts = key.split("/")
+        if parts[0] != "layers":
+            where[".".join(parts)] = (key, None)
+            continue
+        start, unit, reps = abstract.segments[int(parts[1])]
+        if reps == 1:
+            where[f"layers.{start}." + ".".join(parts[2:])] = (key, None)
+        else:  # layers/<s>/blocks/<u>/...: layer start + j * unit + u
+            u, rest = int(parts[3]), ".".join(parts[4:])
+            for j in range(reps):
+                where[f"layers.{start + j * unit + u}.{rest}"] = (key, j)
+    return where, leaves, jax.tree_util.tree_structure(pure)
+
+
+
 def block_slot(model, layer: int):
     """(Block module, index into its stacked leading axis or None) of decoder layer `layer`."""
     for segment, (start, unit, reps) in zip(model.layers, model.segments):
