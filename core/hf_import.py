@@ -253,7 +253,8 @@ def import_checkpoint(src: str, output: str | Path, *, dtype: str | None = None,
     cfg, layout, reason = build_config(config, table, model_name=model_name, dtype=dtype)
     where, leaves, treedef = names.state_slots(cfg)
     dims = {**names.dims_of(cfg), "experts": cfg.num_experts}
-    summary = ImportSummary(str(src), str(output), layout, cfg.model_name, sum(math.prod(v.shape) for v in leaves.values()),
+    params = sum(math.prod(v.shape) for v in leaves.values() if not np.issubdtype(v.dtype, np.integer))
+    summary = ImportSummary(str(src), str(output), layout, cfg.model_name, params,
                             cfg.weight_dtype, reason, use_indexer=cfg.use_indexer, routed_bias=cfg.routed_bias)
     buffers: dict[str, np.ndarray] = {}
     filled: set = set()

@@ -166,7 +166,7 @@ def write_official(root: Path, c: dict, *, seed: int = 0, mtp: bool = True, shar
 # A shrunken V4: SWA, hash-routed CSA, then (HCA, CSA) twice (a scanned segment), learned routing
 # from layer 2; widths chosen so wq_b / wo_a span two 128-blocks and experts two 32-groups.
 SMALL = dict(
-    vocab_size=256, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
+    vocab_size=512, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
     head_dim=64, qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=32, sliding_window=16,
     compress_ratios=[0, 4, 128, 4, 128, 4], num_hash_layers=2, moe_intermediate_size=64,
     n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, routed_scaling_factor=1.5,
