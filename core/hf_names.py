@@ -84,6 +84,8 @@ class Rule:
     conv_official: Conv
     conv_transformers: Conv
     part: tuple[int, int] | None = None
+    aliases: tuple[str, ...] = ()  # other transformers names read on import
+
 
     def name(self, layout: str) -> str:
         return self.official if layout == "official" else self.transformers
@@ -96,7 +98,9 @@ class Rule:
 
 
 def _rule(ours, official, transformers, conv=SAME, conv_t=None, part=None) -> Rule:
-    return Rule(ours, official, transformers, conv, conv if conv_t is None else conv_t, part)
+    # transformers 5.24's save_pretrained writes every `kv_norm` as `norm` (its reversed rename)
+    aliases = (transformers.replace("kv_norm.", "norm."),) if "kv_norm." in transformers else ()
+    return Rule(ours, official, transformers, conv, conv if conv_t is None else conv_t, part, aliases)
 
 
 _HC = [_rule(f"hc_{s}.{p}", f"hc_{s}_{p}", f"{s}_hc.{p}", HC_FN if p == "fn" else SAME)
@@ -149,7 +153,8 @@ def _lookup(layout: str) -> tuple[dict[str, list[Rule]], dict[str, list[Rule]]]:
     def index(rules):
         table: dict[str, list[Rule]] = {}
         for r in rules:
-            table.setdefault(r.name(layout).replace("{e}", "*"), []).append(r)
+            for name in (r.name(layout),) + (r.aliases if layout == "transformers" else ()):
+                table.setdefault(name.replace("{e}", "*"), []).append(r)
         return table
     return index(LAYER_RULES), index(ROOT_RULES)
 

@@ -322,3 +322,34 @@ def test_non_empty_output_is_refused(official, imported, work):
         assert result.exit_code == 2 and "exists and is not empty" in result.output, result.output
     with pytest.raises(ConfigError, match="--layout 'hf' is not supported"):
         export_checkpoint(run, work / "never", layout="hf")
+
+
+# ----------------------------------------------------------------------------- what transformers writes
+
+
+def test_transformers_saved_config_equals_the_official_spelling():
+    """tests/fixtures/transformers_saved_config.json: transformers 5.24's save_pretrained of an export of
+    the SMALL model (layer_types, mlp_layer_types, nested rope_parameters, partial_rotary_factor...)."""
+    saved = json.loads((FIXTURES / "transformers_saved_config.json").read_text())
+    official = {"model_type": "deepseek_v4", **SMALL}
+    assert from_hf_config(saved, model_name="m") == from_hf_config(official, model_name="m")
+
+
+def test_transformers_saved_norm_names_are_read(imported, work):
+    """save_pretrained writes `kv_norm` as `norm` (self_attn, compressor, indexer): the same parameters."""
+    run, _ = imported
+    out, renamed = work / "export-tf-norm", work / "export-tf-renamed"
+    export_checkpoint(run, out, layout="transformers")
+    renamed.mkdir()
+    for f in out.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, renamed / f.name)
+            continue
+        header = st.read_header(f)
+        st.write_file(renamed / f.name, {n.replace("kv_norm.", "norm."): np.array(st.read_tensor(f, i)) for n, i in header.items()})
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {n.replace("kv_norm.", "norm."): s for n, s in index["weight_map"].items()}
+    (renamed / "model.safetensors.index.json").write_text(json.dumps(index))
+    import_checkpoint(str(renamed), work / "runs" / "tf-renamed")
+    a, b = _state(ckpt.restore_model(run)[0]), _state(ckpt.restore_model(work / "runs" / "tf-renamed")[0])
+    assert [k for k in a if not np.array_equal(a[k], b[k])] == []
