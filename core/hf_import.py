@@ -135,7 +135,7 @@ def build_config(config: dict, table: dict, *, model_name: str, dtype: str | Non
     if dtype is None:
         total = param_counts(cfg)["total"]
         dtype = "bfloat16" if total > BF16_ABOVE else "float32"
-        reason = f"default for {total / 1e9:.2f}B parameters ({'>' if total > BF16_ABOVE else '<='} 1B)"
+        reason = f"the default {'above' if total > BF16_ABOVE else 'at or below'} 1e9 parameters"
     else:
         reason = "--dtype"
     return cfg.replace(weight_dtype=dtype), layout, reason

@@ -68,9 +68,10 @@ def command(src: Source, output: Output = None, dtype: Dtype = None, json_out: o
         typer.echo(json.dumps(s, indent=2))
         return
     console = Console(highlight=False, soft_wrap=True)
-    console.print(f"imported {s['source']} ({s['layout']} layout, {s['source_bytes'] / 2**30:.2f} GiB) -> {s['output']}")
+    size = f"{s['source_bytes'] / 2**30:.2f} GiB" if s["source_bytes"] >= 2**30 else f"{s['source_bytes'] / 2**20:.1f} MiB"
+    console.print(f"imported {s['source']} ({s['layout']} layout, {size}) -> {s['output']}")
     console.print(f"model {s['model_name']}  ·  {s['params']:,} parameters  ·  dtype {s['dtype']} ({s['dtype_reason']})")
     console.print(f"tensors {s['tensors']} (FP8 dequantised {s['fp8']}, FP4 dequantised {s['fp4']})  ·  "
                   f"mtp.* skipped {s['mtp_skipped']}  ·  indexer {'yes' if s['use_indexer'] else 'none (use_indexer=false)'}  ·  "
                   f"router bias {'yes' if s['routed_bias'] else 'none'}")
-    console.print(f"next: dsv4 warmup --init-from {s['output']} --model {s['output']}/config.yml")
+    console.print(f"next: dsv4 warmup (or sparse) --init-from {s['output']} --model {s['output']}/config.yml")

@@ -117,41 +117,64 @@ def quantise_fp4(w: np.ndarray, block: int = 32):
 # ----------------------------------------------------------------------------- a whole checkpoint
 
 
-def write_official(root: Path, c: dict, *, seed: int = 0, mtp: bool = True, shards: int = 2) -> dict[str, np.ndarray]:
-    """Write a random official-layout checkpoint; returns {name: float64 dequantised value} (tid2eid int64)."""
+def _groups(names: list[str], shards: int | None) -> list[list[str]]:
+    """`shards` equal groups, or (None) the official split: embed, one shard per layer, the rest, MTP."""
+    if shards is not None:
+        per = -(-len(names) // shards)
+        return [names[k * per:(k + 1) * per] for k in range(shards)]
+    key = lambda n: (0 if n == "embed.weight" else int(n.split(".")[1]) + 1 if n.startswith("layers.")  # noqa: E731
+                     else 10**6 if n.startswith("mtp.") else 10**6 - 1)
+    groups: dict[int, list[str]] = {}
+    for n in names:
+        groups.setdefault(key(n), []).append(n)
+    return [groups[k] for k in sorted(groups)]
+
+
+def _encode(name: str, shape, kind: str, c: dict, rng) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """({stored name: on-disk array}, float64 dequantised value (int64 for tid2eid))."""
+    if kind == "i64":
+        table = np.stack([rng.choice(c["n_routed_experts"], c["num_experts_per_tok"], replace=False)
+                          for _ in range(shape[0])]).astype(np.int64)
+        return {name: table}, table
+    scale = 1.0 if len(shape) == 1 or name.startswith("embed") else 1.0 / math.sqrt(shape[-1])
+    w = rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
+    if name.endswith("_scale") or name.endswith("norm.weight"):
+        w = (1.0 + 0.2 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+    base = name[:-len(".weight")]
+    if kind in ("fp8", "fp4"):
+        q, s, deq = (quantise_fp8 if kind == "fp8" else quantise_fp4)(w)
+        return {name: q, base + ".scale": s}, deq
+    if kind == "bf16":
+        b = w.astype(ml_dtypes.bfloat16)
+        return {name: b}, b
+    return {name: w}, w
+
+
+def write_official(root: Path, c: dict, *, seed: int = 0, mtp: bool = True, shards: int | None = 2,
+                   keep_values: bool = True) -> dict[str, np.ndarray]:
+    """Write a random official-layout checkpoint, one shard at a time.
+
+    Args:
+      shards: how many equal shards, or None for the official split (embed / each layer / rest / MTP).
+      keep_values: return {name: float64 dequantised value (int64 tid2eid)}; else {} (big checkpoints).
+    """
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)
     inv = official_inventory(c, mtp=mtp)
-    tensors, values = {}, {}
-    for name, (shape, kind) in inv.items():
-        if kind == "i64":
-            table = np.stack([rng.choice(c["n_routed_experts"], c["num_experts_per_tok"], replace=False)
-                              for _ in range(shape[0])]).astype(np.int64)
-            tensors[name] = values[name] = table
-            continue
-        scale = 1.0 if len(shape) == 1 or name.startswith("embed") else 1.0 / math.sqrt(shape[-1])
-        w = (rng.standard_normal(shape) * scale).astype(np.float32)
-        if name.endswith("_scale") or name.endswith("norm.weight"):
-            w = (1.0 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
-        base = name[:-len(".weight")]
-        if kind == "fp8":
-            tensors[name], tensors[base + ".scale"], values[name] = quantise_fp8(w)
-        elif kind == "fp4":
-            tensors[name], tensors[base + ".scale"], values[name] = quantise_fp4(w)
-        elif kind == "bf16":
-            tensors[name] = w.astype(ml_dtypes.bfloat16)
-            values[name] = tensors[name].astype(np.float64)
-        else:
-            tensors[name], values[name] = w, w.astype(np.float64)
-    names = list(tensors)
-    per = -(-len(names) // shards)
-    weight_map = {}
-    for k in range(shards):
-        file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[k * per:(k + 1) * per]}
+    groups = _groups(list(inv), shards)
+    values, weight_map, total = {}, {}, 0
+    for k, group in enumerate(groups):
+        file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        part = {}
+        for name in group:
+            stored, value = _encode(name, *inv[name], c, rng)
+            part.update(stored)
+            if keep_values:
+                values[name] = value.astype(np.float64) if value.dtype != np.int64 else value
         save_file(part, str(root / file), metadata={"format": "pt"})
         weight_map.update({n: file for n in part})
-    total = sum(t.nbytes for t in tensors.values())
+        total += sum(t.nbytes for t in part.values())
+        del part
     (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                     "weight_map": weight_map}))
     config = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", **c,
