@@ -80,7 +80,10 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        dtype, shape, (b, e) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        try:
+            dtype, shape, (b, e) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{str(path)!r} has a malformed header entry for {name}: the file is corrupted.") from None
         if dtype not in DTYPES:
             raise CheckpointError(f"tensor {name} in {path.name} has dtype {dtype}, which dsv4 cannot read: "
                                   f"supported are {', '.join(DTYPES)}.")
