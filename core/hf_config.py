@@ -151,7 +151,10 @@ def from_hf_config(hf: dict, *, model_name: str, weight_dtype: str = "float32", 
         if field not in MAPPED and field not in SPECIAL and field not in REQUIRED and field not in IGNORED:
             _fail(field, value, "is unknown to dsv4 (it may change the model): remove it if it does not, "
                   "or convert the model to a supported DeepSeek-V4 layout.")
-    get = lambda k: hf.get(k, DEFAULTS[k]) if hf.get(k) is not None else DEFAULTS[k]  # noqa: E731
+    for field in MAPPED:
+        if field in hf and hf[field] is None:
+            _fail(field, None, "is not supported: dsv4 needs a value (null turns the component off).")
+    get = lambda k: hf.get(k, DEFAULTS[k])  # noqa: E731
     values = base_defaults()
     values.update({ours: get(theirs) for theirs, ours in MAPPED.items()})
     n, head_dim = int(get("num_hidden_layers")), int(get("head_dim"))

@@ -353,3 +353,24 @@ def test_transformers_saved_norm_names_are_read(imported, work):
     import_checkpoint(str(renamed), work / "runs" / "tf-renamed")
     a, b = _state(ckpt.restore_model(run)[0]), _state(ckpt.restore_model(work / "runs" / "tf-renamed")[0])
     assert [k for k in a if not np.array_equal(a[k], b[k])] == []
+
+
+def test_cli_json_summaries(official, imported, work):
+    run, _ = imported
+    result = CliRunner().invoke(app, ["export-hf", str(run), str(work / "cli-export"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["tensors"] == len(official_inventory(SMALL))
+    result = CliRunner().invoke(app, ["import-hf", str(work / "cli-export"), "-o", str(work / "runs" / "cli"),
+                                      "--dtype", "bfloat16", "--json"])
+    assert result.exit_code == 0, result.output
+    s = json.loads(result.output[result.output.index("{"):])
+    assert s["dtype"] == "bfloat16" and s["dtype_reason"] == "--dtype" and s["mtp_skipped"] == 0
+
+
+def test_null_or_unsupported_fields_name_themselves():
+    base = {"model_type": "deepseek_v4", **SMALL}
+    for change, field in ((dict(q_lora_rank=None), "q_lora_rank"), (dict(tie_word_embeddings=True), "tie_word_embeddings"),
+                          (dict(rope_scaling={"type": "linear", "factor": 2}), "rope_scaling.rope_type"),
+                          (dict(rope_scaling={**SMALL["rope_scaling"], "mscale": 0.7}), "rope_scaling.mscale")):
+        with pytest.raises(ConfigError, match=f"config.json field {re.escape(field)}="):
+            from_hf_config({**base, **change}, model_name="m")
