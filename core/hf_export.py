@@ -101,31 +101,13 @@ def export_checkpoint(run: str | Path, output: str | Path, *, step: int | None =
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        files, weight_map, total, shard, shard_bytes, count = [], {}, 0, {}, 0, 0
-
-        def flush():
-            nonlocal shard, shard_bytes
-            if shard:
-                files.append(f"shard-{len(files):05d}.tmp")
-                st.write_file(tmp / files[-1], shard, metadata={"format": "pt"})
-                weight_map.update({n: files[-1] for n in shard})
-            shard, shard_bytes = {}, 0
-
-        for k, (layer, params) in enumerate(_layer_params(model, cfg)):
+        shards = _Shards(tmp, max_shard_bytes)
+        for k, (_, params) in enumerate(_layer_params(model, cfg)):
             for name, value in names.dsv4_to_hf(params, dims, layout):
-                path = _logical_of(name, layout)
-                value = _cast(path, value, dtype)
-                if shard_bytes and shard_bytes + value.nbytes > max_shard_bytes:
-                    flush()
-                shard[name], shard_bytes = value, shard_bytes + value.nbytes
-                total, count = total + value.nbytes, count + 1
+                shards.add(name, _cast(_logical_of(name, layout), value, dtype))
             if on_progress:
-                on_progress({"layer": k, "layers": cfg.num_layers + 2, "bytes": total})
-        flush()
-        final = {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
-        for f, new in final.items():
-            os.replace(tmp / f, tmp / new)
-        st.write_index(tmp / "model.safetensors.index.json", {n: final[f] for n, f in weight_map.items()}, total)
+                on_progress({"layer": k, "layers": cfg.num_layers + 2, "bytes": shards.total})
+        shards.close()
         (tmp / "config.json").write_text(json.dumps(to_hf_config(cfg, dtype), indent=2) + "\n")
         if output.exists():
             output.rmdir()
@@ -133,7 +115,39 @@ def export_checkpoint(run: str | Path, output: str | Path, *, step: int | None =
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportSummary(str(run), meta["step"], str(output), layout, dtype, count, len(files), total)
+    return ExportSummary(str(run), meta["step"], str(output), layout, dtype, shards.count, len(shards.files), shards.total)
+
+
+class _Shards:
+    """Whole tensors packed into safetensors files of at most `limit` bytes, then named and indexed."""
+
+    def __init__(self, root: Path, limit: int):
+        self.root, self.limit = root, limit
+        self.files, self.weight_map, self.pending, self.pending_bytes = [], {}, {}, 0
+        self.total = self.count = 0
+
+    def add(self, name: str, value: np.ndarray) -> None:
+        if self.pending_bytes and self.pending_bytes + value.nbytes > self.limit:
+            self._flush()
+        self.pending[name] = value
+        self.pending_bytes += value.nbytes
+        self.total, self.count = self.total + value.nbytes, self.count + 1
+
+    def _flush(self) -> None:
+        if self.pending:
+            self.files.append(f"shard-{len(self.files):05d}.tmp")
+            st.write_file(self.root / self.files[-1], self.pending, metadata={"format": "pt"})
+            self.weight_map.update({n: self.files[-1] for n in self.pending})
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        """Write the last shard, rename all to model-0000i-of-0000n.safetensors, write the index."""
+        self._flush()
+        final = {f: f"model-{i + 1:05d}-of-{len(self.files):05d}.safetensors" for i, f in enumerate(self.files)}
+        for f, new in final.items():
+            os.replace(self.root / f, self.root / new)
+        st.write_index(self.root / "model.safetensors.index.json",
+                       {n: final[f] for n, f in self.weight_map.items()}, self.total)
 
 
 def _logical_of(name: str, layout: str) -> str:
