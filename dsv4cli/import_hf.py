@@ -45,7 +45,11 @@ class ProgressBar:
         self.progress.update(self.task, completed=p["bytes"], description=f"{self.what} {p['shard']}/{p['shards']}")
         if not self.console.is_terminal and p["shard"] != self.shard:
             self.shard = p["shard"]
-            self.console.print(f"{self.what} {p['shard']}/{p['shards']}")
+            self.console.print(f"{self.what} {p['shard']}/{p['shards']}  ({_size(p['bytes'])} of {_size(p['total_bytes'])} read)")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 @handle_errors
@@ -68,8 +72,7 @@ def command(src: Source, output: Output = None, dtype: Dtype = None, json_out: o
         typer.echo(json.dumps(s, indent=2))
         return
     console = Console(highlight=False, soft_wrap=True)
-    size = f"{s['source_bytes'] / 2**30:.2f} GiB" if s["source_bytes"] >= 2**30 else f"{s['source_bytes'] / 2**20:.1f} MiB"
-    console.print(f"imported {s['source']} ({s['layout']} layout, {size}) -> {s['output']}")
+    console.print(f"imported {s['source']} ({s['layout']} layout, {_size(s['source_bytes'])}) -> {s['output']}")
     console.print(f"model {s['model_name']}  ·  {s['params']:,} parameters  ·  dtype {s['dtype']} ({s['dtype_reason']})")
     console.print(f"tensors {s['tensors']} (FP8 dequantised {s['fp8']}, FP4 dequantised {s['fp4']})  ·  "
                   f"mtp.* skipped {s['mtp_skipped']}  ·  indexer {'yes' if s['use_indexer'] else 'none (use_indexer=false)'}  ·  "
