@@ -34,13 +34,15 @@ def _root(
 
 
 def _register() -> None:
-    from dsv4cli import bench, eval_indexer, inspect_ckpt, train_cmds
+    from dsv4cli import bench, eval_indexer, export_hf, import_hf, inspect_ckpt, train_cmds
 
     app.command("warmup", help=train_cmds.WARMUP_HELP, short_help=train_cmds.WARMUP_HELP.split(":")[0] + ".", epilog=train_cmds.WARMUP_EPILOG)(train_cmds.warmup)
     app.command("sparse", help=train_cmds.SPARSE_HELP, short_help=train_cmds.SPARSE_HELP.split(":")[0] + ".", epilog=train_cmds.SPARSE_EPILOG)(train_cmds.sparse)
     app.command("eval-indexer", help=eval_indexer.HELP, short_help=eval_indexer.HELP.split(":")[0] + ".", epilog=eval_indexer.EPILOG)(eval_indexer.command)
     app.command("inspect-ckpt", help=inspect_ckpt.HELP, short_help=inspect_ckpt.HELP.split(":")[0] + ".", epilog=inspect_ckpt.EPILOG)(inspect_ckpt.command)
     app.command("bench", help=bench.HELP, short_help=bench.HELP.split(":")[0] + ".", epilog=bench.EPILOG)(bench.command)
+    app.command("import-hf", help=import_hf.HELP, short_help=import_hf.HELP.split(":")[0] + ".", epilog=import_hf.EPILOG)(import_hf.command)
+    app.command("export-hf", help=export_hf.HELP, short_help=export_hf.HELP.split(" (")[0] + ".", epilog=export_hf.EPILOG)(export_hf.command)
 
 
 _register()

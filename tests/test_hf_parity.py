@@ -5,7 +5,8 @@ HF-vs-official-vs-DESIGN difference in `tests/fixtures/hf_deepseek_v4.md`) holds
 DeepSeek-V4 (SWA, CSA, HCA, CSA layers; hash routing in layers 0-1, learned routing with a
 selection bias in layers 2-3; mHC; sinks; YaRN on the compressed layers), its weights in HF names
 and layouts, 256 token ids, HF's logits and per-layer intermediates. This test needs no torch:
-it maps the weights onto `core.model.Transformer` (`hf_to_dsv4`, the one name/layout map), then
+it maps the weights onto `core.model.Transformer` (`core.hf_names.hf_to_dsv4`, the one name/layout
+map), then
 
   * the whole forward: logits, the CSA layers' indexer scores and compressed kv;
   * every layer in isolation, fed HF's own input streams, so a mismatch names its component:
@@ -24,16 +25,15 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from core.config import load_config
+from core.hf_names import block_slot, dims_of, hf_to_dsv4, set_params
 from core.mhc import HyperConnection, expand
 from core.model import Transformer
 from core.moe import combine_weights, route, router_scores
@@ -42,149 +42,6 @@ FIXTURE = Path(__file__).parent / "fixtures" / "hf_deepseek_v4.npz"
 LOGIT_TOL = 1e-4   # float32, composite (the whole 4-layer forward)
 STEP_TOL = 1e-4    # float32, one layer or sublayer fed HF's inputs (composite)
 SIMPLE_TOL = 1e-5  # float32, a single small computation (mHC weights, router weights)
-
-
-# ----------------------------------------------------------------------------- the name map
-
-
-def _t(a, dims=None):
-    return a.T
-
-
-def _linear_heads(heads_key, dim_key):
-    """[heads * dim, in] (torch Linear) -> [in, heads, dim]."""
-    return lambda a, c: a.T.reshape(a.shape[1], c[heads_key], c[dim_key])
-
-
-def _hc_fn(a, c):
-    """[J, n * M] (HF / official) -> [n, M, J]: ours[i, m, j] = hf[j, i * M + m]."""
-    return a.reshape(a.shape[0], c["n"], c["emb"]).transpose(1, 2, 0)
-
-
-def _grouped_out(a, c):
-    """o_a_proj [G * R, H/G * D] -> wo_a [G, H/G * D, R] (HF views it as [G, R, H/G * D])."""
-    g = c["o_groups"]
-    return a.reshape(g, a.shape[0] // g, a.shape[1]).transpose(0, 2, 1)
-
-
-def _experts_half(half):
-    """gate_up_proj [E, 2F, M] (rows [:F] gate = w1, [F:] up = w3) -> [E, M, F]."""
-    def convert(a, c):
-        f = a.shape[1] // 2
-        return a[:, half * f:(half + 1) * f, :].transpose(0, 2, 1)
-    return convert
-
-
-# (HF name regex relative to `model.layers.{i}.` or the model root, dsv4 path, convert). The dsv4
-# path is relative to the layer's Block; `convert(array, dims)` turns HF's layout into ours
-# (torch Linear [out, in] -> ours [in, out]). One HF tensor may feed several dsv4 ones.
-LAYER_RULES = [
-    (r"input_layernorm\.weight", "attn_norm.weight", None),
-    (r"post_attention_layernorm\.weight", "ffn_norm.weight", None),
-    (r"attn_hc\.fn", "hc_attn.fn", _hc_fn),
-    (r"attn_hc\.(base|scale)", r"hc_attn.\1", None),
-    (r"ffn_hc\.fn", "hc_ffn.fn", _hc_fn),
-    (r"ffn_hc\.(base|scale)", r"hc_ffn.\1", None),
-    (r"self_attn\.q_a_proj\.weight", "attn.wq_a", _t),
-    (r"self_attn\.q_a_norm\.weight", "attn.q_norm.weight", None),
-    (r"self_attn\.q_b_proj\.weight", "attn.wq_b", _linear_heads("heads", "head_dim")),
-    (r"self_attn\.kv_proj\.weight", "attn.wkv", _t),
-    (r"self_attn\.kv_norm\.weight", "attn.kv_norm.weight", None),
-    (r"self_attn\.o_a_proj\.weight", "attn.wo_a", _grouped_out),
-    (r"self_attn\.o_b_proj\.weight", "attn.wo_b", _t),
-    (r"self_attn\.sinks", "attn.attn_sink", None),
-    # the indexer: HF nests it in the CSA compressor, the official code and dsv4 beside it
-    (r"self_attn\.compressor\.indexer\.q_b_proj\.weight", "attn.indexer.wq_b",
-     _linear_heads("indexer_heads", "indexer_head_dim")),
-    (r"self_attn\.compressor\.indexer\.scorer\.weights_proj\.weight", "attn.indexer.weights_proj", _t),
-    (r"self_attn\.compressor\.indexer\.kv_proj\.weight", "attn.indexer.compressor.wkv", _t),
-    (r"self_attn\.compressor\.indexer\.gate_proj\.weight", "attn.indexer.compressor.wgate", _t),
-    (r"self_attn\.compressor\.indexer\.position_bias", "attn.indexer.compressor.ape", None),
-    (r"self_attn\.compressor\.indexer\.kv_norm\.weight", "attn.indexer.compressor.norm.weight", None),
-    (r"self_attn\.compressor\.kv_proj\.weight", "attn.compressor.wkv", _t),
-    (r"self_attn\.compressor\.gate_proj\.weight", "attn.compressor.wgate", _t),
-    (r"self_attn\.compressor\.position_bias", "attn.compressor.ape", None),
-    (r"self_attn\.compressor\.kv_norm\.weight", "attn.compressor.norm.weight", None),
-    (r"mlp\.gate\.weight", "ffn.gate.weight", _t),
-    (r"mlp\.gate\.e_score_correction_bias", "ffn.gate.bias", None),
-    (r"mlp\.gate\.tid2eid", "ffn.gate.tid2eid", None),
-    (r"mlp\.experts\.gate_up_proj", "ffn.experts.w1", _experts_half(0)),
-    (r"mlp\.experts\.gate_up_proj", "ffn.experts.w3", _experts_half(1)),
-    (r"mlp\.experts\.down_proj", "ffn.experts.w2", lambda a, c: a.transpose(0, 2, 1)),
-    (r"mlp\.shared_experts\.gate_proj\.weight", "ffn.shared_experts.w1", _t),
-    (r"mlp\.shared_experts\.up_proj\.weight", "ffn.shared_experts.w3", _t),
-    (r"mlp\.shared_experts\.down_proj\.weight", "ffn.shared_experts.w2", _t),
-]
-ROOT_RULES = [
-    (r"model\.embed_tokens\.weight", "embed", None),
-    (r"lm_head\.weight", "head", _t),
-    (r"model\.norm\.weight", "norm.weight", None),
-    (r"model\.hc_head\.hc_fn", "hc_head.fn", _hc_fn),
-    (r"model\.hc_head\.hc_base", "hc_head.base", None),
-    (r"model\.hc_head\.hc_scale", "hc_head.scale", None),
-]
-
-
-def hf_to_dsv4(hf_params: dict[str, np.ndarray], dims: dict[str, int]) -> dict[str, np.ndarray]:
-    """HF state dict -> {dsv4 logical path: array in dsv4 layout}.
-
-    Logical paths name layer i as `layers.{i}.<block path>` whatever the model's scan grouping
-    (`set_params` places them); root parameters keep their names (`embed`, `head`, ...).
-    Raises if an HF tensor matches no rule.
-    """
-    out = {}
-    for name, value in hf_params.items():
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-        rules, prefix, rest = (LAYER_RULES, f"layers.{m.group(1)}.", m.group(2)) if m else (ROOT_RULES, "", name)
-        hits = [(re.fullmatch(p, rest), target, conv) for p, target, conv in rules]
-        hits = [(h, target, conv) for h, target, conv in hits if h]
-        if not hits:
-            raise KeyError(f"HF tensor {name} has no dsv4 counterpart in the name map")
-        for h, target, conv in hits:
-            out[prefix + h.expand(target)] = value if conv is None else conv(value, dims)
-    return out
-
-
-def _block_slot(model: Transformer, layer: int):
-    """(Block module, index into its stacked leading axis or None) of decoder layer `layer`."""
-    for segment, (start, unit, reps) in zip(model.layers, model.segments):
-        if start <= layer < start + unit * reps:
-            if reps == 1:
-                return segment, None
-            j, u = divmod(layer - start, unit)
-            return segment.blocks[u], j
-    raise IndexError(f"layer {layer} is in no segment of {model.segments}")
-
-
-def _variable(module, path: str) -> nnx.Variable:
-    """The variable at dotted `path` under `module` (digits index nnx.List entries)."""
-    for part in path.split("."):
-        module = module[int(part)] if part.isdigit() else getattr(module, part)
-    if not isinstance(module, nnx.Variable):
-        raise KeyError(f"dsv4 path {path} is not a variable (got {type(module).__name__})")
-    return module
-
-
-def set_params(model: Transformer, params: dict[str, np.ndarray]) -> set[int]:
-    """Write the mapped arrays into `model`; returns the ids of the variables written."""
-    written = set()
-    for path, value in params.items():
-        m = re.fullmatch(r"layers\.(\d+)\.(.+)", path)
-        if m:
-            block, j = _block_slot(model, int(m.group(1)))
-            var = _variable(block, m.group(2))
-        else:
-            var, j = _variable(model, path), None
-        current = var.get_value()  # an array, or a ShapeDtypeStruct in an abstract model
-        want = current.shape if j is None else current.shape[1:]
-        assert tuple(value.shape) == tuple(want), f"{path}: HF gives {value.shape}, dsv4 has {want}"
-        value = jnp.asarray(value, current.dtype)
-        if j is not None:  # one slice of a scanned (stacked) parameter
-            stack = current if isinstance(current, jax.Array) else jnp.zeros(current.shape, current.dtype)
-            value = stack.at[j].set(value)
-        var.set_value(value)
-        written.add(id(var))
-    return written
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -212,9 +69,7 @@ def loaded(fx, cfg):
     # Abstract construction (nothing initialised): every variable is then set from the fixture,
     # which test_name_map_covers_every_parameter checks.
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    dims = dict(n=cfg.mhc_expansion_rate, emb=cfg.emb, heads=cfg.num_heads, head_dim=cfg.head_dim,
-                indexer_heads=cfg.indexer_n_heads, indexer_head_dim=cfg.indexer_head_dim,
-                o_groups=cfg.o_groups)
+    dims = dims_of(cfg)
     hf = {k[len("param/"):]: v for k, v in arrays.items() if k.startswith("param/")}
     written = set_params(model, hf_to_dsv4(hf, dims))
     return model, written
@@ -307,7 +162,7 @@ def test_layer_in_isolation_matches_hf(fx, cfg, loaded, inputs, layer):
     _, arrays = fx
     model, _ = loaded
     tokens, positions, segments = inputs
-    block, j = _block_slot(model, layer)
+    block, j = block_slot(model, layer)
     assert j is None, "the fixture's plan (0, 4, 128, 4) with 2 hash layers is never scanned"
     x = _layer_input(arrays, cfg, layer)
     pre = f"inter/layer{layer}/"

@@ -1,0 +1,156 @@
+"""`dsv4 export-hf`: a dsv4 checkpoint -> unquantised DeepSeek-V4 safetensors (DESIGN.md, "Real checkpoints").
+
+Writes config.json (official spelling, core.hf_config.to_hf_config: no MTP, no quantization_config)
+and safetensors shards + model.safetensors.index.json in the official or the transformers layout
+(core.hf_names). Weights in --dtype (default: the run's weight_dtype); float32 for mHC, ape, sinks
+and router biases whatever --dtype (transformers keeps those modules in float32); int64 tid2eid.
+Shards hold whole tensors, filled in layer order up to `max_shard_bytes`; everything is written in
+a temporary sibling directory renamed to OUT at the end. Host memory: the model plus one shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from core import hf_names as names
+from core import safetensors_io as st
+from core.errors import CheckpointError, ConfigError
+
+DTYPES = ("bfloat16", "float32")
+
+
+@dataclasses.dataclass
+class ExportSummary:
+    """What `export_checkpoint` wrote."""
+
+    run: str
+    step: int
+    output: str
+    layout: str
+    dtype: str
+    tensors: int
+    shards: int
+    bytes: int
+
+
+def _layer_params(model, cfg) -> Iterator[tuple[int | None, dict[str, np.ndarray]]]:
+    """(layer or None for the root, {logical path: host array}) in checkpoint order: embed, layers, head."""
+    from flax import nnx
+
+    from core.checkpoint import flatten
+
+    where, _, _ = names.state_slots(cfg)
+    state = flatten(nnx.to_pure_dict(nnx.state(model)))
+    by_layer: dict[int | None, dict[str, np.ndarray]] = {}
+    for path, (key, j) in where.items():
+        m = re.match(r"layers\.(\d+)\.", path)
+        value = np.asarray(state[key])
+        by_layer.setdefault(int(m.group(1)) if m else None, {})[path] = value if j is None else value[j]
+    root = by_layer.pop(None)
+    yield None, {"embed": root.pop("embed")}
+    for layer in range(cfg.num_layers):
+        yield layer, by_layer[layer]
+    yield None, root
+
+
+def _cast(path: str, value: np.ndarray, dtype: str) -> np.ndarray:
+    import ml_dtypes
+
+    if np.issubdtype(value.dtype, np.integer):
+        return value.astype(np.int64)
+    if names.FLOAT32_PARAMS.search(path):
+        return value.astype(np.float32)
+    return value.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
+
+
+def export_checkpoint(run: str | Path, output: str | Path, *, step: int | None = None, layout: str = "official",
+                      dtype: str | None = None, max_shard_bytes: int = 4 * 2**30,
+                      on_progress: Callable[[dict], None] | None = None) -> ExportSummary:
+    """Write a dsv4 checkpoint as DeepSeek-V4 safetensors (module docstring).
+
+    Args:
+      run: run directory, checkpoints/ directory or step directory.
+      output: directory to create (must not exist, or be empty).
+      layout: "official" | "transformers".
+      dtype: "bfloat16" | "float32" | None (the run's weight_dtype).
+      on_progress: called with {"layer", "layers", "bytes"} after each layer.
+    """
+    from core import checkpoint as ckpt
+    from core.hf_config import to_hf_config
+
+    if layout not in names.LAYOUTS:
+        raise ConfigError(f"--layout {layout!r} is not supported: use one of {', '.join(names.LAYOUTS)}.")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} is not supported: use one of {', '.join(DTYPES)}.")
+    output = Path(output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise CheckpointError(f"output {str(output)!r} exists and is not empty: choose a new OUT or remove it.")
+    model, cfg, meta = ckpt.restore_model(run, step)
+    dtype = dtype or cfg.weight_dtype
+    dims = names.dims_of(cfg)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.parent / f".{output.name}.export-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        shards = _Shards(tmp, max_shard_bytes)
+        for k, (_, params) in enumerate(_layer_params(model, cfg)):
+            for name, value in names.dsv4_to_hf(params, dims, layout):
+                shards.add(name, _cast(_logical_of(name, layout), value, dtype))
+            if on_progress:
+                on_progress({"layer": k, "layers": cfg.num_layers + 2, "bytes": shards.total})
+        shards.close()
+        (tmp / "config.json").write_text(json.dumps(to_hf_config(cfg, dtype), indent=2) + "\n")
+        if output.exists():
+            output.rmdir()
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportSummary(str(run), meta["step"], str(output), layout, dtype, shards.count, len(shards.files), shards.total)
+
+
+class _Shards:
+    """Whole tensors packed into safetensors files of at most `limit` bytes, then named and indexed."""
+
+    def __init__(self, root: Path, limit: int):
+        self.root, self.limit = root, limit
+        self.files, self.weight_map, self.pending, self.pending_bytes = [], {}, {}, 0
+        self.total = self.count = 0
+
+    def add(self, name: str, value: np.ndarray) -> None:
+        if self.pending_bytes and self.pending_bytes + value.nbytes > self.limit:
+            self._flush()
+        self.pending[name] = value
+        self.pending_bytes += value.nbytes
+        self.total, self.count = self.total + value.nbytes, self.count + 1
+
+    def _flush(self) -> None:
+        if self.pending:
+            self.files.append(f"shard-{len(self.files):05d}.tmp")
+            st.write_file(self.root / self.files[-1], self.pending, metadata={"format": "pt"})
+            self.weight_map.update({n: self.files[-1] for n in self.pending})
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        """Write the last shard, rename all to model-0000i-of-0000n.safetensors, write the index."""
+        self._flush()
+        final = {f: f"model-{i + 1:05d}-of-{len(self.files):05d}.safetensors" for i, f in enumerate(self.files)}
+        for f, new in final.items():
+            os.replace(self.root / f, self.root / new)
+        st.write_index(self.root / "model.safetensors.index.json",
+                       {n: final[f] for n, f in self.weight_map.items()}, self.total)
+
+
+def _logical_of(name: str, layout: str) -> str:
+    """A dsv4 path of an exported tensor (for its dtype rule)."""
+    m = names.match(name, layout)
+    return names.logical_path(m.rules[0], m.layer)
