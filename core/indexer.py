@@ -94,6 +94,53 @@ def selection_mask(idx_btk, valid_btk, num_blocks: int):
     return rows_btw.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], idx_btk].set(valid_btk)
 
 
+def select_topk_chunked(q_btid, k_bwd, weights_bti, positions_bt, segment_ids_bt, *, ratio: int,
+                        k: int, chunk: int, head_chunk: int = 0):
+    """`select_topk(indexer_scores(...), visible, k)` one query chunk at a time.
+
+    Never holds [B, T, W, HI] nor [B, T, W]: each chunk of C queries builds its own visibility
+    rows, scores and selection. No gradient flows (the selection is discrete; the indexer loss
+    recomputes its own scores), so the inputs are detached and nothing is kept for a backward.
+
+    Args:
+      q_btid, k_bwd, weights_bti: as in `indexer_scores`.
+      positions_bt, segment_ids_bt: int [B, T] (DESIGN.md, "Visibility").
+      ratio: tokens per block (4; W = T // ratio complete blocks).
+      k: blocks to select (static, clipped to W).
+      chunk: query positions per scan step C (static; T need not be a multiple).
+      head_chunk: indexer heads per scoring step, as in `indexer_scores`.
+
+    Returns:
+      (idx_btk int32 [B, T, min(k, W)], valid_btk bool [B, T, min(k, W)]), equal to `select_topk`
+      of the dense scores (ties to the lower index).
+
+    Shapes (per chunk of c queries):
+      1. visible_bcw from positions / segment ids               [B, c, W]
+      2. scores_bcw = indexer_scores(q[chunk], k, w[chunk])     [B, c, W, head_chunk] live
+      3. idx_bck, valid_bck = select_topk(scores_bcw, visible_bcw, k)
+    """
+    from core.sparse_attention import block_keys, from_chunks, num_chunks, to_chunks, visible_rows
+
+    sg = jax.lax.stop_gradient
+    q_btid, k_bwd, weights_bti = sg(q_btid), sg(k_bwd), sg(weights_bti)
+    t = positions_bt.shape[1]
+    c, n = num_chunks(t, chunk)
+    seg_bw, last_bw = block_keys(positions_bt, segment_ids_bt, ratio)
+
+    def body(_, xs):
+        q_c, w_c, pos_c, seg_c = xs
+        visible_bcw = visible_rows(pos_c, seg_c, seg_bw, last_bw)
+        scores_bcw = indexer_scores(q_c, k_bwd, w_c, visible_bcw, head_chunk=head_chunk)
+        return None, select_topk(scores_bcw, visible_bcw, k)
+
+    xs = tuple(to_chunks(x, c, n) for x in (q_btid, weights_bti, positions_bt, segment_ids_bt))
+    if n == 1:
+        idx, valid = body(None, tuple(x[0] for x in xs))[1]
+        return from_chunks(idx[None], t), from_chunks(valid[None], t)
+    _, (idx, valid) = jax.lax.scan(body, None, xs)
+    return from_chunks(idx, t), from_chunks(valid, t)
+
+
 # ----------------------------------------------------------------------------- module
 
 
