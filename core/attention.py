@@ -262,13 +262,14 @@ class Attention(nnx.Module):
         aux = {"indexer_loss": jnp.zeros((), jnp.float32)}
         if dense and not loss:  # eval_dense / pre-training: the indexer plays no part
             return (None, None), aux
-        q_idx, k_idx, w_idx = self.indexer.project(x_btm, c_q, positions_bt)
+        k_idx, w_idx = self.indexer.keys_and_weights(x_btm, positions_bt)
         sel = (None, None)
         if not dense:
-            sel = select_topk_chunked(q_idx, k_idx, w_idx, positions_bt, segment_ids_bt,
+            sel = select_topk_chunked(c_q, k_idx, w_idx, positions_bt, segment_ids_bt,
                                       ratio=s.ratio, k=s.indexer_topk, chunk=s.attention_chunk,
-                                      head_chunk=s.head_chunk)
-        if loss:
+                                      head_chunk=s.head_chunk, q_fn=self.indexer.queries)
+        if loss:  # the streamed loss takes the indexer queries whole (their gradient is [B,T,HI,DI])
+            q_idx = self.indexer.queries(c_q, positions_bt)
             aux["indexer_loss"] = self._streamed_loss(q_idx, k_idx, w_idx, c_q, kv, ckv, sink_h,
                                                       positions_bt, segment_ids_bt, dense=dense)
         return sel, aux
