@@ -26,7 +26,6 @@ CASES = [
     ("csa dense (all visible)", [[12, 10], [20]], 22, 5, 6, 4, 0),
     ("hca-like ratio 8", [[17, 5], [22]], 22, 5, 4, 8, 0),
     ("T < S, several chunks", [[7], [4, 3]], 7, 9, 3, 4, 1),
-    ("T < S, one chunk", [[7], [4, 3]], 7, 9, 16, 4, 2),
 ]
 
 
@@ -87,7 +86,7 @@ def test_chunked_attention_equals_dense_float32(case):
     _compare(case, jnp.float32, 1e-5)
 
 
-@pytest.mark.parametrize("case", CASES[1:3], ids=[c[0] for c in CASES[1:3]])
+@pytest.mark.parametrize("case", CASES[1:2], ids=[c[0] for c in CASES[1:2]])
 def test_chunked_attention_equals_dense_float64(x64, case):
     _compare(case, jnp.float64, 1e-12)
 
@@ -132,13 +131,10 @@ def _layer_pair(ratio, seed, **kw):
     return chunked, base
 
 
-LAYER_CASES = [  # (ratio, dense, indexer_loss, extra spec fields)
-    (0, False, False, {}),
+LAYER_CASES = [  # (ratio, dense, indexer_loss, extra spec fields); SWA is CASES[0] plus these
     (8, False, False, {}),
-    (4, False, False, {}),
     (4, False, True, dict(loss_scale=0.1, query_chunk=8)),
     (4, True, True, dict(loss_scale=0.1, query_chunk=8, teacher="joint")),
-    (4, False, True, dict(loss_scale=0.1)),  # unstreamed loss: dense scores, chunked attention
 ]
 
 
@@ -174,7 +170,7 @@ def test_layer_chunked_equals_masked(ratio, dense, loss, kw):
 
 
 def test_layer_chunked_collect_equals_masked():
-    """`collect` (eval) returns the same dense aux and output from both implementations."""
+    """`collect` (eval) and the unstreamed loss: the same dense aux and output from both paths."""
     chunked, masked = _layer_pair(4, seed=3, loss_scale=0.1)
     pos, seg = (jnp.asarray(a) for a in packed([[13, 9], [22]], 22))
     x = jax.random.normal(jax.random.key(5), (2, 22, 16))
@@ -184,3 +180,41 @@ def test_layer_chunked_collect_equals_masked():
     assert set(aux_c) == set(aux_m)
     for key in aux_m:
         np.testing.assert_allclose(aux_c[key], aux_m[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def layer_train_temp_bytes(s, t: int, dtype=jnp.float32, batch: int = 1, **flags) -> int:
+    """XLA's compiled temp memory of one attention layer's forward + backward (nothing runs)."""
+    graphdef, state = nnx.split(nnx.eval_shape(
+        lambda: Attention(s, rngs=nnx.Rngs(0), param_dtype=dtype, dtype=dtype)))
+
+    def step(state, x, pos, seg):
+        def loss(state, x):
+            y, aux = nnx.merge(graphdef, state)(x, pos, seg, **flags)
+            return jnp.sum(y.astype(jnp.float32)) + aux.get("indexer_loss", 0.0)
+        return jax.grad(loss, argnums=(0, 1))(state, x)
+
+    sds = jax.ShapeDtypeStruct
+    args = (state, sds((batch, t, s.emb), dtype), sds((batch, t), jnp.int32), sds((batch, t), jnp.int32))
+    return jax.jit(step).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_layer_memory_grows_linearly_in_t():
+    """Sparse-stage CSA layer (top-k, streamed indexer loss): doubling T doubles the compiled temp
+    memory (2.00x at T 512 -> 1024); the masked reference quadruples it, so the check can fail."""
+    kw = dict(loss_scale=0.1, query_chunk=64, attention_chunk=32)
+    chunked = [layer_train_temp_bytes(spec(4, **kw), t, indexer_loss=True) for t in (512, 1024)]
+    assert chunked[1] <= 2.1 * chunked[0], f"temp {chunked[0]} -> {chunked[1]} bytes for T 512 -> 1024"
+    masked = [layer_train_temp_bytes(spec(4, attention="masked"), t) for t in (512, 1024)]
+    assert masked[1] > 3.5 * masked[0], f"masked temp {masked[0]} -> {masked[1]} bytes"
+
+
+@pytest.mark.slow
+def test_flash_csa_layer_memory_at_32k():
+    """DeepSeek-V4-Flash shapes (H=64, D=512, k=512): one CSA layer's train step at T=32K, compiled
+    ahead of time, needs <= 4 GiB of temp memory (sparse stage, top-k selection, float32)."""
+    from core.attention import AttentionSpec
+    from core.config import load_config
+
+    cfg = load_config("deepseek4-284b", ["max_target_length=32768"])
+    temp = layer_train_temp_bytes(AttentionSpec.from_config(cfg, 2), 32768)
+    assert temp <= 4 * 2**30, f"temp {temp / 2**30:.2f} GiB"
