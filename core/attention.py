@@ -9,9 +9,22 @@ One layer, as in the official inference code's `Attention`:
         without an indexer; HCA: all visible; SWA: none), one softmax with a per-head sink
   o = inverse RoPE(sum p v);  out = W_ob [ per group g: W_oa[g] flatten(o heads of g) ]
 
-Masks are dense booleans over [T, T] (window) and [T, W] (blocks): the top-k selection enters
-as `allowed = visible & selected`, which is exactly the official gather of k indices but costs
-T x W scores instead of T x k (fine for training lengths; no decode cache by design).
+Two implementations of the same maths (config `attention`), equal to float32 rounding in value
+and gradient (tests/test_sparse_attention.py). What lives at once, per layer call:
+
+- `chunked` (default; core.sparse_attention): a `lax.scan` over query chunks of C =
+  attention_query_chunk_size positions, each chunk rematerialised in the backward pass. Whole-T
+  tensors are per-token only: x, c_q [B, T, q_lora], raw kv [B, T, D], the output [B, T, M], the
+  selection [B, T, k]. Per chunk: queries [B, C, H, D]; window logits [B, H, C, C + S - 1] (the
+  chunk's own keys and the S - 1 before it); CSA sparse: the k selected blocks' keys gathered,
+  [B, C, k, D], logits [B, H, C, k]; HCA and CSA dense (pre-training, warm-up, eval_dense, no
+  indexer): logits over every block [B, H, C, W]. The indexer's top-k is chunked the same way
+  (`select_topk_chunked`: [B, C, W, HI or head_chunk] scores per chunk, indexer queries built per
+  chunk). Memory O(T (M + D + k) + C (S + k) H D); work O(T (C + S + k) H D) sparse, O(T W H D)
+  over all visible blocks. The dense [B, T, W] scores and [B, T, H, D] queries are built only
+  where a consumer needs them whole: `collect` (eval tools) and the indexer loss's teacher.
+- `masked` (the reference): dense booleans over [T, T] (window) and [T, W] (blocks); the top-k
+  selection enters as `allowed = visible & selected`; logits [B, H, T, T] and [B, H, T, W].
 
 The lightning indexer (`core.indexer.Indexer`) lives under `indexer` on CSA layers; its inputs are
 detached so neither the indexer loss reaches other parameters nor (the selection being discrete)
@@ -24,6 +37,7 @@ is computed in float32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +98,13 @@ def attention(q_bthd, kv_bsd, window_bts, sink_h, ckv_bwd=None, allowed_btw=None
     denom_bht = jnp.exp(sink_bht - mx_bht) + sum(jnp.sum(e, axis=-1) for e in exps)
     o_bthd = sum(jnp.einsum("bhts,bsd->bthd", e, k) for e, (k, _) in zip(exps, keys))
     return (o_bthd / jnp.transpose(denom_bht, (0, 2, 1))[..., None]).astype(q_bthd.dtype)
+
+
+def project_queries(c_q_btr, wq_b_rhd, positions_bt, *, eps: float, rope: RopeSpec, dtype):
+    """q = RoPE(rms(c_q W_qb)) * D^-1/2 in `dtype`: [B, T, R] x [R, H, D] -> [B, T, H, D]."""
+    q = jnp.einsum("btr,rhd->bthd", c_q_btr.astype(dtype), wq_b_rhd.astype(dtype))
+    q = apply_rope(rms_normalize(q, eps).astype(dtype), positions_bt, rope)
+    return q * jnp.asarray(q.shape[-1] ** -0.5, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +185,11 @@ class Attention(nnx.Module):
 
     def _queries_from(self, c_q_btr, positions_bt):
         """q_bthd from the low-rank queries (any run of positions: the chunked path's q_fn)."""
-        s, dt = self.spec, self.dtype
-        q = jnp.einsum("btr,rhd->bthd", c_q_btr, self.wq_b[...].astype(dt))
-        q = apply_rope(rms_normalize(q, s.eps).astype(dt), positions_bt, s.rope)
-        return q * jnp.asarray(s.head_dim ** -0.5, dt)
+        return self._query_fn()(c_q_btr, self.wq_b[...], positions_bt)
+
+    def _query_fn(self):
+        s = self.spec
+        return functools.partial(project_queries, eps=s.eps, rope=s.rope, dtype=self.dtype)
 
     def _output(self, o_bthd, positions_bt):
         """Inverse RoPE, then the grouped low-rank projection back to the model width."""
@@ -278,9 +300,10 @@ class Attention(nnx.Module):
                        segment_ids_bt, *, dense: bool):
         s, sg = self.spec, jax.lax.stop_gradient
         joint = s.teacher == "joint"
-        return csa_indexer_loss_streamed(
-            q_idx, k_idx, w_idx, sg(self._queries_from(c_q, positions_bt)), sg(ckv), positions_bt,
-            segment_ids_bt, topk=None if dense else s.indexer_topk, scale=s.loss_scale,
+        return csa_indexer_loss_streamed(  # the teacher queries are built per query block
+            q_idx, k_idx, w_idx, (sg(c_q), sg(self.wq_b[...])), sg(ckv), positions_bt,
+            segment_ids_bt, query_fn=self._query_fn(), topk=None if dense else s.indexer_topk,
+            scale=s.loss_scale,
             window=s.window if joint else 0, teacher=s.teacher, head_chunk=s.head_chunk,
             query_chunk=s.query_chunk, sink=sg(sink_h) if joint else None,
             raw_kv=sg(kv) if joint else None)

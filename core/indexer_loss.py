@@ -28,7 +28,7 @@ so the gradient is the exact derivative of the value. Exactly zero reaches the t
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,7 @@ class _Spec(NamedTuple):
     topk: int | None = None   # streamed only: sparse selection
     window: int = 0           # streamed only: sliding window S for the joint teacher
     index_chunk: int = 0      # streamed only: indexer heads per scan step (divides HI)
+    query_fn: Any = None      # streamed only: builds each block's teacher queries (see below)
 
 
 def _resolve_chunk(chunk: int, size: int, name: str, what: str) -> int:
@@ -161,7 +162,7 @@ def _compute_dtype(*arrays):
 
 
 def _teacher_input(x, dtype):
-    return None if x is None else jax.lax.stop_gradient(jnp.asarray(x, dtype))
+    return None if x is None else jax.tree.map(lambda a: jax.lax.stop_gradient(jnp.asarray(a, dtype)), x)
 
 
 # ----------------------------------------------------------------------------- given scores
@@ -295,6 +296,14 @@ def _indexer_vjp(q_btid, k_bwd, w_bti, visible_btw, grad_btw, head_chunk: int):
     return grads
 
 
+def _block_query(spec: _Spec, query, t0, pos_bt):
+    """The teacher queries of one block: a slice of `query`, or `spec.query_fn` of its inputs."""
+    if spec.query_fn is None:
+        return _slice_t(query, t0, spec.query_chunk)
+    per_token, params = query
+    return spec.query_fn(_slice_t(per_token, t0, spec.query_chunk), params, pos_bt)
+
+
 def _stream_block(spec: _Spec, t0, inputs, block_masks, with_grad: bool):
     """One query block: visibility, scores, selection, teacher rows, KL (and its pull-back)."""
     q_idx, k_idx, w_idx, query, kv, raw_kv, sink, positions, segment_ids = inputs
@@ -315,7 +324,8 @@ def _stream_block(spec: _Spec, t0, inputs, block_masks, with_grad: bool):
     window_bts = None
     if spec.joint:
         window_bts = _window_rows(pos_bt, seg_bt, positions, segment_ids, spec.window)
-    psum_btw = _teacher_rows(spec, _slice_t(query, t0, qc), kv, allowed_btw, raw_kv, window_bts, sink)
+    query_btd = _block_query(spec, query, t0, pos_bt).astype(kv.dtype)
+    psum_btw = _teacher_rows(spec, query_btd, kv, allowed_btw, raw_kv, window_bts, sink)
     kl, n, grad_btw = _kl_rows(scores_btw, psum_btw, allowed_btw, with_grad)
     if not with_grad:
         return kl, n, None
@@ -344,7 +354,7 @@ def _streamed_pass(spec: _Spec, inputs, with_grad: bool):
         return kl + kl_j, n + n_j, grads
 
     primal = (q_idx, k_idx, w_idx)
-    dtype = inputs[3].dtype  # the teacher's compute dtype
+    dtype = inputs[4].dtype  # the teacher's compute dtype
     zeros = tuple(jnp.zeros(x.shape, _compute_dtype(x)) for x in primal) if with_grad else None
     kl, n, grads = _scan_blocks(block, (jnp.zeros((), dtype), jnp.int32(0), zeros), t // qc, qc)
     inv = _per_valid_row(n, dtype)
@@ -376,7 +386,7 @@ _streamed_mean_kl.defvjp(_streamed_fwd, _streamed_bwd)
 def csa_indexer_loss_streamed(q_idx, k_idx, w_idx, query, compressed_kv, positions, segment_ids, *,
                               topk: int | None = None, scale=1.0, head_chunk: int = 0,
                               query_chunk: int = 0, teacher: str = "compressed", raw_kv=None,
-                              window: int = 0, sink=None):
+                              window: int = 0, sink=None, query_fn=None):
     """`csa_indexer_loss` computed from the indexer's inputs, one query block at a time.
 
     Equals `csa_indexer_loss(indexer_scores(q_idx, k_idx, w_idx, visible), query, compressed_kv,
@@ -395,6 +405,9 @@ def csa_indexer_loss_streamed(q_idx, k_idx, w_idx, query, compressed_kv, positio
       head_chunk: heads per scan step (0 = all; must divide H and HI). With a head chunk the
         indexer's backward recomputes its logits per head group instead of storing [B,qc,W,HI].
       query_chunk: query positions per scan step (0 = all; must divide T).
+      query_fn: None, or a pure function (per_token [B, qc, ...], params, positions [B, qc]) ->
+        teacher queries [B, qc, H, D]; `query` is then the pair (per_token [B, T, ...], params)
+        (e.g. the main attention's c_q and W_qb), so the [B, T, H, D] queries never exist whole.
 
     Returns:
       A float32 scalar (as in `csa_indexer_loss`); gradient to q_idx, k_idx, w_idx only (exactly
@@ -411,15 +424,18 @@ def csa_indexer_loss_streamed(q_idx, k_idx, w_idx, query, compressed_kv, positio
     if num_blocks == 0 or t % num_blocks:
         raise ValueError(f"T={t} must be a multiple of the W={num_blocks} compressed blocks")
     joint = _check_teacher(teacher, raw_kv, sink, window > 0, "window > 0")
+    heads = query.shape[2] if query_fn is None else jax.eval_shape(
+        query_fn, query[0][:, :1], query[1], positions[:, :1]).shape[2]
     spec = _Spec(
-        head_chunk=_resolve_chunk(head_chunk, query.shape[2], "head_chunk", "query heads"),
+        head_chunk=_resolve_chunk(head_chunk, heads, "head_chunk", "query heads"),
         query_chunk=_resolve_chunk(query_chunk, t, "query_chunk", "query positions"),
         joint=joint, topk=topk, window=window if joint else 0,
         index_chunk=_resolve_chunk(head_chunk, heads_i, "head_chunk", "indexer heads"),
+        query_fn=query_fn,
     )
     if not joint:
         raw_kv, sink = None, None
-    dtype = _compute_dtype(query, compressed_kv, raw_kv, sink)
+    dtype = _compute_dtype(*jax.tree.leaves(query), compressed_kv, raw_kv, sink)
     teacher_inputs = [_teacher_input(x, dtype) for x in (query, compressed_kv, raw_kv, sink)]
     loss = _streamed_mean_kl(spec, q_idx, k_idx, w_idx, *teacher_inputs, positions, segment_ids)
     return jnp.asarray(scale, loss.dtype) * loss

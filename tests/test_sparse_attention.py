@@ -16,6 +16,7 @@ from core.attention import Attention, attention, compressed_visibility
 from core.indexer import indexer_scores, select_topk, select_topk_chunked, selection_mask
 from core.masks import sliding_window_mask
 from core.sparse_attention import chunked_attention
+from tests.attention_memory import layer_train_temp_bytes
 from tests.test_attention import make_layer, packed, spec
 
 H, D = 3, 8
@@ -180,22 +181,6 @@ def test_layer_chunked_collect_equals_masked():
     assert set(aux_c) == set(aux_m)
     for key in aux_m:
         np.testing.assert_allclose(aux_c[key], aux_m[key], rtol=1e-5, atol=1e-6, err_msg=key)
-
-
-def layer_train_temp_bytes(s, t: int, dtype=jnp.float32, batch: int = 1, **flags) -> int:
-    """XLA's compiled temp memory of one attention layer's forward + backward (nothing runs)."""
-    graphdef, state = nnx.split(nnx.eval_shape(
-        lambda: Attention(s, rngs=nnx.Rngs(0), param_dtype=dtype, dtype=dtype)))
-
-    def step(state, x, pos, seg):
-        def loss(state, x):
-            y, aux = nnx.merge(graphdef, state)(x, pos, seg, **flags)
-            return jnp.sum(y.astype(jnp.float32)) + aux.get("indexer_loss", 0.0)
-        return jax.grad(loss, argnums=(0, 1))(state, x)
-
-    sds = jax.ShapeDtypeStruct
-    args = (state, sds((batch, t, s.emb), dtype), sds((batch, t), jnp.int32), sds((batch, t), jnp.int32))
-    return jax.jit(step).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
 def test_layer_memory_grows_linearly_in_t():
