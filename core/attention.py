@@ -290,19 +290,19 @@ class Attention(nnx.Module):
             sel = select_topk_chunked(c_q, k_idx, w_idx, positions_bt, segment_ids_bt,
                                       ratio=s.ratio, k=s.indexer_topk, chunk=s.attention_chunk,
                                       head_chunk=s.head_chunk, q_fn=self.indexer.queries)
-        if loss:  # the streamed loss takes the indexer queries whole (their gradient is [B,T,HI,DI])
-            q_idx = self.indexer.queries(c_q, positions_bt)
-            aux["indexer_loss"] = self._streamed_loss(q_idx, k_idx, w_idx, c_q, kv, ckv, sink_h,
+        if loss:  # indexer and teacher queries are built per loss block from c_q
+            aux["indexer_loss"] = self._streamed_loss(k_idx, w_idx, c_q, kv, ckv, sink_h,
                                                       positions_bt, segment_ids_bt, dense=dense)
         return sel, aux
 
-    def _streamed_loss(self, q_idx, k_idx, w_idx, c_q, kv, ckv, sink_h, positions_bt,
-                       segment_ids_bt, *, dense: bool):
+    def _streamed_loss(self, k_idx, w_idx, c_q, kv, ckv, sink_h, positions_bt, segment_ids_bt, *,
+                       dense: bool):
         s, sg = self.spec, jax.lax.stop_gradient
         joint = s.teacher == "joint"
-        return csa_indexer_loss_streamed(  # the teacher queries are built per query block
-            q_idx, k_idx, w_idx, (sg(c_q), sg(self.wq_b[...])), sg(ckv), positions_bt,
-            segment_ids_bt, query_fn=self._query_fn(), topk=None if dense else s.indexer_topk,
+        return csa_indexer_loss_streamed(
+            (sg(c_q), self.indexer.wq_b[...]), k_idx, w_idx, (sg(c_q), sg(self.wq_b[...])), sg(ckv),
+            positions_bt, segment_ids_bt, index_query_fn=self.indexer.query_fn(),
+            query_fn=self._query_fn(), topk=None if dense else s.indexer_topk,
             scale=s.loss_scale,
             window=s.window if joint else 0, teacher=s.teacher, head_chunk=s.head_chunk,
             query_chunk=s.query_chunk, sink=sg(sink_h) if joint else None,

@@ -7,6 +7,8 @@ selection and everything downstream are float32 whatever the compute dtype.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -145,6 +147,12 @@ def select_topk_chunked(q_in_bt_, k_bwd, weights_bti, positions_bt, segment_ids_
     return from_chunks(idx, t), from_chunks(valid, t)
 
 
+def indexer_queries(c_q_btr, wq_b_rid, positions_bt, *, rope: RopeSpec, dtype):
+    """q_btid = RoPE(c_q W_Iq) in `dtype`: [B, T, R] x [R, HI, DI] -> [B, T, HI, DI]."""
+    q_btid = jnp.einsum("btr,rid->btid", c_q_btr.astype(dtype), wq_b_rid.astype(dtype))
+    return apply_rope(q_btid, positions_bt, rope)
+
+
 # ----------------------------------------------------------------------------- module
 
 
@@ -181,10 +189,11 @@ class Indexer(nnx.Module):
 
     def queries(self, c_q_btr, positions_bt):
         """q_btid = RoPE(stop_gradient(c_q) W_Iq) for any run of positions (a chunk's q_fn)."""
-        dt = self.dtype
-        c_q_btr = jax.lax.stop_gradient(c_q_btr).astype(dt)
-        q_btid = jnp.einsum("btr,rid->btid", c_q_btr, self.wq_b[...].astype(dt))
-        return apply_rope(q_btid, positions_bt, self.rope)
+        return self.query_fn()(jax.lax.stop_gradient(c_q_btr), self.wq_b[...], positions_bt)
+
+    def query_fn(self):
+        """`indexer_queries` with this indexer's static settings: (c_q, wq_b, positions) -> q."""
+        return functools.partial(indexer_queries, rope=self.rope, dtype=self.dtype)
 
     def keys_and_weights(self, x_btm, positions_bt):
         """(k_bwd, weights_bti float32) of `project` from the detached x."""

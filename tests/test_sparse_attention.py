@@ -195,11 +195,12 @@ def test_layer_memory_grows_linearly_in_t():
 
 @pytest.mark.slow
 def test_flash_csa_layer_memory_at_32k():
-    """DeepSeek-V4-Flash shapes (H=64, D=512, k=512): one CSA layer's train step at T=32K, compiled
-    ahead of time, needs <= 4 GiB of temp memory (sparse stage, top-k selection, float32)."""
+    """DeepSeek-V4-Flash shapes (H=64, D=512, k=512): one CSA layer's sparse-stage train step (top-k,
+    streamed indexer loss) at T=32K, compiled ahead of time, needs <= 4 GiB of temp memory."""
     from core.attention import AttentionSpec
     from core.config import load_config
 
-    cfg = load_config("deepseek4-284b", ["max_target_length=32768"])
-    temp = layer_train_temp_bytes(AttentionSpec.from_config(cfg, 2), 32768)
+    cfg = load_config("deepseek4-284b", ["max_target_length=32768", "indexer_loss_scaling_factor=0.1",
+                                         "csa_query_chunk_size=256", "csa_qk_head_chunk_size=8"])
+    temp = layer_train_temp_bytes(AttentionSpec.from_config(cfg, 2), 32768, indexer_loss=True)
     assert temp <= 4 * 2**30, f"temp {temp / 2**30:.2f} GiB"
