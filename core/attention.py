@@ -268,11 +268,12 @@ class Attention(nnx.Module):
                        dense: bool, loss: bool, collect: bool):
         """((topk_idx, topk_valid) or (None, None) when dense, aux) for the chunked path.
 
-        Dense [B, T, W] scores are built only where something consumes them whole (`collect`,
-        or the unstreamed indexer loss, csa_query_chunk_size=0); else the selection is chunked.
+        Dense [B, T, W] scores are built only where something consumes them whole (`collect`, or
+        an indexer loss that cannot stream, see `_loss_chunk`); else the selection is chunked.
         """
         s = self.spec
-        streamed = loss and s.query_chunk > 0
+        loss_chunk = self._loss_chunk(positions_bt.shape[1])
+        streamed = loss and loss_chunk > 0
         if collect or (loss and not streamed):
             q = self._queries_from(c_q, positions_bt)
             visible_btw = compressed_visibility(positions_bt, segment_ids_bt, s.ratio)
@@ -292,11 +293,23 @@ class Attention(nnx.Module):
                                       head_chunk=s.head_chunk, q_fn=self.indexer.queries)
         if loss:  # indexer and teacher queries are built per loss block from c_q
             aux["indexer_loss"] = self._streamed_loss(k_idx, w_idx, c_q, kv, ckv, sink_h,
-                                                      positions_bt, segment_ids_bt, dense=dense)
+                                                      positions_bt, segment_ids_bt, dense=dense,
+                                                      query_chunk=loss_chunk)
         return sel, aux
 
+    def _loss_chunk(self, t: int) -> int:
+        """The streamed indexer loss's query block: csa_query_chunk_size, or when that is 0 the
+        largest divisor of T <= attention_query_chunk_size; 0 (direct loss) if T cannot stream."""
+        s = self.spec
+        if s.query_chunk:
+            return s.query_chunk
+        w = t // s.ratio
+        if w == 0 or t % w:  # the streamed loss needs T to be a multiple of the W blocks
+            return 0
+        return max(c for c in range(1, min(t, s.attention_chunk) + 1) if t % c == 0)
+
     def _streamed_loss(self, k_idx, w_idx, c_q, kv, ckv, sink_h, positions_bt, segment_ids_bt, *,
-                       dense: bool):
+                       dense: bool, query_chunk: int):
         s, sg = self.spec, jax.lax.stop_gradient
         joint = s.teacher == "joint"
         return csa_indexer_loss_streamed(
@@ -305,7 +318,7 @@ class Attention(nnx.Module):
             query_fn=self._query_fn(), topk=None if dense else s.indexer_topk,
             scale=s.loss_scale,
             window=s.window if joint else 0, teacher=s.teacher, head_chunk=s.head_chunk,
-            query_chunk=s.query_chunk, sink=sg(sink_h) if joint else None,
+            query_chunk=query_chunk, sink=sg(sink_h) if joint else None,
             raw_kv=sg(kv) if joint else None)
 
     def _index(self, x_btm, c_q, q, kv, ckv, visible_btw, window_bts, sink_h, positions_bt,

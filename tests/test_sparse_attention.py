@@ -136,6 +136,7 @@ LAYER_CASES = [  # (ratio, dense, indexer_loss, extra spec fields); SWA is CASES
     (8, False, False, {}),
     (4, False, True, dict(loss_scale=0.1, query_chunk=8)),
     (4, True, True, dict(loss_scale=0.1, query_chunk=8, teacher="joint")),
+    (4, False, True, dict(loss_scale=0.1)),  # csa_query_chunk_size=0: streams in blocks of 4 (24 % 5)
 ]
 
 
