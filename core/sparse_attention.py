@@ -91,8 +91,10 @@ def merged_softmax(q_bchd, sink_h, parts):
         return ("bchd,bud->bhcu", "bhcu,bud->bchd") if keys.ndim == 3 else \
                ("bchd,bcud->bhcu", "bhcu,bcud->bchd")
 
+    parts = [(k, mask) for k, mask in parts if mask.shape[-1]]  # no block complete yet: no part
     logits = [jnp.where(mask[:, None], jnp.einsum(einsums(k)[0], q_bchd, k), NEG) for k, mask in parts]
-    sink_bhc = jnp.broadcast_to(sink_h[None, :, None], logits[0].shape[:3])
+    b, c, h, _ = q_bchd.shape
+    sink_bhc = jnp.broadcast_to(sink_h[None, :, None], (b, h, c))
     mx_bhc = sink_bhc
     for l_bhcu in logits:
         mx_bhc = jnp.maximum(mx_bhc, jnp.max(l_bhcu, axis=-1))
@@ -100,7 +102,8 @@ def merged_softmax(q_bchd, sink_h, parts):
     exps = [jnp.where(mask[:, None], jnp.exp(l - mx_bhc[..., None]), 0.0)
             for l, (_, mask) in zip(logits, parts)]
     denom_bhc = jnp.exp(sink_bhc - mx_bhc) + sum(jnp.sum(e, axis=-1) for e in exps)
-    o_bchd = sum(jnp.einsum(einsums(k)[1], e, k) for e, (k, _) in zip(exps, parts))
+    o_bchd = sum((jnp.einsum(einsums(k)[1], e, k) for e, (k, _) in zip(exps, parts)),
+                 jnp.zeros_like(q_bchd))
     return o_bchd / jnp.transpose(denom_bhc, (0, 2, 1))[..., None]
 
 
