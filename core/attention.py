@@ -21,8 +21,11 @@ and gradient (tests/test_sparse_attention.py). What lives at once, per layer cal
   indexer): logits over every block [B, H, C, W]. The indexer's top-k is chunked the same way
   (`select_topk_chunked`: [B, C, W, HI or head_chunk] scores per chunk, indexer queries built per
   chunk). Memory O(T (M + D + k) + C (S + k) H D); work O(T (C + S + k) H D) sparse, O(T W H D)
-  over all visible blocks. The dense [B, T, W] scores and [B, T, H, D] queries are built only
-  where a consumer needs them whole: `collect` (eval tools) and the indexer loss's teacher.
+  over all visible blocks. The streamed indexer loss builds its teacher and indexer queries
+  per block too (`query_fn`, `index_query_fn`), in blocks of csa_query_chunk_size or, when that
+  is 0, of the largest divisor of T <= C. The dense [B, T, W] scores and [B, T, H, D] queries are
+  built only where a consumer needs them whole: `collect` (eval tools) and an indexer loss that
+  cannot stream (T not a multiple of the W blocks).
 - `masked` (the reference): dense booleans over [T, T] (window) and [T, W] (blocks); the top-k
   selection enters as `allowed = visible & selected`; logits [B, H, T, T] and [B, H, T, W].
 
@@ -244,8 +247,8 @@ class Attention(nnx.Module):
                  collect: bool):
         """`__call__` with `chunked_attention`: queries, attention and output projection per chunk.
 
-        The [B, T, H, D] queries exist whole only where the indexer loss or `collect` needs them
-        as (detached) teacher inputs; the attention recomputes its own per chunk.
+        The [B, T, H, D] queries exist whole only where `collect` (or an indexer loss that cannot
+        stream) needs them as detached teacher inputs; the attention builds its own per chunk.
         """
         s, dt = self.spec, self.dtype
         x_btm = x_btm.astype(dt)
