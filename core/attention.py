@@ -9,9 +9,25 @@ One layer, as in the official inference code's `Attention`:
         without an indexer; HCA: all visible; SWA: none), one softmax with a per-head sink
   o = inverse RoPE(sum p v);  out = W_ob [ per group g: W_oa[g] flatten(o heads of g) ]
 
-Masks are dense booleans over [T, T] (window) and [T, W] (blocks): the top-k selection enters
-as `allowed = visible & selected`, which is exactly the official gather of k indices but costs
-T x W scores instead of T x k (fine for training lengths; no decode cache by design).
+Two implementations of the same maths (config `attention`), equal to float32 rounding in value
+and gradient (tests/test_sparse_attention.py). What lives at once, per layer call:
+
+- `chunked` (default; core.sparse_attention): a `lax.scan` over query chunks of C =
+  attention_query_chunk_size positions, each chunk rematerialised in the backward pass. Whole-T
+  tensors are per-token only: x, c_q [B, T, q_lora], raw kv [B, T, D], the output [B, T, M], the
+  selection [B, T, k]. Per chunk: queries [B, C, H, D]; window logits [B, H, C, C + S - 1] (the
+  chunk's own keys and the S - 1 before it); CSA sparse: the k selected blocks' keys gathered,
+  [B, C, k, D], logits [B, H, C, k]; HCA and CSA dense (pre-training, warm-up, eval_dense, no
+  indexer): logits over every block [B, H, C, W]. The indexer's top-k is chunked the same way
+  (`select_topk_chunked`: [B, C, W, HI or head_chunk] scores per chunk, indexer queries built per
+  chunk). Memory O(T (M + D + k) + C (S + k) H D); work O(T (C + S + k) H D) sparse, O(T W H D)
+  over all visible blocks. The streamed indexer loss builds its teacher and indexer queries
+  per block too (`query_fn`, `index_query_fn`), in blocks of csa_query_chunk_size or, when that
+  is 0, of the largest divisor of T <= C. The dense [B, T, W] scores and [B, T, H, D] queries are
+  built only where a consumer needs them whole: `collect` (eval tools) and an indexer loss that
+  cannot stream (T not a multiple of the W blocks).
+- `masked` (the reference): dense booleans over [T, T] (window) and [T, W] (blocks); the top-k
+  selection enters as `allowed = visible & selected`; logits [B, H, T, T] and [B, H, T, W].
 
 The lightning indexer (`core.indexer.Indexer`) lives under `indexer` on CSA layers; its inputs are
 detached so neither the indexer loss reaches other parameters nor (the selection being discrete)
@@ -24,17 +40,19 @@ is computed in float32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from core.compressor import Compressor
-from core.indexer import Indexer, select_topk, selection_mask
+from core.indexer import Indexer, select_topk, select_topk_chunked, selection_mask
 from core.indexer_loss import csa_indexer_loss, csa_indexer_loss_streamed
 from core.layers import RMSNorm, dense_init, param, rms_normalize
 from core.masks import NEG, csa_visible, sliding_window_mask
 from core.rope import RopeSpec, apply_rope
+from core.sparse_attention import chunked_attention
 
 
 def compressed_visibility(positions_bt, segment_ids_bt, ratio: int):
@@ -85,6 +103,13 @@ def attention(q_bthd, kv_bsd, window_bts, sink_h, ckv_bwd=None, allowed_btw=None
     return (o_bthd / jnp.transpose(denom_bht, (0, 2, 1))[..., None]).astype(q_bthd.dtype)
 
 
+def project_queries(c_q_btr, wq_b_rhd, positions_bt, *, eps: float, rope: RopeSpec, dtype):
+    """q = RoPE(rms(c_q W_qb)) * D^-1/2 in `dtype`: [B, T, R] x [R, H, D] -> [B, T, H, D]."""
+    q = jnp.einsum("btr,rhd->bthd", c_q_btr.astype(dtype), wq_b_rhd.astype(dtype))
+    q = apply_rope(rms_normalize(q, eps).astype(dtype), positions_bt, rope)
+    return q * jnp.asarray(q.shape[-1] ** -0.5, dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
     """Static shape and behaviour of one attention layer (derived from the config)."""
@@ -106,6 +131,8 @@ class AttentionSpec:
     teacher: str = "compressed"
     head_chunk: int = 0
     query_chunk: int = 0
+    attention: str = "chunked"  # "chunked" (core.sparse_attention) | "masked" (dense reference)
+    attention_chunk: int = 128  # query positions per chunk of the chunked path
 
     @classmethod
     def from_config(cls, cfg, layer: int) -> "AttentionSpec":
@@ -119,7 +146,8 @@ class AttentionSpec:
             indexer_head_dim=cfg.indexer_head_dim if indexed else 0,
             indexer_topk=cfg.indexer_topk if indexed else 0,
             loss_scale=cfg.indexer_loss_scaling_factor, teacher=cfg.indexer_teacher,
-            head_chunk=cfg.csa_qk_head_chunk_size, query_chunk=cfg.csa_query_chunk_size)
+            head_chunk=cfg.csa_qk_head_chunk_size, query_chunk=cfg.csa_query_chunk_size,
+            attention=cfg.attention, attention_chunk=cfg.attention_query_chunk_size)
 
 
 class Attention(nnx.Module):
@@ -155,11 +183,16 @@ class Attention(nnx.Module):
 
     def _queries(self, x_btm, positions_bt):
         """(c_q_btr, q_bthd): low-rank queries, per-head weightless RMS norm, RoPE, * D^-1/2."""
-        s, dt = self.spec, self.dtype
-        c_q = self.q_norm(jnp.einsum("btm,mr->btr", x_btm, self.wq_a[...].astype(dt)))
-        q = jnp.einsum("btr,rhd->bthd", c_q, self.wq_b[...].astype(dt))
-        q = apply_rope(rms_normalize(q, s.eps).astype(dt), positions_bt, s.rope)
-        return c_q, q * jnp.asarray(s.head_dim ** -0.5, dt)
+        c_q = self.q_norm(jnp.einsum("btm,mr->btr", x_btm, self.wq_a[...].astype(self.dtype)))
+        return c_q, self._queries_from(c_q, positions_bt)
+
+    def _queries_from(self, c_q_btr, positions_bt):
+        """q_bthd from the low-rank queries (any run of positions: the chunked path's q_fn)."""
+        return self._query_fn()(c_q_btr, self.wq_b[...], positions_bt)
+
+    def _query_fn(self):
+        s = self.spec
+        return functools.partial(project_queries, eps=s.eps, rope=s.rope, dtype=self.dtype)
 
     def _output(self, o_bthd, positions_bt):
         """Inverse RoPE, then the grouped low-rank projection back to the model width."""
@@ -185,10 +218,12 @@ class Attention(nnx.Module):
           topk_idx, topk_valid, teacher_query, compressed_kv, visible, raw_kv, window, sink.
         """
         s, dt = self.spec, self.dtype
+        if s.attention == "chunked":
+            return self._chunked(x_btm, positions_bt, segment_ids_bt, dense=dense,
+                                 indexer_loss=indexer_loss, collect=collect)
         x_btm = x_btm.astype(dt)
         c_q, q = self._queries(x_btm, positions_bt)
-        kv = apply_rope(self.kv_norm(jnp.einsum("btm,md->btd", x_btm, self.wkv[...].astype(dt))),
-                        positions_bt, s.rope)
+        kv = self._raw_kv(x_btm, positions_bt)
         window_bts = sliding_window_mask(positions_bt, segment_ids_bt, s.window)
         sink_h = self.attn_sink[...].astype(jnp.promote_types(dt, jnp.float32))
         aux = {}
@@ -197,26 +232,115 @@ class Attention(nnx.Module):
             ckv = self.compressor(x_btm, positions_bt)
             allowed = compressed_visibility(positions_bt, segment_ids_bt, s.ratio)
             if s.indexer_heads:
-                allowed, aux = self._index(x_btm, c_q, q, kv, ckv, allowed, window_bts, sink_h,
-                                           positions_bt, segment_ids_bt, dense=dense,
-                                           loss=indexer_loss, collect=collect)
+                allowed, _, aux = self._index(x_btm, c_q, q, kv, ckv, allowed, window_bts, sink_h,
+                                              positions_bt, segment_ids_bt, dense=dense,
+                                              loss=indexer_loss, collect=collect)
         o = attention(q, kv, window_bts, sink_h, ckv, allowed)
         return self._output(o, positions_bt), aux
 
+    def _raw_kv(self, x_btm, positions_bt):
+        dt = self.dtype
+        kv = self.kv_norm(jnp.einsum("btm,md->btd", x_btm, self.wkv[...].astype(dt)))
+        return apply_rope(kv, positions_bt, self.spec.rope)
+
+    def _chunked(self, x_btm, positions_bt, segment_ids_bt, *, dense: bool, indexer_loss: bool,
+                 collect: bool):
+        """`__call__` with `chunked_attention`: queries, attention and output projection per chunk.
+
+        The [B, T, H, D] queries exist whole only where `collect` (or an indexer loss that cannot
+        stream) needs them as detached teacher inputs; the attention builds its own per chunk.
+        """
+        s, dt = self.spec, self.dtype
+        x_btm = x_btm.astype(dt)
+        c_q = self.q_norm(jnp.einsum("btm,mr->btr", x_btm, self.wq_a[...].astype(dt)))
+        kv = self._raw_kv(x_btm, positions_bt)
+        sink_h = self.attn_sink[...].astype(jnp.promote_types(dt, jnp.float32))
+        aux, ckv, sel = {}, None, (None, None)
+        if s.ratio:
+            ckv = self.compressor(x_btm, positions_bt)
+        if s.indexer_heads:
+            sel, aux = self._index_chunked(x_btm, c_q, kv, ckv, sink_h, positions_bt, segment_ids_bt,
+                                           dense=dense, loss=indexer_loss, collect=collect)
+        y = chunked_attention(c_q, kv, positions_bt, segment_ids_bt, sink_h, window=s.window,
+                              chunk=s.attention_chunk, ckv_bwd=ckv, ratio=s.ratio,
+                              topk_idx_btk=sel[0], topk_valid_btk=sel[1],
+                              q_fn=self._queries_from, o_fn=self._output)
+        return y, aux
+
+    def _index_chunked(self, x_btm, c_q, kv, ckv, sink_h, positions_bt, segment_ids_bt, *,
+                       dense: bool, loss: bool, collect: bool):
+        """((topk_idx, topk_valid) or (None, None) when dense, aux) for the chunked path.
+
+        Dense [B, T, W] scores are built only where something consumes them whole (`collect`, or
+        an indexer loss that cannot stream, see `_loss_chunk`); else the selection is chunked.
+        """
+        s = self.spec
+        loss_chunk = self._loss_chunk(positions_bt.shape[1])
+        streamed = loss and loss_chunk > 0
+        if collect or (loss and not streamed):
+            q = self._queries_from(c_q, positions_bt)
+            visible_btw = compressed_visibility(positions_bt, segment_ids_bt, s.ratio)
+            window_bts = sliding_window_mask(positions_bt, segment_ids_bt, s.window)
+            _, sel, aux = self._index(x_btm, c_q, q, kv, ckv, visible_btw, window_bts, sink_h,
+                                      positions_bt, segment_ids_bt, dense=dense, loss=loss,
+                                      collect=collect)
+            return (None, None) if dense else sel, aux
+        aux = {"indexer_loss": jnp.zeros((), jnp.float32)}
+        if dense and not loss:  # eval_dense / pre-training: the indexer plays no part
+            return (None, None), aux
+        k_idx, w_idx = self.indexer.keys_and_weights(x_btm, positions_bt)
+        sel = (None, None)
+        if not dense:
+            sel = select_topk_chunked(c_q, k_idx, w_idx, positions_bt, segment_ids_bt,
+                                      ratio=s.ratio, k=s.indexer_topk, chunk=s.attention_chunk,
+                                      head_chunk=s.head_chunk, q_fn=self.indexer.queries)
+        if loss:  # indexer and teacher queries are built per loss block from c_q
+            aux["indexer_loss"] = self._streamed_loss(k_idx, w_idx, c_q, kv, ckv, sink_h,
+                                                      positions_bt, segment_ids_bt, dense=dense,
+                                                      query_chunk=loss_chunk)
+        return sel, aux
+
+    def _loss_chunk(self, t: int) -> int:
+        """The streamed indexer loss's query block: csa_query_chunk_size, or when that is 0 the
+        largest divisor of T <= attention_query_chunk_size; 0 (direct loss) if T cannot stream."""
+        s = self.spec
+        if s.query_chunk:
+            return s.query_chunk
+        w = t // s.ratio
+        if w == 0 or t % w:  # the streamed loss needs T to be a multiple of the W blocks
+            return 0
+        return max(c for c in range(1, min(t, s.attention_chunk) + 1) if t % c == 0)
+
+    def _streamed_loss(self, k_idx, w_idx, c_q, kv, ckv, sink_h, positions_bt, segment_ids_bt, *,
+                       dense: bool, query_chunk: int):
+        s, sg = self.spec, jax.lax.stop_gradient
+        joint = s.teacher == "joint"
+        return csa_indexer_loss_streamed(
+            (sg(c_q), self.indexer.wq_b[...]), k_idx, w_idx, (sg(c_q), sg(self.wq_b[...])), sg(ckv),
+            positions_bt, segment_ids_bt, index_query_fn=self.indexer.query_fn(),
+            query_fn=self._query_fn(), topk=None if dense else s.indexer_topk,
+            scale=s.loss_scale,
+            window=s.window if joint else 0, teacher=s.teacher, head_chunk=s.head_chunk,
+            query_chunk=query_chunk, sink=sg(sink_h) if joint else None,
+            raw_kv=sg(kv) if joint else None)
+
     def _index(self, x_btm, c_q, q, kv, ckv, visible_btw, window_bts, sink_h, positions_bt,
                segment_ids_bt, *, dense: bool, loss: bool, collect: bool):
-        """Indexer scores, top-k selection and the indexer loss; returns (allowed_btw, aux)."""
+        """Indexer scores, top-k selection and the indexer loss.
+
+        Returns (allowed_btw, (topk_idx, topk_valid) or (None, None) if not selected, aux).
+        """
         s = self.spec
         streamed = loss and s.query_chunk > 0
         need_scores = collect or not dense or (loss and not streamed)
         aux = {"indexer_loss": jnp.zeros((), jnp.float32)}
-        allowed = visible_btw
+        allowed, sel = visible_btw, (None, None)
         if not (need_scores or streamed):  # eval_dense: the indexer plays no part
-            return allowed, aux
+            return allowed, sel, aux
         q_idx, k_idx, w_idx = self.indexer.project(x_btm, c_q, positions_bt)
         if need_scores:
             scores = self.indexer.score(q_idx, k_idx, w_idx, visible_btw, head_chunk=s.head_chunk)
-            idx_btk, valid_btk = select_topk(scores, visible_btw, s.indexer_topk)
+            idx_btk, valid_btk = sel = select_topk(scores, visible_btw, s.indexer_topk)
             selected_btw = selection_mask(idx_btk, valid_btk, visible_btw.shape[-1])
             if not dense:
                 allowed = visible_btw & selected_btw
@@ -238,4 +362,4 @@ class Attention(nnx.Module):
                        teacher_query=sg(q), compressed_kv=sg(ckv), visible=visible_btw)
             if s.teacher == "joint":
                 aux.update(raw_kv=sg(kv), window=window_bts, sink=sg(sink_h))
-        return allowed, aux
+        return allowed, sel, aux

@@ -67,6 +67,8 @@ class Config:
     indexer_teacher: str
     csa_qk_head_chunk_size: int       # heads per scan step, 0 = off
     csa_query_chunk_size: int         # query positions per scan step, 0 = off
+    attention: str                    # chunked (banded window, gathered top-k) | masked (dense reference)
+    attention_query_chunk_size: int   # query positions per chunk of the chunked attention and top-k
     # mixture of experts
     num_experts: int
     num_experts_per_tok: int
@@ -175,7 +177,7 @@ _POSITIVE = {
     "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_num_decoder_layers",
     "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "vocab_size", "sliding_window_size",
     "indexer_n_heads", "indexer_head_dim", "indexer_topk", "num_experts", "num_experts_per_tok",
-    "base_moe_mlp_dim", "mhc_expansion_rate", "hc_sinkhorn_iters", "steps",
+    "base_moe_mlp_dim", "attention_query_chunk_size", "mhc_expansion_rate", "hc_sinkhorn_iters", "steps",
     "per_device_batch_size", "max_target_length", "checkpoint_period", "max_checkpoints",
     "max_position_embeddings", "original_max_position_embeddings",
     "normalization_layer_epsilon", "hc_eps", "rope_max_timescale",
@@ -194,6 +196,7 @@ _CHOICES = {
     "weight_dtype": ("float32", "bfloat16"),
     "rope_type": ("default", "yarn"),
     "indexer_teacher": ("compressed", "joint"),
+    "attention": ("chunked", "masked"),
     "routed_score_func": ("sqrtsoftplus",),
     "dataset_type": ("hf", "synthetic"),
 }

@@ -7,6 +7,8 @@ selection and everything downstream are float32 whatever the compute dtype.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -94,6 +96,63 @@ def selection_mask(idx_btk, valid_btk, num_blocks: int):
     return rows_btw.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], idx_btk].set(valid_btk)
 
 
+def select_topk_chunked(q_in_bt_, k_bwd, weights_bti, positions_bt, segment_ids_bt, *, ratio: int,
+                        k: int, chunk: int, head_chunk: int = 0, q_fn=None):
+    """`select_topk(indexer_scores(...), visible, k)` one query chunk at a time.
+
+    Never holds [B, T, W, HI] nor [B, T, W]: each chunk of C queries builds its own visibility
+    rows, scores and selection. No gradient flows (the selection is discrete; the indexer loss
+    recomputes its own scores), so the inputs are detached and nothing is kept for a backward.
+
+    Args:
+      q_in_bt_: the indexer queries q_btid [B, T, HI, DI] of `indexer_scores`, or, with `q_fn`,
+        its per-token inputs (e.g. c_q [B, T, R]), so the queries too exist one chunk at a time.
+      k_bwd, weights_bti: as in `indexer_scores`.
+      positions_bt, segment_ids_bt: int [B, T] (DESIGN.md, "Visibility").
+      ratio: tokens per block (4; W = T // ratio complete blocks).
+      k: blocks to select (static, clipped to W).
+      chunk: query positions per scan step C (static; T need not be a multiple).
+      head_chunk: indexer heads per scoring step, as in `indexer_scores`.
+      q_fn: (inputs [B, C, ...], positions [B, C]) -> q_bcid [B, C, HI, DI], run per chunk.
+
+    Returns:
+      (idx_btk int32 [B, T, min(k, W)], valid_btk bool [B, T, min(k, W)]), equal to `select_topk`
+      of the dense scores (ties to the lower index).
+
+    Shapes (per chunk of c queries):
+      1. q_bcid = q_fn(q_in[chunk]); visible_bcw from positions / segment ids      [B, c, W]
+      2. scores_bcw = indexer_scores(q[chunk], k, w[chunk])     [B, c, W, head_chunk] live
+      3. idx_bck, valid_bck = select_topk(scores_bcw, visible_bcw, k)
+    """
+    from core.sparse_attention import block_keys, from_chunks, num_chunks, to_chunks, visible_rows
+
+    sg = jax.lax.stop_gradient
+    q_in_bt_, k_bwd, weights_bti = sg(q_in_bt_), sg(k_bwd), sg(weights_bti)
+    t = positions_bt.shape[1]
+    c, n = num_chunks(t, chunk)
+    seg_bw, last_bw = block_keys(positions_bt, segment_ids_bt, ratio)
+
+    def body(_, xs):
+        q_c, w_c, pos_c, seg_c = xs
+        q_c = q_c if q_fn is None else q_fn(q_c, pos_c)
+        visible_bcw = visible_rows(pos_c, seg_c, seg_bw, last_bw)
+        scores_bcw = indexer_scores(q_c, k_bwd, w_c, visible_bcw, head_chunk=head_chunk)
+        return None, select_topk(scores_bcw, visible_bcw, k)
+
+    xs = tuple(to_chunks(x, c, n) for x in (q_in_bt_, weights_bti, positions_bt, segment_ids_bt))
+    if n == 1:
+        idx, valid = body(None, tuple(x[0] for x in xs))[1]
+        return from_chunks(idx[None], t), from_chunks(valid[None], t)
+    _, (idx, valid) = jax.lax.scan(body, None, xs)
+    return from_chunks(idx, t), from_chunks(valid, t)
+
+
+def indexer_queries(c_q_btr, wq_b_rid, positions_bt, *, rope: RopeSpec, dtype):
+    """q_btid = RoPE(c_q W_Iq) in `dtype`: [B, T, R] x [R, HI, DI] -> [B, T, HI, DI]."""
+    q_btid = jnp.einsum("btr,rid->btid", c_q_btr.astype(dtype), wq_b_rid.astype(dtype))
+    return apply_rope(q_btid, positions_bt, rope)
+
+
 # ----------------------------------------------------------------------------- module
 
 
@@ -126,15 +185,23 @@ class Indexer(nnx.Module):
           2. k_bwd   = compressor(x)           (m = 4, overlapping; RoPE at block starts)
           3. weights = x W_Iw * HI^-1/2 * DI^-1/2
         """
+        return (self.queries(c_q_btr, positions_bt), *self.keys_and_weights(x_btm, positions_bt))
+
+    def queries(self, c_q_btr, positions_bt):
+        """q_btid = RoPE(stop_gradient(c_q) W_Iq) for any run of positions (a chunk's q_fn)."""
+        return self.query_fn()(jax.lax.stop_gradient(c_q_btr), self.wq_b[...], positions_bt)
+
+    def query_fn(self):
+        """`indexer_queries` with this indexer's static settings: (c_q, wq_b, positions) -> q."""
+        return functools.partial(indexer_queries, rope=self.rope, dtype=self.dtype)
+
+    def keys_and_weights(self, x_btm, positions_bt):
+        """(k_bwd, weights_bti float32) of `project` from the detached x."""
         dt = self.dtype
         x_btm = jax.lax.stop_gradient(x_btm).astype(dt)
-        c_q_btr = jax.lax.stop_gradient(c_q_btr).astype(dt)
-        q_btid = jnp.einsum("btr,rid->btid", c_q_btr, self.wq_b[...].astype(dt))
-        q_btid = apply_rope(q_btid, positions_bt, self.rope)
         k_bwd = self.compressor(x_btm, positions_bt)
         weights_bti = jnp.einsum("btm,mi->bti", x_btm, self.weights_proj[...].astype(dt))
-        weights_bti = weights_bti.astype(jnp.float32) * (self.heads ** -0.5 * self.head_dim ** -0.5)
-        return q_btid, k_bwd, weights_bti
+        return k_bwd, weights_bti.astype(jnp.float32) * (self.heads ** -0.5 * self.head_dim ** -0.5)
 
     @staticmethod
     def score(q_btid, k_bwd, weights_bti, visible_btw, *, head_chunk: int = 0):

@@ -28,7 +28,7 @@ so the gradient is the exact derivative of the value. Exactly zero reaches the t
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,8 @@ class _Spec(NamedTuple):
     topk: int | None = None   # streamed only: sparse selection
     window: int = 0           # streamed only: sliding window S for the joint teacher
     index_chunk: int = 0      # streamed only: indexer heads per scan step (divides HI)
+    query_fn: Any = None      # streamed only: builds each block's teacher queries (see below)
+    index_query_fn: Any = None  # streamed only: builds each block's indexer queries
 
 
 def _resolve_chunk(chunk: int, size: int, name: str, what: str) -> int:
@@ -161,7 +163,7 @@ def _compute_dtype(*arrays):
 
 
 def _teacher_input(x, dtype):
-    return None if x is None else jax.lax.stop_gradient(jnp.asarray(x, dtype))
+    return None if x is None else jax.tree.map(lambda a: jax.lax.stop_gradient(jnp.asarray(a, dtype)), x)
 
 
 # ----------------------------------------------------------------------------- given scores
@@ -295,13 +297,28 @@ def _indexer_vjp(q_btid, k_bwd, w_bti, visible_btw, grad_btw, head_chunk: int):
     return grads
 
 
+def _block_query(spec: _Spec, query, t0, pos_bt):
+    """The teacher queries of one block: a slice of `query`, or `spec.query_fn` of its inputs."""
+    if spec.query_fn is None:
+        return _slice_t(query, t0, spec.query_chunk)
+    per_token, params = query
+    return spec.query_fn(_slice_t(per_token, t0, spec.query_chunk), params, pos_bt)
+
+
 def _stream_block(spec: _Spec, t0, inputs, block_masks, with_grad: bool):
     """One query block: visibility, scores, selection, teacher rows, KL (and its pull-back)."""
     q_idx, k_idx, w_idx, query, kv, raw_kv, sink, positions, segment_ids = inputs
     seg_bw, last_bw = block_masks
-    qc, num_blocks, heads_i = spec.query_chunk, k_idx.shape[1], q_idx.shape[2]
+    qc, num_blocks = spec.query_chunk, k_idx.shape[1]
     pos_bt, seg_bt = _slice_t(positions, t0, qc), _slice_t(segment_ids, t0, qc)
-    q_blk, w_blk = _slice_t(q_idx, t0, qc), _slice_t(w_idx, t0, qc)
+    w_blk, q_pull = _slice_t(w_idx, t0, qc), None
+    if spec.index_query_fn is None:
+        q_blk = _slice_t(q_idx, t0, qc)
+    else:  # the block's indexer queries from their inputs; the pull-back goes to those inputs
+        fn = lambda per_token, params: spec.index_query_fn(per_token, params, pos_bt)
+        q_args = (_slice_t(q_idx[0], t0, qc), q_idx[1])
+        q_blk, q_pull = jax.vjp(fn, *q_args) if with_grad else (fn(*q_args), None)
+    heads_i = q_blk.shape[2]
     visible_btw = _visible_rows(pos_bt, seg_bt, seg_bw, last_bw)
     pull = None
     if with_grad and spec.index_chunk == heads_i:  # one group: keep its residuals, no recompute
@@ -315,20 +332,25 @@ def _stream_block(spec: _Spec, t0, inputs, block_masks, with_grad: bool):
     window_bts = None
     if spec.joint:
         window_bts = _window_rows(pos_bt, seg_bt, positions, segment_ids, spec.window)
-    psum_btw = _teacher_rows(spec, _slice_t(query, t0, qc), kv, allowed_btw, raw_kv, window_bts, sink)
+    query_btd = _block_query(spec, query, t0, pos_bt).astype(kv.dtype)
+    psum_btw = _teacher_rows(spec, query_btd, kv, allowed_btw, raw_kv, window_bts, sink)
     kl, n, grad_btw = _kl_rows(scores_btw, psum_btw, allowed_btw, with_grad)
     if not with_grad:
         return kl, n, None
     grad_btw = grad_btw.astype(scores_btw.dtype)
     if pull is not None:
-        return kl, n, pull(grad_btw)
-    return kl, n, _indexer_vjp(q_blk, k_idx, w_blk, visible_btw, grad_btw, spec.index_chunk)
+        grads = pull(grad_btw)
+    else:
+        grads = _indexer_vjp(q_blk, k_idx, w_blk, visible_btw, grad_btw, spec.index_chunk)
+    if q_pull is not None:
+        grads = (q_pull(grads[0]), *grads[1:])
+    return kl, n, grads
 
 
 def _streamed_pass(spec: _Spec, inputs, with_grad: bool):
     """(mean KL over valid rows, its gradients w.r.t. (q_idx, k_idx, w_idx) or None)."""
     q_idx, k_idx, w_idx, _, _, _, _, positions, segment_ids = inputs
-    t, ratio = q_idx.shape[1], q_idx.shape[1] // k_idx.shape[1]
+    t, ratio = positions.shape[1], positions.shape[1] // k_idx.shape[1]
     block_masks = (block_segment_ids(segment_ids, ratio), block_last_positions(positions, ratio))
     qc = spec.query_chunk
 
@@ -336,21 +358,25 @@ def _streamed_pass(spec: _Spec, inputs, with_grad: bool):
         kl, n, grads = carry
         kl_j, n_j, grads_j = _stream_block(spec, t0, inputs, block_masks, with_grad)
         if with_grad:  # accumulate in (at least) float32 whatever the inputs' dtype
-            grads_j = tuple(g.astype(z.dtype) for g, z in zip(grads_j, grads))
+            grads_j = jax.tree.map(lambda g, z: g.astype(z.dtype), grads_j, grads)
             dq, dk, dw = grads
-            dq = jax.lax.dynamic_update_slice_in_dim(dq, grads_j[0], t0, axis=1)
-            dw = jax.lax.dynamic_update_slice_in_dim(dw, grads_j[2], t0, axis=1)
+            put = lambda acc, g: jax.lax.dynamic_update_slice_in_dim(acc, g, t0, axis=1)
+            if spec.index_query_fn is None:
+                dq = put(dq, grads_j[0])
+            else:  # per-token inputs get their rows, the parameters a sum over blocks
+                dq = (put(dq[0], grads_j[0][0]), jax.tree.map(jnp.add, dq[1], grads_j[0][1]))
+            dw = put(dw, grads_j[2])
             grads = (dq, dk + grads_j[1], dw)
         return kl + kl_j, n + n_j, grads
 
     primal = (q_idx, k_idx, w_idx)
-    dtype = inputs[3].dtype  # the teacher's compute dtype
-    zeros = tuple(jnp.zeros(x.shape, _compute_dtype(x)) for x in primal) if with_grad else None
+    dtype = inputs[4].dtype  # the teacher's compute dtype
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, _compute_dtype(x)), primal) if with_grad else None
     kl, n, grads = _scan_blocks(block, (jnp.zeros((), dtype), jnp.int32(0), zeros), t // qc, qc)
     inv = _per_valid_row(n, dtype)
     if grads is None:
         return kl * inv, None
-    return kl * inv, tuple((g * inv).astype(x.dtype) for g, x in zip(grads, primal))
+    return kl * inv, jax.tree.map(lambda g, x: (g * inv).astype(x.dtype), grads, primal)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -367,7 +393,7 @@ def _streamed_fwd(spec, *inputs):
 def _streamed_bwd(spec, res, g):
     grads, teacher_inputs = res
     zeros = jax.tree.map(jnp.zeros_like, teacher_inputs)
-    return (*((g * x).astype(x.dtype) for x in grads), *zeros, None, None)
+    return (*jax.tree.map(lambda x: (g * x).astype(x.dtype), grads), *zeros, None, None)
 
 
 _streamed_mean_kl.defvjp(_streamed_fwd, _streamed_bwd)
@@ -376,7 +402,7 @@ _streamed_mean_kl.defvjp(_streamed_fwd, _streamed_bwd)
 def csa_indexer_loss_streamed(q_idx, k_idx, w_idx, query, compressed_kv, positions, segment_ids, *,
                               topk: int | None = None, scale=1.0, head_chunk: int = 0,
                               query_chunk: int = 0, teacher: str = "compressed", raw_kv=None,
-                              window: int = 0, sink=None):
+                              window: int = 0, sink=None, query_fn=None, index_query_fn=None):
     """`csa_indexer_loss` computed from the indexer's inputs, one query block at a time.
 
     Equals `csa_indexer_loss(indexer_scores(q_idx, k_idx, w_idx, visible), query, compressed_kv,
@@ -395,6 +421,12 @@ def csa_indexer_loss_streamed(q_idx, k_idx, w_idx, query, compressed_kv, positio
       head_chunk: heads per scan step (0 = all; must divide H and HI). With a head chunk the
         indexer's backward recomputes its logits per head group instead of storing [B,qc,W,HI].
       query_chunk: query positions per scan step (0 = all; must divide T).
+      query_fn: None, or a pure function (per_token [B, qc, ...], params, positions [B, qc]) ->
+        teacher queries [B, qc, H, D]; `query` is then the pair (per_token [B, T, ...], params)
+        (e.g. the main attention's c_q and W_qb), so the [B, T, H, D] queries never exist whole.
+      index_query_fn: the same for the indexer queries: `q_idx` is then (per_token, params) and
+        index_query_fn(per_token [B, qc, ...], params, positions [B, qc]) -> [B, qc, HI, DI]; the
+        gradient reaches per_token and params (params summed over blocks).
 
     Returns:
       A float32 scalar (as in `csa_indexer_loss`); gradient to q_idx, k_idx, w_idx only (exactly
@@ -406,20 +438,25 @@ def csa_indexer_loss_streamed(q_idx, k_idx, w_idx, query, compressed_kv, positio
       3. psum_btw from the teacher's head groups; KL rows and d KL / d scores       [B, qc, W]
       4. d KL / d (q_idx[blk], k_idx, w_idx[blk]) through indexer_scores (differentiated calls)
     """
-    t, heads_i = q_idx.shape[1], q_idx.shape[2]
+    t = positions.shape[1]
+    heads_i = q_idx.shape[2] if index_query_fn is None else jax.eval_shape(
+        index_query_fn, q_idx[0][:, :1], q_idx[1], positions[:, :1]).shape[2]
     num_blocks = k_idx.shape[1]
     if num_blocks == 0 or t % num_blocks:
         raise ValueError(f"T={t} must be a multiple of the W={num_blocks} compressed blocks")
     joint = _check_teacher(teacher, raw_kv, sink, window > 0, "window > 0")
+    heads = query.shape[2] if query_fn is None else jax.eval_shape(
+        query_fn, query[0][:, :1], query[1], positions[:, :1]).shape[2]
     spec = _Spec(
-        head_chunk=_resolve_chunk(head_chunk, query.shape[2], "head_chunk", "query heads"),
+        head_chunk=_resolve_chunk(head_chunk, heads, "head_chunk", "query heads"),
         query_chunk=_resolve_chunk(query_chunk, t, "query_chunk", "query positions"),
         joint=joint, topk=topk, window=window if joint else 0,
         index_chunk=_resolve_chunk(head_chunk, heads_i, "head_chunk", "indexer heads"),
+        query_fn=query_fn, index_query_fn=index_query_fn,
     )
     if not joint:
         raw_kv, sink = None, None
-    dtype = _compute_dtype(query, compressed_kv, raw_kv, sink)
+    dtype = _compute_dtype(*jax.tree.leaves(query), compressed_kv, raw_kv, sink)
     teacher_inputs = [_teacher_input(x, dtype) for x in (query, compressed_kv, raw_kv, sink)]
     loss = _streamed_mean_kl(spec, q_idx, k_idx, w_idx, *teacher_inputs, positions, segment_ids)
     return jnp.asarray(scale, loss.dtype) * loss
