@@ -60,6 +60,7 @@ def straight(tmp_path_factory):
     run = tmp_path_factory.mktemp("safety") / "straight"
     result = _warmup(run, 6, FIXED)
     assert result.exit_code == 0, result.output
+    assert "step 5 " in result.output and "[6/6 steps  elapsed" in result.output  # the plain progress figures
     return run
 
 
@@ -228,3 +229,43 @@ def test_second_process_on_a_run_directory_is_refused(straight):
         holder.wait()
     after = _warmup(straight, 6, FIXED)  # kill -9 leaves no stale lock
     assert after.exit_code == 0 and "nothing to do" in after.output, after.output
+
+
+# ----------------------------------------------------------------------------- 7. progress
+
+
+def _info(**changes):
+    info = dict(model_name="deepseek4-tiny", stage="warmup", run_dir="runs/x", params_total=10, params_trainable=5,
+                batch_size=1, max_target_length=64, tokens_per_step=64, mesh="1 cpu", data="synthetic", steps=6,
+                start_step=2, resumed_from=1, init_from=None, init_step=None, init_from_ignored=False, notices=[])
+    return {**info, **changes}
+
+
+def test_progress_bar_under_the_live_table_and_plain_lines():
+    import io
+
+    from rich.console import Console
+
+    from dsv4cli.display import TrainDisplay
+
+    row = dict(step=0, total_loss=1.0, lm_loss=0.9, indexer_loss=0.01, moe_lb_loss=4e-4, step_time_s=0.5,
+               tokens_per_s=128.0, compile=False)
+    view = TrainDisplay(Console(force_terminal=True, width=160))
+    view.header(_info())
+    with view.steps():
+        for s in range(2, 5):
+            view.row({**row, "step": s})
+        screen = Console(record=True, width=160, force_terminal=True)
+        screen.print(view._view())  # what the live display shows now: the table, the bar under it
+    lines = screen.export_text().splitlines()
+    assert lines[-2].split()[0] == "4" and "5/6" in lines[-1] and "ETA" in lines[-1], lines
+    assert lines[-1].lstrip().startswith("steps") and "128 tokens/s" in lines[-1], lines
+
+    plain = TrainDisplay(Console(file=io.StringIO(), width=80))
+    plain.header(_info())
+    with plain.steps():
+        for s in range(2, 4):
+            plain.row({**row, "step": s})
+    lines = plain.console.file.getvalue().splitlines()
+    assert lines[-2].startswith("step 2 ") and "[3/6 steps  elapsed 0:00:00  ETA -:--:--  128 tokens/s]" in lines[-2]
+    assert lines[-1].startswith("step 3 ") and "[4/6 steps  elapsed" in lines[-1] and "ETA 0:00:0" in lines[-1]
