@@ -44,7 +44,7 @@ class RunLock:
 
     def __init__(self, run_dir: str | Path, command: str):
         self.run_dir, self.command = Path(run_dir), command
-        self._file = None
+        self._file, self._created = None, False
 
     def acquire(self) -> "RunLock":
         """Create the run directory if needed and lock it.
@@ -54,6 +54,7 @@ class RunLock:
             cannot be created. Nothing in the directory is changed in either case.
         """
         path = self.run_dir / LOCK_FILE
+        self._created = not self.run_dir.exists()
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             f = open(path, "a+")
@@ -75,10 +76,16 @@ class RunLock:
         self._file = f
         return self
 
-    def release(self) -> None:
-        if self._file is not None:
-            self._file.close()  # closing the descriptor drops the flock
-            self._file = None
+    def release(self, *, undo: bool = False) -> None:
+        """Drop the lock; `undo` also removes the run directory if `acquire` created it and it holds
+        nothing but the lock file (a command that failed before writing anything leaves no trace)."""
+        if self._file is None:
+            return
+        if undo and self._created and [p.name for p in self.run_dir.iterdir()] == [LOCK_FILE]:
+            (self.run_dir / LOCK_FILE).unlink()
+            self.run_dir.rmdir()
+        self._file.close()  # closing the descriptor drops the flock
+        self._file = None
 
 
 def releases_lock_on_error(init: Callable[..., None]) -> Callable[..., None]:
@@ -91,7 +98,7 @@ def releases_lock_on_error(init: Callable[..., None]) -> Callable[..., None]:
         except BaseException:
             lock = getattr(self, "lock", None)
             if lock is not None:
-                lock.release()
+                lock.release(undo=True)
             raise
 
     return wrapper

@@ -17,6 +17,10 @@ Router biases are not trained by gradients: after each step every learned-routin
 `RouterBias` moves by `routed_bias_update_rate` towards balance, unless that router is frozen
 (neither its weight nor its bias matches the mask: the warm-up's '.*indexer.*' freezes them all).
 
+Run safety (core/run_guard.py): a step whose total loss, gradient norm or updated parameters are
+non-finite is not applied and stops the run (abort_on_nan_loss / abort_on_inf_loss); one process
+at a time holds a run directory; write failures become one RunWriteError.
+
 Deviation from MaxText's schedule: the linear warm-up starts at peak / warmup_steps instead of 0,
 so step 0 already trains.
 """

@@ -231,6 +231,12 @@ def test_second_process_on_a_run_directory_is_refused(straight):
     assert after.exit_code == 0 and "nothing to do" in after.output, after.output
 
 
+def test_a_refused_start_leaves_no_run_directory_behind(tmp_path):
+    run = tmp_path / "new" / "run"
+    line = _one_error_line(_warmup(run, 6, "hf_path=/nonexistent/data.jsonl"), 2)
+    assert "/nonexistent/data.jsonl" in line and not run.exists()
+
+
 # ----------------------------------------------------------------------------- 7. progress
 
 
