@@ -187,6 +187,8 @@ def _step_fn(cfg, graphdef):
     guard = cfg.abort_on_nan_loss or cfg.abort_on_inf_loss
 
     def step(state, batch):
+        # a snapshot (new Variables) of the input: the update below changes some of them in place
+        old_state = jax.tree.map(lambda v: v, state) if guard else None
         model, optimizer = nnx.merge(graphdef, state)
 
         def loss_fn(model):
@@ -211,7 +213,7 @@ def _step_fn(cfg, graphdef):
             ok, metrics["params_finite"] = run_guard.step_ok(
                 total, metrics["grad_norm"], nnx.state(model, grad_filter),
                 abort_on_nan=cfg.abort_on_nan_loss, abort_on_inf=cfg.abort_on_inf_loss)
-            new_state = run_guard.keep_if_ok(ok, new_state, state)
+            new_state = run_guard.keep_if_ok(ok, new_state, old_state)
         return new_state, metrics
 
     return step

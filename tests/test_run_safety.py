@@ -85,6 +85,20 @@ def test_diverging_run_stops_with_exit_3_and_keeps_the_good_checkpoint(tmp_path)
     assert _one_error_line(again, 3) == line
     assert _snapshot(run / "checkpoints") == before
 
+    # inside the step: the state the diverged step returns is the resumed one, bit for bit
+    import jax
+
+    from core.config import load_config
+    from core.errors import DivergenceError
+    from core.train import Trainer
+
+    trainer = Trainer(load_config("deepseek4-tiny", [*SMALL, *args], stage="warmup", options={"steps": 6}),
+                      stage="warmup", run_dir=run)
+    resumed = [np.asarray(x).tobytes() for x in jax.tree.leaves(trainer.state)]
+    with pytest.raises(DivergenceError, match=f"step {bad} diverged"):
+        list(trainer.run())
+    assert [np.asarray(x).tobytes() for x in jax.tree.leaves(trainer.state)] == resumed
+
 
 # ----------------------------------------------------------------------------- 6. schedule length
 
