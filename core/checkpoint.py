@@ -417,3 +417,13 @@ class RunCheckpointer:
             self._mgr_instance.wait_until_finished()
             self._mgr_instance.close()
             self._mgr_instance = None
+
+    def abandon(self) -> None:
+        """Stop after a failed save: wait for Orbax's threads, ignore their errors, forget the manager."""
+        mgr, self._mgr_instance = self._mgr_instance, None
+        if mgr is not None:
+            for finish in (mgr.wait_until_finished, mgr.close):
+                try:
+                    finish()
+                except Exception:  # the failure itself is reported by the caller
+                    pass

@@ -105,6 +105,10 @@ class Config:
     async_checkpointing: bool
     base_output_directory: str
     run_name: str
+    learning_rate_schedule_steps: int  # steps; -1 = steps
+    abort_on_nan_loss: bool
+    abort_on_inf_loss: bool
+    enable_tensorboard: bool
     # data
     dataset_type: str
     hf_path: str
@@ -369,6 +373,8 @@ def validate(cfg: Config, stage: str | None = None) -> Config:
     for key, choices in _CHOICES.items():
         v = getattr(cfg, key)
         _check(v in choices, f"{key}={v!r} is not supported: use one of {', '.join(choices)}.")
+    _check(cfg.learning_rate_schedule_steps == -1 or cfg.learning_rate_schedule_steps >= 1,
+           f"learning_rate_schedule_steps={cfg.learning_rate_schedule_steps} must be >= 1, or -1 to follow steps.")
     for key in _MESH_KEYS:
         v = getattr(cfg, key)
         _check(v == -1 or v >= 1, f"{key}={v} must be >= 1, or -1 to fill the remaining devices.")

@@ -1,4 +1,5 @@
-"""Typed user errors. The CLI maps every one of them to one red line and exit code 2.
+"""Typed user errors. The CLI maps every one of them to one red line and exit code `exit_code`:
+2 for bad input (the default), 3 for a diverged run, 4 for a failed write.
 
 Each message names what is wrong (key, value, path, parameter) and the fix, in one sentence.
 """
@@ -6,6 +7,8 @@ Each message names what is wrong (key, value, path, parameter) and the fix, in o
 
 class DsvError(Exception):
     """Base of every expected, user-caused error."""
+
+    exit_code = 2
 
 
 class ConfigError(DsvError, ValueError):
@@ -18,3 +21,15 @@ class DataError(DsvError):
 
 class CheckpointError(DsvError):
     """A missing, foreign, truncated or incompatible checkpoint or run directory."""
+
+
+class DivergenceError(DsvError):
+    """A non-finite loss or gradient norm stopped training before that step was applied."""
+
+    exit_code = 3
+
+
+class RunWriteError(DsvError):
+    """A checkpoint, metrics, config or event file could not be written (disk full, permissions)."""
+
+    exit_code = 4

@@ -17,6 +17,10 @@ Router biases are not trained by gradients: after each step every learned-routin
 `RouterBias` moves by `routed_bias_update_rate` towards balance, unless that router is frozen
 (neither its weight nor its bias matches the mask: the warm-up's '.*indexer.*' freezes them all).
 
+Run safety (core/run_guard.py): a step whose total loss, gradient norm or updated parameters are
+non-finite is not applied and stops the run (abort_on_nan_loss / abort_on_inf_loss); one process
+at a time holds a run directory; write failures become one RunWriteError.
+
 Deviation from MaxText's schedule: the linear warm-up starts at peak / warmup_steps instead of 0,
 so step 0 already trains.
 """
@@ -39,6 +43,7 @@ import optax
 from flax import nnx
 
 from core import checkpoint as ckpt
+from core import run_guard
 from core.data import train_batches
 from core.errors import CheckpointError, ConfigError
 from core.model import Transformer
@@ -46,6 +51,7 @@ from core.moe import RouterBias
 from core.params import count_parameters
 from core.sharding import (abstract_state, create_sharded, describe_mesh, make_mesh, shard_batch, shard_state,
                            state_shardings)
+from core.tensorboard import EventWriter
 
 METRIC_KEYS = ("total_loss", "lm_loss", "indexer_loss", "moe_lb_loss", "grad_norm", "learning_rate")
 
@@ -69,11 +75,13 @@ def lm_loss(logits_btv, targets_bt, mask_bt):
 
 
 def learning_rate_schedule(cfg) -> Callable[[Any], Any]:
-    """lr(step): linear from peak/W to peak over W = round(warmup_steps_fraction * steps) steps,
-    then cosine from peak to peak * cosine_learning_rate_final_fraction at the last step."""
+    """lr(step): linear from peak/W to peak over W = round(warmup_steps_fraction * N) steps, then
+    cosine from peak to peak * cosine_learning_rate_final_fraction at step N - 1, constant after;
+    N = learning_rate_schedule_steps, or steps when that is -1."""
     peak, final = cfg.learning_rate, cfg.learning_rate * cfg.cosine_learning_rate_final_fraction
-    warm = int(round(cfg.warmup_steps_fraction * cfg.steps))
-    decay = max(cfg.steps - 1 - warm, 1)
+    n = run_guard.schedule_steps(cfg)
+    warm = int(round(cfg.warmup_steps_fraction * n))
+    decay = max(n - 1 - warm, 1)
 
     def lr(step):
         step = jnp.asarray(step, jnp.float32)
@@ -119,7 +127,8 @@ def trainable_labels(model: nnx.Module, patterns: Sequence[str]) -> dict[str, bo
 _RUN_ONLY_KEYS = frozenset({
     "dataset_type", "hf_path", "hf_name", "hf_data_files", "hf_split", "hf_eval_split", "hf_text_column",
     "hf_streaming", "tokenizer_path", "eval_holdout_fraction", "data_shuffle_seed", "checkpoint_period",
-    "max_checkpoints", "async_checkpointing", "base_output_directory", "run_name", "allow_data_change"})
+    "max_checkpoints", "async_checkpointing", "base_output_directory", "run_name", "allow_data_change",
+    "enable_tensorboard"})
 # Per process, keyed by the compile-relevant config: the optax transformation (it is part of the
 # optimizer's graphdef, so reusing it makes equal configs give equal graphdefs) and the jitted
 # step, so a resumed or repeated run in the same process does not compile again.
@@ -128,7 +137,9 @@ _STEP_CACHE: dict[Any, Callable] = {}
 
 
 def _compile_key(cfg) -> tuple:
-    return tuple((f, v) for f, v in vars(cfg).items() if f not in _RUN_ONLY_KEYS)
+    # steps only shapes the step through the schedule's length, unless learning_rate_schedule_steps fixes it
+    skip = _RUN_ONLY_KEYS | ({"steps"} if cfg.learning_rate_schedule_steps > 0 else set())
+    return tuple((f, v) for f, v in vars(cfg).items() if f not in skip)
 
 
 def make_optimizer(cfg) -> optax.GradientTransformation:
@@ -174,8 +185,11 @@ def _step_fn(cfg, graphdef):
     # A router bias moves unless its router is frozen: neither it nor the router weight is trainable.
     fixed_bias = nnx.All(RouterBias, lambda path, _: not (trainable(path) or trainable((*path[:-1], "weight"))))
     schedule, rate = learning_rate_schedule(cfg), cfg.routed_bias_update_rate
+    guard = cfg.abort_on_nan_loss or cfg.abort_on_inf_loss
 
     def step(state, batch):
+        # a snapshot (new Variables) of the input: the update below changes some of them in place
+        old_state = jax.tree.map(lambda v: v, state) if guard else None
         model, optimizer = nnx.merge(graphdef, state)
 
         def loss_fn(model):
@@ -195,7 +209,13 @@ def _step_fn(cfg, graphdef):
         fixed = jax.tree.map(lambda v: v, nnx.state(model, fixed_bias))
         model.update_router_biases(aux["expert_load"], rate)
         nnx.update(model, fixed)  # frozen routers keep their biases
-        return nnx.state((model, optimizer)), metrics
+        new_state = nnx.state((model, optimizer))
+        if guard:  # a non-finite step is not applied (the host sees the same metrics and stops)
+            ok, metrics["params_finite"] = run_guard.step_ok(
+                total, metrics["grad_norm"], nnx.state(model, grad_filter),
+                abort_on_nan=cfg.abort_on_nan_loss, abort_on_inf=cfg.abort_on_inf_loss)
+            new_state = run_guard.keep_if_ok(ok, new_state, old_state)
+        return new_state, metrics
 
     return step
 
@@ -293,8 +313,13 @@ class Trainer:
     arrived; `summary()` describes the result.
     """
 
+    @run_guard.releases_lock_on_error
     def __init__(self, cfg, *, stage: str, run_dir: str | Path, init_from: str | Path | None = None):
         self.cfg, self.stage, self.run_dir = cfg, stage, Path(run_dir)
+        self.lock = run_guard.RunLock(self.run_dir, f"dsv4 {stage}")
+        if jax.process_index() == 0:  # one writer per run directory; other hosts write only their shards
+            self.lock.acquire()
+        self.saved_config: dict[str, Any] = {}
         self.ckpt = ckpt.RunCheckpointer(self.run_dir, max_to_keep=cfg.max_checkpoints,
                                          async_save=cfg.async_checkpointing)
         self.start_step, self.resumed_from, self.init_step = 0, self.ckpt.latest_step(), None
@@ -315,9 +340,16 @@ class Trainer:
         elif init_from is not None:
             self.init_step = load_init_weights(setup, init_from)
         self.init_from = None if self.resumed_from is not None else init_from
-        ckpt.write_config(self.run_dir, cfg)
-        notices = [*data_notices, *ckpt.truncate_metrics(self.run_dir, self.start_step - 1)]
         self.graphdef, self.state = nnx.split((setup.model, setup.optimizer))
+        self.guard = run_guard.WriteGuard(self.run_dir, self.ckpt.dir, run_guard.tree_bytes(self.state),
+                                          self.ckpt.latest_step, self.ckpt.abandon)
+        with self.guard.writing("config", self.run_dir / ckpt.CONFIG_FILE):
+            ckpt.write_config(self.run_dir, cfg)
+        with self.guard.writing("metrics", self.run_dir / ckpt.METRICS_FILE):
+            notices = [*data_notices, *ckpt.truncate_metrics(self.run_dir, self.start_step - 1)]
+        notice = run_guard.schedule_notice(self.saved_config, cfg) if self.saved_config else None
+        notices += [notice] if notice else []
+        self.events = EventWriter(self.run_dir, self.start_step) if cfg.enable_tensorboard else None
         self._step_fn = make_train_step(cfg, self.graphdef, self.state, setup.mesh)
         self.last_saved = self.resumed_from
         devices = jax.devices()
@@ -336,14 +368,18 @@ class Trainer:
 
     def _check_stage(self, step: int) -> None:
         meta = ckpt.read_metadata(self.ckpt.dir, step)
+        self.saved_config = meta.get("config", {})
         if meta.get("stage") != self.stage:
             raise CheckpointError(f"{str(self.run_dir)!r} holds a {meta.get('stage')} run, which dsv4 {self.stage} "
                                   "cannot resume: choose another --output (and --init-from this run for sparse).")
 
     def _resume(self, step: int) -> None:
         setup = self.setup
-        out = self.ckpt.restore(step, model=_abstract_pure(setup.model, setup.mesh),
-                                optimizer=_abstract_pure(setup.optimizer, setup.mesh))
+        try:
+            out = self.ckpt.restore(step, model=_abstract_pure(setup.model, setup.mesh),
+                                    optimizer=_abstract_pure(setup.optimizer, setup.mesh))
+        except CheckpointError as e:
+            raise run_guard.optimizer_mismatch(e, self.saved_config, self.cfg, self.run_dir) from None
         for obj, values in ((setup.model, out["model"]), (setup.optimizer, out["optimizer"])):
             state = nnx.state(obj)
             nnx.replace_by_pure_dict(state, values)
@@ -355,15 +391,16 @@ class Trainer:
         model, optimizer = nnx.merge(self.graphdef, self.state)
         metadata = {"config": self.cfg.to_dict(), "stage": self.stage, "step": step, "metrics": row,
                     "model_name": self.cfg.model_name, "dsv4_version": _version()}
-        self.ckpt.save(step, model=nnx.to_pure_dict(nnx.state(model)),
-                       optimizer=nnx.to_pure_dict(nnx.state(optimizer)), data=self.data.state(), metadata=metadata)
+        with self.guard.writing("checkpoint", self.ckpt.dir, step):
+            self.ckpt.save(step, model=nnx.to_pure_dict(nnx.state(model)),
+                           optimizer=nnx.to_pure_dict(nnx.state(optimizer)), data=self.data.state(), metadata=metadata)
         self.last_saved = step
 
     def run(self) -> Iterator[dict[str, Any]]:
         cfg, tokens = self.cfg, self.info["tokens_per_step"]
         row: dict[str, Any] = {}
         try:
-            with _deferred_sigint() as interrupted:
+            with _deferred_sigint() as interrupted, run_guard.quiet_write_errors():
                 for step in range(self.start_step, cfg.steps):
                     if interrupted.is_set():
                         break
@@ -371,11 +408,16 @@ class Trainer:
                     batch = shard_batch(next(self.data), self.setup.mesh)
                     self.state, metrics = self._step_fn(self.state, batch)
                     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    run_guard.check_finite(step, metrics, cfg, self.last_saved)
                     elapsed = time.perf_counter() - start
                     row = {"step": step, **{k: metrics[k] for k in METRIC_KEYS}, "step_time_s": elapsed,
                            "tokens_per_s": tokens / elapsed, "compile": step == self.start_step}
                     if jax.process_index() == 0:
-                        ckpt.append_metrics(self.run_dir, row)
+                        with self.guard.writing("metrics", self.run_dir / ckpt.METRICS_FILE):
+                            ckpt.append_metrics(self.run_dir, row)
+                        if self.events is not None:
+                            with self.guard.writing("TensorBoard events", self.events.dir):
+                                self.events.write(row)
                     if step == cfg.steps - 1 or (step + 1) % cfg.checkpoint_period == 0:
                         self._save(step, row)
                     yield row
@@ -384,7 +426,13 @@ class Trainer:
                         self._save(row["step"], row)
                     raise KeyboardInterrupt
         finally:
-            self.ckpt.close()
+            try:
+                if self.events is not None:
+                    self.events.close()
+                with self.guard.writing("checkpoint", self.ckpt.dir, self.last_saved):
+                    self.ckpt.close()  # a failed background save surfaces here, as one RunWriteError
+            finally:
+                self.lock.release()
 
     def summary(self) -> dict[str, Any]:
         """First and last rows of the run's metrics and the latest checkpoint directory."""

@@ -48,42 +48,15 @@ def command(chunk: Chunk = None, query_chunk: QueryChunk = None, seq: Seqs = "10
         raise ConfigError(f"--seq {seq!r} is not a comma-separated list of lengths: use e.g. --seq 1024,4096.")
     loss_shape = bench.loss_shape(shape)
     budget = int(budget_gib * GIB) if budget_gib else None
-    with _Progress(bench.progress_units(len(seqs), repeats), quiet=json_out) as advance:
+    from dsv4cli.display import ProgressBar
+
+    with ProgressBar(bench.progress_units(len(seqs), repeats), "compiling and timing", quiet=json_out) as bar:
         result = bench.run_loss_bench(loss_shape, seqs, head_chunk=chunk, query_chunk=query_chunk, repeats=repeats,
-                                      budget_bytes=budget, on_progress=advance)
+                                      budget_bytes=budget, on_progress=lambda label: bar.advance(description=label))
     if json_out:
         typer.echo(json.dumps(result.to_dict(), indent=2))
     else:
         _render_loss(_console(), result.to_dict())
-
-
-class _Progress:
-    """A Rich progress bar on a terminal, one plain stderr line per step elsewhere, nothing with --json."""
-
-    def __init__(self, total: int, quiet: bool):
-        from rich.console import Console
-        from rich.progress import Progress
-
-        self.console = Console(stderr=True, highlight=False)
-        self.bar = None if quiet or not self.console.is_terminal else Progress(console=self.console, transient=True)
-        self.total, self.done, self.quiet = total, 0, quiet
-
-    def __enter__(self):
-        if self.bar is not None:
-            self.bar.start()
-            self.task = self.bar.add_task("compiling and timing", total=self.total)
-        return self.advance
-
-    def advance(self, label: str) -> None:
-        self.done += 1
-        if self.bar is not None:
-            self.bar.update(self.task, advance=1, description=label)
-        elif not self.quiet:
-            self.console.print(f"[{self.done}/{self.total}] {label}")
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 def _console():

@@ -1,18 +1,23 @@
-"""Rich rendering of training runs: a header, a live table of steps, a closing summary.
+"""Rich rendering of training runs: a header, a live table of steps, a closing summary, and the
+one progress helper every command uses (`ProgressBar`).
 
 On a terminal the step table updates in place (`rich.live.Live`), keeping the first step of the
-session (the compile step) and the most recent ones; elsewhere (CI, pipes) every step is one plain
-line. Other commands can reuse `fmt_count` and `TrainDisplay`.
+session (the compile step) and the most recent ones, with a progress bar under it (steps done /
+total, elapsed, ETA, tokens/s); elsewhere (CI, pipes) every step is one plain line ending in the
+same progress figures. Other commands reuse `fmt_count`, `ProgressBar` and `TrainDisplay`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Iterator, Mapping
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
 from rich.markup import escape
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 from rich.table import Table
 
 COLUMNS = (  # (key, title, format)
@@ -35,6 +40,86 @@ def fmt_count(n: int) -> str:
     return str(n)
 
 
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class ProgressBar:
+    """Work done of a known total, elapsed time, ETA and an optional rate.
+
+    On a terminal a Rich progress bar, either standalone (`with ProgressBar(...) as bar:`, transient)
+    or drawn inside another live display (`renderable`); elsewhere `advance` prints one plain line
+    per update (`plain_text()` gives the same figures for a caller's own line); `quiet` prints nothing.
+    The ETA extrapolates from the updates after the first (which usually includes compilation).
+
+    Args:
+      total: units of work (steps, batches, timing rounds).
+      label: what is counted, e.g. "steps", "eval batches".
+      console: where to draw (default: stderr).
+      completed: units already done (a resumed run).
+      rate_unit: e.g. "tokens/s": `advance(rate=...)` shows it.
+      live: draw the bar on a terminal (False: plain lines only, e.g. when a caller has its own Live).
+    """
+
+    def __init__(self, total: int, label: str, console: Console | None = None, *, completed: int = 0,
+                 rate_unit: str | None = None, quiet: bool = False, live: bool | None = None):
+        self.console = console or Console(stderr=True, highlight=False)
+        self.total, self.label, self.done, self.rate_unit, self.quiet = total, label, completed, rate_unit, quiet
+        self.rate: float | None = None
+        self.is_live = (not quiet and self.console.is_terminal) if live is None else live
+        self.start = time.perf_counter()
+        self._first: tuple[float, int] | None = None  # (time, done) after the first update
+        columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("·"),
+                   TimeElapsedColumn(), TextColumn("· ETA"), TimeRemainingColumn()]
+        if rate_unit:
+            columns.append(TextColumn("· {task.fields[rate]}"))
+        self.progress = Progress(*columns, console=self.console, transient=True)
+        self.task = self.progress.add_task(label, total=total, completed=completed, rate="")
+
+    @property
+    def renderable(self):
+        """The bar, to draw inside the caller's own `rich.live.Live`."""
+        return self.progress.get_renderable()
+
+    def __enter__(self) -> "ProgressBar":
+        if self.is_live:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.is_live:
+            self.progress.stop()
+
+    def eta_s(self) -> float | None:
+        if self._first is None or self.done <= self._first[1]:
+            return None
+        t0, d0 = self._first
+        return (time.perf_counter() - t0) / (self.done - d0) * max(self.total - self.done, 0)
+
+    def plain_text(self) -> str:
+        eta = self.eta_s()
+        text = (f"[{self.done}/{self.total} {self.label}  elapsed {_clock(time.perf_counter() - self.start)}  "
+                f"ETA {'-:--:--' if eta is None else _clock(eta)}")
+        return text + (f"  {self.rate:,.0f} {self.rate_unit}]" if self.rate_unit and self.rate is not None else "]")
+
+    def advance(self, n: int = 1, *, description: str | None = None, rate: float | None = None,
+                print_plain: bool = True) -> None:
+        """Count `n` more units done (`description` replaces the label on the bar)."""
+        self.done += n
+        self.rate = rate if rate is not None else self.rate
+        if self._first is None:
+            self._first = (time.perf_counter(), self.done)
+        fields = {"rate": f"{self.rate:,.0f} {self.rate_unit}"} if self.rate_unit and self.rate is not None else {}
+        self.progress.update(self.task, completed=self.done, description=description or self.label, **fields)
+        if not self.is_live and not self.quiet and print_plain:
+            self.console.print(self.plain_text() + (f"  {description}" if description else ""))
+
+    def update(self, completed: int, **kwargs: Any) -> None:
+        """Set the units done to `completed` (see `advance`)."""
+        self.advance(completed - self.done, **kwargs)
+
+
 def _cells(row: Mapping[str, Any]) -> list[str]:
     cells = [fmt.format(row[key]) for key, _, fmt in COLUMNS]
     if row.get("compile"):
@@ -53,6 +138,7 @@ class TrainDisplay:
         self.first: Mapping[str, Any] | None = None
         self.recent: list[Mapping[str, Any]] = []
         self._live: Live | None = None
+        self.bar: ProgressBar | None = None
 
     def header(self, info: Mapping[str, Any]) -> None:
         c = self.console
@@ -67,10 +153,15 @@ class TrainDisplay:
                     + ("  (--init-from ignored: the run already has checkpoints)" if info["init_from_ignored"] else ""))
         elif info["init_from"]:
             c.print(f"initialised from {info['init_from']} (step {info['init_step']}), fresh optimizer")
-        if info["start_step"] >= info["steps"]:
-            c.print(f"nothing to do: the run already has {info['steps']} steps (raise --steps to continue)")
         for notice in info.get("notices", ()):
             c.print(f"[yellow]notice:[/yellow] {escape(notice)}")
+        if info["start_step"] >= info["steps"]:
+            c.print(f"nothing to do: the run already has {info['steps']} steps (raise --steps to continue)")
+        self.bar = ProgressBar(info["steps"], "steps", c, completed=min(info["start_step"], info["steps"]),
+                               rate_unit="tokens/s", live=self.live_mode)
+
+    def _view(self):
+        return self._table() if self.bar is None else Group(self._table(), self.bar.renderable)
 
     def _table(self) -> Table:
         table = Table(box=None, pad_edge=False, header_style="bold")
@@ -89,23 +180,26 @@ class TrainDisplay:
         if not self.live_mode:
             yield self
             return
-        with Live(self._table(), console=self.console, refresh_per_second=4) as live:
+        with Live(self._view(), console=self.console, refresh_per_second=4) as live:
             self._live = live
             try:
                 yield self
             finally:
-                live.update(self._table())
+                live.update(self._table())  # the final table stays on screen, the bar goes
                 self._live = None
 
     def row(self, row: Mapping[str, Any]) -> None:
         if self.first is None:
             self.first = row
+        if self.bar is not None:
+            self.bar.advance(rate=row.get("tokens_per_s"), print_plain=False)
         if not self.live_mode:
-            self.console.print("  ".join(f"{title} {cell}" for (_, title, _), cell in zip(COLUMNS, _cells(row))))
+            line = "  ".join(f"{title} {cell}" for (_, title, _), cell in zip(COLUMNS, _cells(row)))
+            self.console.print(line + (f"  {self.bar.plain_text()}" if self.bar is not None else ""))
             return
         self.recent = (self.recent + [row])[-RECENT_ROWS:]
         if self._live is not None:
-            self._live.update(self._table())
+            self._live.update(self._view())
 
     def summary(self, summary: Mapping[str, Any], interrupted: bool = False) -> None:
         c = self.console

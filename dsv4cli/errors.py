@@ -1,4 +1,8 @@
-"""One error handler: core's typed errors become one red line on stderr and exit code 2."""
+"""One error handler: core's typed errors become one red line on stderr and their exit code.
+
+Exit codes: 2 bad input, 3 a diverged run (non-finite loss), 4 a failed write (disk full, permissions),
+130 interrupted.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +15,17 @@ import typer
 DEBUG = {"on": False}
 
 
-def fail(message: str) -> None:
-    """Print one red line on stderr and exit 2."""
+def fail(message: str, code: int = 2) -> None:
+    """Print one red line on stderr and exit with `code`."""
     from rich.console import Console
     from rich.markup import escape
 
     Console(stderr=True, highlight=False, soft_wrap=True).print(f"[red]error:[/red] {escape(message)}")
-    raise typer.Exit(2)
+    raise typer.Exit(code)
 
 
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a command body: DsvError -> one line, exit 2 (a traceback only with --debug)."""
+    """Wrap a command body: DsvError -> one line, its exit_code (a traceback only with --debug)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -32,7 +36,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except DsvError as e:
             if DEBUG["on"]:
                 raise
-            fail(str(e))
+            fail(str(e), e.exit_code)
         except KeyboardInterrupt:
             if DEBUG["on"]:
                 raise

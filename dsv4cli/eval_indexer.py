@@ -36,19 +36,16 @@ def command(
     json_out: opt.Json = False,
 ) -> None:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from core.evaluate import evaluate_checkpoint
+    from dsv4cli.display import ProgressBar
 
     if plot is not None:
         _require_matplotlib()
     overrides = list(overrides or []) + ([f"hf_path={data}"] if data else [])
-    err = Console(stderr=True)
-    with Progress(TextColumn("eval batches"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True, disable=not err.is_terminal) as progress:
-        task = progress.add_task("eval", total=batches)
+    with ProgressBar(batches, "eval batches", quiet=json_out) as bar:
         result = evaluate_checkpoint(ckpt, step=step, overrides=overrides, batches=batches, ks=topk, seed=seed,
-                                     on_batch=lambda done: progress.update(task, completed=done))
+                                     on_batch=bar.update)
     report = result.to_dict()
     if plot is not None:
         _plot(report, plot)

@@ -22,6 +22,10 @@ SPARSE_HELP = (
     "Stage defaults: indexer_loss_scaling_factor=0.1 indexer_sparse_training=true per_device_batch_size=1, every parameter trained. "
     "--init-from starts from a warm-up run's weights and router biases with a fresh optimizer."
 )
+EXIT_CODES = (" Exit codes: 0 done, 2 bad input or run directory in use, 3 diverged (non-finite loss; the step was not "
+              "applied, the last good checkpoint kept), 4 a write failed (disk full, permissions), 130 interrupted.")
+WARMUP_HELP += EXIT_CODES
+SPARSE_HELP += EXIT_CODES
 SPARSE_EPILOG = "Example: dsv4 sparse --steps 100 --init-from runs/warmup"
 
 InitFrom = Annotated[Optional[Path], typer.Option(
