@@ -158,12 +158,12 @@ def _walk(jaxpr, mult: float, totals: dict[str, list[float]]) -> None:
         totals[c][1] += other * mult
 
 
-def component_flops(cfg) -> dict[str, Any]:
+def component_flops(cfg, *, compile: bool = True) -> dict[str, Any]:
     """FLOPs of one train step of `cfg` per component (module docstring), from its jaxpr.
 
     Returns:
-      {"components": {name: {"matmul_flops", "other_flops"}}, "total_flops", "xla_flops",
-       "tokens_per_step"}.
+      {"components": {name: {"matmul_flops", "other_flops"}}, "total_flops", "tokens_per_step",
+       "xla_flops", "temp_bytes"} (the last two from compiling the step; None without `compile`).
     """
     import jax
 
@@ -173,7 +173,7 @@ def component_flops(cfg) -> dict[str, Any]:
     closed = jax.make_jaxpr(_step_fn(cfg, graphdef))(state, batch)
     totals = {c: [0.0, 0.0] for c in COMPONENTS}
     _walk(closed.jaxpr, 1.0, totals)
-    compiled = compile_train_step(cfg)
+    compiled = compile_train_step(cfg) if compile else {"xla_flops": None, "temp_bytes": None}
     tokens = batch["tokens"].shape[0] * batch["tokens"].shape[1]
     return {"components": {c: {"matmul_flops": mm, "other_flops": other} for c, (mm, other) in totals.items()},
             "total_flops": sum(mm + other for mm, other in totals.values()), "xla_flops": compiled["xla_flops"],

@@ -4,9 +4,12 @@ DESIGN.md, "Memory": the LM loss never keeps [B, T, V] float32 logits for the ba
 `lm_loss` is the direct formula on given logits (the reference, and what evaluation uses);
 `chunked_lm_loss` computes the same value from the final hidden states and the head weight,
 C tokens at a time (the analogue of MaxText's vocab tiling, `num_vocab_tiling`), with a custom
-VJP in closed form: d logits = (softmax - onehot) * weight, recomputed per chunk in the backward
-from the saved per-token log-sum-exp. What lives at once: one chunk's [C, V] logits (and, in the
-backward, their softmax), never [B, T, V].
+VJP in closed form: d logits = (softmax - onehot) * weight per chunk. The loss is a scalar, so its
+cotangent only scales that: under differentiation the forward scan computes each chunk's
+d hidden and accumulates d head while its logits are live, and the backward multiplies them by
+the cotangent. What lives at once: one chunk's [C, V] logits and their softmax, never [B, T, V];
+the residuals are d hidden [B*T, M] and d head [M, V]. The head's matmuls are those of the direct
+path (logits, d hidden, d head: 3 x 2*B*T*M*V FLOPs), with no recomputation.
 
 Deviation from MaxText: the chunk is a size in tokens (`lm_loss_chunk_size`), not a number of
 tiles, so it need not divide B * T (the flattened tokens are zero-padded to a multiple of C; the
@@ -56,8 +59,8 @@ def chunked_lm_loss(h_btm, head_mv, targets_bt, mask_bt, *, chunk: int):
     Shapes:
       1. tokens flattened to N = B*T, zero-padded to a multiple of C; weight = mask / max(#mask, 1)
       2. per chunk: logits [C, V] = h_c @ head; nll_c = lse_c - logits[target]; loss += sum(nll_c * w_c)
-      3. backward per chunk: d logits = (exp(logits - lse) - onehot) * w * g;
-         dh_c = d logits @ head^T, dhead += h_c^T @ d logits
+      3. under differentiation, in the same step: d logits = (exp(logits - lse) - onehot) * w;
+         dh_c = d logits @ head^T, dhead += h_c^T @ d logits; the backward returns g * (dh, dhead)
     """
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be >= 1")
@@ -85,32 +88,33 @@ def _chunk_stats(h_cm, head_mv, targets_c):
 @jax.custom_vjp
 def _weighted_nll(h_ncm, head_mv, targets_nc, weight_nc):
     """sum over chunks and tokens of weight * (lse - target logit); see chunked_lm_loss."""
-    return _weighted_nll_fwd(h_ncm, head_mv, targets_nc, weight_nc)[0]
-
-
-def _weighted_nll_fwd(h_ncm, head_mv, targets_nc, weight_nc):
     def body(total, xs):
         h_cm, targets_c, weight_c = xs
         _, lse_c, target_c = _chunk_stats(h_cm, head_mv, targets_c)
-        return total + jnp.sum((lse_c - target_c) * weight_c), lse_c
+        return total + jnp.sum((lse_c - target_c) * weight_c), None
 
-    total, lse_nc = jax.lax.scan(body, jnp.zeros((), h_ncm.dtype), (h_ncm, targets_nc, weight_nc))
-    return total, (h_ncm, head_mv, targets_nc, weight_nc, lse_nc)
+    return jax.lax.scan(body, jnp.zeros((), h_ncm.dtype), (h_ncm, targets_nc, weight_nc))[0]
+
+
+def _weighted_nll_fwd(h_ncm, head_mv, targets_nc, weight_nc):
+    def body(carry, xs):
+        total, dhead_mv = carry
+        h_cm, targets_c, weight_c = xs
+        logits_cv, lse_c, target_c = _chunk_stats(h_cm, head_mv, targets_c)
+        onehot_cv = jax.nn.one_hot(targets_c, head_mv.shape[-1], dtype=logits_cv.dtype)
+        dlogits_cv = (jnp.exp(logits_cv - lse_c[:, None]) - onehot_cv) * weight_c[:, None]
+        dh_cm = jnp.einsum("cv,mv->cm", dlogits_cv, head_mv)
+        dhead_mv = dhead_mv + jnp.einsum("cm,cv->mv", h_cm, dlogits_cv)
+        return (total + jnp.sum((lse_c - target_c) * weight_c), dhead_mv), dh_cm
+
+    init = (jnp.zeros((), h_ncm.dtype), jnp.zeros_like(head_mv))
+    (total, dhead_mv), dh_ncm = jax.lax.scan(body, init, (h_ncm, targets_nc, weight_nc))
+    return total, (dh_ncm, dhead_mv)
 
 
 def _weighted_nll_bwd(res, g):
-    h_ncm, head_mv, targets_nc, weight_nc, lse_nc = res
-
-    def body(dhead_mv, xs):
-        h_cm, targets_c, weight_c, lse_c = xs
-        logits_cv = jnp.einsum("cm,mv->cv", h_cm, head_mv)
-        onehot_cv = jax.nn.one_hot(targets_c, head_mv.shape[-1], dtype=logits_cv.dtype)
-        dlogits_cv = (jnp.exp(logits_cv - lse_c[:, None]) - onehot_cv) * (weight_c * g)[:, None]
-        dh_cm = jnp.einsum("cv,mv->cm", dlogits_cv, head_mv)
-        return dhead_mv + jnp.einsum("cm,cv->mv", h_cm, dlogits_cv), dh_cm
-
-    dhead_mv, dh_ncm = jax.lax.scan(body, jnp.zeros_like(head_mv), (h_ncm, targets_nc, weight_nc, lse_nc))
-    return dh_ncm, dhead_mv, None, None
+    dh_ncm, dhead_mv = res
+    return g * dh_ncm, g * dhead_mv, None, None
 
 
 _weighted_nll.defvjp(_weighted_nll_fwd, _weighted_nll_bwd)

@@ -32,15 +32,12 @@ from the forward and what it recomputes:
            the rest (norms, RoPE, attention scores and softmax, routing, mHC mixing);
   full     keep only each layer's input; the whole layer runs again in the backward (one extra
            forward of the layers, least memory).
-The default (base.yml) is chosen by XLA's compiled memory analysis and FLOP count of the
-deepseek4-tiny train step (docs/benchmarks.md, "Remat policy"): `full` needs a fraction of the
-temporary memory of `none` for about a third more layer FLOPs, and on this memory-bound CPU the
-smaller working set is what the step time follows.
-
-Modes: "train" follows the stage table from the config (dense warm-up: CSA over all visible
-blocks, dense indexer loss, no LM head; sparse: top-k, sparse indexer loss; factor 0: top-k, no
-loss); "eval": top-k, no loss; "eval_dense": all visible blocks, no loss. Logits are None when the
-head is not run.
+The default (base.yml) is `full`, chosen without timings (the machine was shared) by XLA's
+compiled memory analysis and the step's FLOP count (docs/benchmarks.md, "Remat policy"): the
+deepseek4-tiny sparse step at 1 x 1024 needs 5.06 GB of XLA temporaries under `none`, 0.99 GB
+under `minimal`, 0.51 GB under `full`, for 35.8 / 38.0 / 43.3 GFLOP at 1 x 256. `minimal`
+already recomputes every non-matmul op (norms, softmax, Sinkhorn: most of a CPU step's time);
+`full` adds the layers' matmuls (+14% FLOPs) for half the memory. An idle-machine bench decides.
 """
 
 from __future__ import annotations

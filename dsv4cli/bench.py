@@ -29,12 +29,13 @@ Profile = Annotated[bool, typer.Option("--profile", help="With --train: FLOPs of
 NoTime = Annotated[bool, typer.Option("--no-time", help="With --profile: count FLOPs only; do not run the step.")]
 
 GIB = 2**30
+STAGE_DEFAULT = "warmup,sparse"
 
 
 @handle_errors
 def command(chunk: Chunk = None, query_chunk: QueryChunk = None, seq: Seqs = None, shape: Shape = "flash",
             repeats: Repeats = 3, budget_gib: Budget = 0.0, train: Train = False, train_steps: TrainSteps = 3,
-            batch: Batches = None, stage: Stages = "warmup,sparse", profile: Profile = False, no_time: NoTime = False,
+            batch: Batches = None, stage: Stages = STAGE_DEFAULT, profile: Profile = False, no_time: NoTime = False,
             overrides: opt.Overrides = None, json_out: opt.Json = False) -> None:
     from core import bench
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from dsv4cli.bench import GIB, _bytes, _console, _fmt, _Progress, int_list
+from dsv4cli.bench import GIB, STAGE_DEFAULT, _bytes, _console, _fmt, _Progress, int_list
 
 
 def run(*, seq: str | None, batch: str | None, stage: str, steps: int, profile: bool, timed: bool,
@@ -22,10 +22,9 @@ def run(*, seq: str | None, batch: str | None, stage: str, steps: int, profile: 
         raise ConfigError(f"--stage {stage!r}: use one or more of {', '.join(STAGES)}, comma-separated.")
     if profile:
         seqs, batches = int_list(seq or "256", "--seq", "256"), int_list(batch or "1", "--batch", "1")
+        stages = ["sparse"] if stage == STAGE_DEFAULT else stages
         if len(seqs) > 1 or len(batches) > 1 or len(stages) > 1:
             raise ConfigError("--profile takes one shape: give one --stage, one --seq and one --batch.")
-        if stage == "warmup,sparse":
-            stages = ["sparse"]
         result = bench_train.profile_step(stages[0], seqs[0], batches[0], steps=steps, timed=timed,
                                           overrides=overrides)
         typer.echo(json.dumps(result, indent=2)) if json_out else render_profile(_console(), result)

@@ -74,21 +74,31 @@ def test_cli_train_sweep_json():
 
 
 def test_profile_counts_the_head_exactly():
-    """FLOPs per component from the step's jaxpr: the chunked head's matmuls are 4 x 2NMV
-    (forward, recomputed logits, d hidden, d head) over N tokens padded to whole chunks, and the
+    """FLOPs per component from the step's jaxpr: the chunked head's matmuls are 3 x 2NMV
+    (logits, d hidden, d head, all in the forward scan) over N tokens padded to whole chunks, and the
     components add up to the total."""
-    from core import bench_train
+    from rich.console import Console
 
-    out = bench_train.profile_step("sparse", 32, 2, timed=False, overrides=TRAIN_TINY)
+    from dsv4cli.bench_train import render_profile
+
+    result = CliRunner().invoke(app, ["bench", "--train", "--profile", "--no-time", "--seq", "32", "--batch", "2",
+                                      "--json", *TRAIN_TINY])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert (out["stage"], out["seq"], out["batch"]) == ("sparse", 32, 2) and "measured" not in out
     n, m, v = 72, 64, 512  # 2 x 32 = 64 tokens in chunks of 24: 3 chunks
     comps = out["components"]
-    assert comps["head"]["matmul_flops"] == 4 * 2 * n * m * v, comps["head"]
+    assert comps["head"]["matmul_flops"] == 3 * 2 * n * m * v, comps["head"]
     assert comps["optimizer"]["matmul_flops"] == 0 and comps["optimizer"]["other_flops"] > 0
     for name in ("attention", "MoE", "mHC"):
         assert comps[name]["matmul_flops"] > 0, (name, comps[name])
     assert comps["indexer"]["matmul_flops"] == comps["compressor"]["matmul_flops"] == 0  # no CSA/HCA layer
     total = sum(c["matmul_flops"] + c["other_flops"] for c in comps.values())
     assert total == out["total_flops"] and out["temp_bytes"] > 0
+    console = Console(record=True, width=200)
+    render_profile(console, out)
+    text = console.export_text()
+    assert all(name in text for name in comps) and "MFLOP/token" in text, text
 
 
 @pytest.mark.parametrize("args, needle", [
