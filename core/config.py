@@ -48,6 +48,8 @@ class Config:
     dtype: str
     weight_dtype: str
     scan_layers: bool
+    remat_policy: str                 # none | minimal | full (what a layer saves for the backward)
+    lm_loss_chunk_size: int           # tokens per LM-loss chunk, 0 = direct [B, T, V] logits
     # rotary position embedding
     rope_type: str
     rope_max_timescale: float
@@ -188,6 +190,7 @@ _POSITIVE = {
     "compressed_rope_max_timescale", "rope_factor", "adam_eps",
 }
 _NON_NEGATIVE = {
+    "lm_loss_chunk_size",
     "qk_rope_head_dim", "indexer_loss_scaling_factor", "csa_qk_head_chunk_size",
     "csa_query_chunk_size", "shared_experts", "mlp_activations_limit", "routed_scaling_factor",
     "routed_bias_update_rate", "first_num_hash_layers", "load_balance_loss_weight",
@@ -198,6 +201,7 @@ _NON_NEGATIVE = {
 _CHOICES = {
     "dtype": ("float32", "bfloat16"),
     "weight_dtype": ("float32", "bfloat16"),
+    "remat_policy": ("none", "minimal", "full"),
     "rope_type": ("default", "yarn"),
     "indexer_teacher": ("compressed", "joint"),
     "attention": ("chunked", "masked"),

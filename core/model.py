@@ -3,7 +3,7 @@
   x = expand(embed[tokens], n)                                  residual stream [B, T, n, M]
   per layer:  y, post, comb = hc_attn.pre(x);  x = post(attn(attn_norm(y)), x, post, comb)
               y, post, comb = hc_ffn.pre(x);   x = post(ffn(ffn_norm(y)), x, post, comb)
-  logits = norm(hc_head(x)) @ head                              float32 [B, T, V]
+  h = norm(hc_head(x));  logits = h @ head                     h [B, T, M], logits float32 [B, T, V]
 
 The learned sublayer norms attn_norm / ffn_norm after the mHC `pre` are the official code's
 (`Block.forward`); DESIGN.md leaves them implicit. Layer kind comes from compress_ratios (0 SWA,
@@ -24,10 +24,20 @@ Parameter tree (`segments[s] = (start, unit, repeats)`):
             shared_experts.{w1, w2, w3}}, hc_attn.{fn, base, scale}, hc_ffn.{fn, base, scale}
 Without `scan_layers` every segment is a single layer, so `layers.{i}` is layer i.
 
-Modes: "train" follows the stage table from the config (dense warm-up: CSA over all visible
-blocks, dense indexer loss, no LM head; sparse: top-k, sparse indexer loss; factor 0: top-k, no
-loss); "eval": top-k, no loss; "eval_dense": all visible blocks, no loss. Logits are None when the
-head is not run.
+Activation checkpointing (`remat_policy`, MaxText's names): every layer body, scanned or not, runs
+under `nnx.remat` with the policy of REMAT_POLICIES, which decides what the backward pass keeps
+from the forward and what it recomputes:
+  none     no remat: every residual the autodiff wants is kept, per layer (most memory, no recompute);
+  minimal  keep the outputs of matmuls without batch dimensions (x @ W projections, experts), recompute
+           the rest (norms, RoPE, attention scores and softmax, routing, mHC mixing);
+  full     keep only each layer's input; the whole layer runs again in the backward (one extra
+           forward of the layers, least memory).
+The default (base.yml) is `full`, chosen without timings (the machine was shared) by XLA's
+compiled memory analysis and the step's FLOP count (docs/benchmarks.md, "Remat policy"): the
+deepseek4-tiny sparse step at 1 x 1024 needs 5.06 GB of XLA temporaries under `none`, 0.99 GB
+under `minimal`, 0.51 GB under `full`, for 35.8 / 38.0 / 43.3 GFLOP at 1 x 256. `minimal`
+already recomputes every non-matmul op (norms, softmax, Sinkhorn: most of a CPU step's time);
+`full` adds the layers' matmuls (+14% FLOPs) for half the memory. An idle-machine bench decides.
 """
 
 from __future__ import annotations
@@ -41,12 +51,18 @@ from flax import nnx
 
 from core.attention import Attention, AttentionSpec
 from core.layers import RMSNorm, dense_init, param
+from core.lm_loss import head_logits
 from core.mhc import HeadCollapse, HyperConnection, expand
 from core.moe import MoE, hash_table, update_router_bias
 
 MODES = ("train", "eval", "eval_dense")
 COLLECT_KEYS = ("index_scores", "topk_idx", "topk_valid", "teacher_query", "compressed_kv", "visible")
 JOINT_KEYS = ("raw_kv", "window", "sink")
+REMAT_POLICIES = {  # name -> jax.checkpoint policy; "none" = no remat (module docstring)
+    "none": None,
+    "minimal": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +191,7 @@ class Transformer(nnx.Module):
         self.csa_layers = cfg.csa_layers if cfg.use_indexer else ()
         self.loss_scale, self.dense_warmup = cfg.indexer_loss_scaling_factor, cfg.dense_warmup
         self.joint = cfg.indexer_teacher == "joint"
+        self.remat_policy = cfg.remat_policy
         specs = [BlockSpec.from_config(cfg, i) for i in range(cfg.num_layers)]
         self.segments = layer_plan(specs, cfg.scan_layers)
         kw = dict(param_dtype=pdt, dtype=dt)
@@ -195,7 +212,9 @@ class Transformer(nnx.Module):
         return dense, loss, not (train and self.dense_warmup)
 
     def __call__(self, tokens, positions, segment_ids, *, mode: str = "train", collect: bool = False):
-        """Args:
+        """The logits: `hidden` then the head (evaluation and the HF parity test use this).
+
+        Args:
           tokens, positions, segment_ids: int [B, T] (DESIGN.md's packed rows).
           mode: "train" | "eval" | "eval_dense" (module docstring).
           collect: also return every CSA layer's indexer scores, selection and teacher inputs.
@@ -207,29 +226,42 @@ class Transformer(nnx.Module):
           layer order (leading axis len(csa_layers)): index_scores, topk_idx, topk_valid,
           teacher_query, compressed_kv, visible (+ raw_kv, window, sink for the joint teacher).
         """
+        h, aux = self.hidden(tokens, positions, segment_ids, mode=mode, collect=collect)
+        return (None if h is None else self.logits(h)), aux
+
+    def logits(self, h_btm):
+        """The head: final hidden states [B, T, M] -> float32 logits [B, T, V]."""
+        return head_logits(h_btm, self.head[...])
+
+    def hidden(self, tokens, positions, segment_ids, *, mode: str = "train", collect: bool = False):
+        """The decoder without its head: (h [B, T, M] = norm(hc_head(x)) or None, aux).
+
+        Same arguments and aux as `__call__`; h is None where the head is not run (dense warm-up).
+        The training step feeds h and `self.head` to the chunked LM loss (core/lm_loss.py).
+        """
         dense, loss, run_head = self._flags(mode)
         flags = dict(dense=dense, indexer_loss=loss, collect=collect)
         args = (tokens, positions, segment_ids)
         x = expand(self.embed[...][tokens].astype(self.dtype), self.n)
 
-        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0),
-                  transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def run_group(group, x_btnm):
-            return group(x_btnm, *args, **flags)
+        def body(layer, x_btnm):
+            return layer(x_btnm, *args, **flags)
 
+        policy = REMAT_POLICIES[self.remat_policy]
+        single = body if self.remat_policy == "none" else nnx.remat(body, policy=policy)
+        scanned = body if self.remat_policy == "none" else nnx.remat(body, policy=policy, prevent_cse=False)
+        run_group = nnx.scan(scanned, in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0),
+                             transform_metadata={nnx.PARTITION_NAME: "layers"})
         auxes = []  # per segment: [aux per unit position], arrays [repeats, ...] when scanned
         for (_, _, reps), layer in zip(self.segments, self.layers):
             if reps == 1:
-                x, aux = layer(x, *args, **flags)
+                x, aux = single(layer, x)
                 auxes.append([aux])
             else:
                 x, stacked = run_group(layer, x)
                 auxes.append(stacked)
-        logits = None
-        if run_head:
-            h = self.norm(self.hc_head(x))
-            logits = jnp.einsum("btm,mv->btv", h.astype(jnp.float32), self.head[...].astype(jnp.float32))
-        return logits, self._aux(auxes, loss, collect)
+        h = self.norm(self.hc_head(x)) if run_head else None
+        return h, self._aux(auxes, loss, collect)
 
     def _layer_values(self, auxes, key, layers):
         """Stack aux[key] of the given layers in layer order: [len(layers), ...] (None if none)."""

@@ -46,6 +46,7 @@ from core import checkpoint as ckpt
 from core import run_guard
 from core.data import train_batches
 from core.errors import CheckpointError, ConfigError
+from core.lm_loss import lm_loss, lm_loss_from_hidden  # noqa: F401  (lm_loss: the direct formula, re-exported)
 from core.model import Transformer
 from core.moe import RouterBias
 from core.params import count_parameters
@@ -57,21 +58,6 @@ METRIC_KEYS = ("total_loss", "lm_loss", "indexer_loss", "moe_lb_loss", "grad_nor
 
 
 # ----------------------------------------------------------------------------- losses and schedule
-
-
-def lm_loss(logits_btv, targets_bt, mask_bt):
-    """Mean next-token cross-entropy over the positions where mask_bt is nonzero.
-
-    Computed in at least float32 (bfloat16 logits are upcast; float64 stays float64 for tests),
-    as logsumexp - target logit, so no [B, T, V] log-probabilities are materialised.
-    Shapes: 1. lse_bt = logsumexp_v(logits)  2. nll_bt = lse_bt - logits[targets]  3. sum(nll * mask) / max(#mask, 1)
-    """
-    dtype = jnp.promote_types(logits_btv.dtype, jnp.float32)
-    logits_btv = logits_btv.astype(dtype)
-    target_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
-    nll_bt = jax.nn.logsumexp(logits_btv, axis=-1) - target_bt
-    mask_bt = mask_bt.astype(dtype)
-    return jnp.sum(nll_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1.0)
 
 
 def learning_rate_schedule(cfg) -> Callable[[Any], Any]:
@@ -193,9 +179,9 @@ def _step_fn(cfg, graphdef):
         model, optimizer = nnx.merge(graphdef, state)
 
         def loss_fn(model):
-            logits, aux = model(batch["tokens"], batch["positions"], batch["segment_ids"], mode="train")
-            lm = (jnp.zeros((), jnp.float32) if logits is None
-                  else lm_loss(logits, batch["targets"], batch["loss_mask"]))
+            h, aux = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], mode="train")
+            lm = (jnp.zeros((), jnp.float32) if h is None else lm_loss_from_hidden(
+                h, model.head[...], batch["targets"], batch["loss_mask"], chunk=cfg.lm_loss_chunk_size))
             return lm + aux["indexer_loss"] + aux["moe_lb_loss"], (lm, aux)
 
         grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, grad_filter), has_aux=True)

@@ -12,40 +12,44 @@ from dsv4cli.errors import handle_errors
 
 HELP = "Benchmark the CSA indexer loss (direct, head-chunked, query-chunked, streamed): time, XLA memory, parity, GFLOP/s."
 EPILOG = ("Example: dsv4 bench --chunk 8 --query-chunk 256 --seq 1024,4096,32768    |    "
-          "dsv4 bench --shape tiny --seq 64 --json    |    dsv4 bench --train")
+          "dsv4 bench --shape tiny --seq 64 --json    |    dsv4 bench --train --seq 256,1024 --batch 1,4 --stage sparse"
+          "    |    dsv4 bench --train --profile")
 
 Chunk = Annotated[Optional[int], typer.Option("--chunk", min=0, help="Heads per scan step in the chunked paths (divides H and HI; 0 = off; default H/8, i.e. 8 at flash shapes).", show_default=False)]
 QueryChunk = Annotated[Optional[int], typer.Option("--query-chunk", min=0, help="Query positions per scan step in the query-chunked and streamed paths (0 = off; default min(256, T/4)).", show_default=False)]
-Seqs = Annotated[str, typer.Option("--seq", help="Comma-separated sequence lengths T (multiples of 4 and of --query-chunk).")]
+Seqs = Annotated[Optional[str], typer.Option("--seq", help="Comma-separated sequence lengths T (multiples of 4 and of --query-chunk; default 1024,4096; with --train: the config's, 256).", show_default=False)]
 Shape = Annotated[str, typer.Option("--shape", help="Attention shapes: flash (deepseek4-284b: H=64, D=512, indexer 64x128, top-k 512) or tiny (deepseek4-tiny).")]
 Repeats = Annotated[int, typer.Option("--repeats", min=1, help="Timing rounds after one warm-up step; each round times a matmul and one step of every path (medians reported).")]
 Budget = Annotated[float, typer.Option("--budget-gib", min=0, help="Memory budget in GiB; lengths whose direct path needs more are compiled only (default: device limit or available RAM).")]
-Train = Annotated[bool, typer.Option("--train", help="Instead: tokens/s and step time of the deepseek4-tiny training step, warm-up and sparse.")]
-TrainSteps = Annotated[int, typer.Option("--train-steps", min=1, help="Timed training steps per stage with --train.")]
+Train = Annotated[bool, typer.Option("--train", help="Instead: the deepseek4-tiny training step per stage and shape (one subprocess each): tokens/s, step and compile time, XLA temp memory, peak RSS.")]
+TrainSteps = Annotated[int, typer.Option("--train-steps", min=1, help="Timed training steps per shape with --train (after one untimed first step).")]
+Batches = Annotated[Optional[str], typer.Option("--batch", help="With --train: comma-separated batch sizes (default: the config's, 4).", show_default=False)]
+Stages = Annotated[str, typer.Option("--stage", help="With --train: comma-separated stages (warmup, sparse).")]
+Profile = Annotated[bool, typer.Option("--profile", help="With --train: FLOPs of the step per component (attention, compressor, indexer, MoE, mHC, head, optimizer) for one stage and shape (default sparse 1 x 256), and its measured step time.")]
+NoTime = Annotated[bool, typer.Option("--no-time", help="With --profile: count FLOPs only; do not run the step.")]
 
 GIB = 2**30
+STAGE_DEFAULT = "warmup,sparse"
 
 
 @handle_errors
-def command(chunk: Chunk = None, query_chunk: QueryChunk = None, seq: Seqs = "1024,4096", shape: Shape = "flash",
-            repeats: Repeats = 3, budget_gib: Budget = 0.0, train: Train = False, train_steps: TrainSteps = 5,
-            json_out: opt.Json = False) -> None:
+def command(chunk: Chunk = None, query_chunk: QueryChunk = None, seq: Seqs = None, shape: Shape = "flash",
+            repeats: Repeats = 3, budget_gib: Budget = 0.0, train: Train = False, train_steps: TrainSteps = 3,
+            batch: Batches = None, stage: Stages = STAGE_DEFAULT, profile: Profile = False, no_time: NoTime = False,
+            overrides: opt.Overrides = None, json_out: opt.Json = False) -> None:
     from core import bench
-    from core.errors import ConfigError
 
-    if train:
-        result = bench.run_train_bench(train_steps)
-        if json_out:
-            typer.echo(json.dumps(result, indent=2))
-        else:
-            _render_train(_console(), result)
+    if train or profile:
+        from dsv4cli import bench_train
+
+        bench_train.run(seq=seq, batch=batch, stage=stage, steps=train_steps, profile=profile, timed=not no_time,
+                        overrides=overrides or [], json_out=json_out)
         return
-    try:
-        seqs = [int(s) for s in seq.split(",") if s.strip()]
-    except ValueError:
-        seqs = []
-    if not seqs:
-        raise ConfigError(f"--seq {seq!r} is not a comma-separated list of lengths: use e.g. --seq 1024,4096.")
+    if overrides:
+        from core.errors import ConfigError
+
+        raise ConfigError(f"{overrides[0]!r}: KEY=VALUE overrides apply to the training step only; add --train.")
+    seqs = int_list(seq or "1024,4096", "--seq", "1024,4096")
     loss_shape = bench.loss_shape(shape)
     budget = int(budget_gib * GIB) if budget_gib else None
     from dsv4cli.display import ProgressBar
@@ -57,6 +61,19 @@ def command(chunk: Chunk = None, query_chunk: QueryChunk = None, seq: Seqs = "10
         typer.echo(json.dumps(result.to_dict(), indent=2))
     else:
         _render_loss(_console(), result.to_dict())
+
+
+def int_list(text: str, option: str, example: str) -> list[int]:
+    """'256,1024' -> [256, 1024]; ConfigError naming the option otherwise."""
+    from core.errors import ConfigError
+
+    try:
+        values = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise ConfigError(f"{option} {text!r} is not a comma-separated list of positive integers: use e.g. {option} {example}.")
+    return values
 
 
 def _console():
@@ -104,20 +121,3 @@ def _render_loss(console, r: dict[str, Any]) -> None:
         if not row["fits"]:
             console.print(f"T={row['seq']}: the direct path needs {_bytes(row['direct_bytes'])} > the budget, so every "
                           "path was compiled (XLA temp reported) but not run.")
-
-
-def _render_train(console, result: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    console.print("[bold]deepseek4-tiny training step[/bold] (median step after the compile step)")
-    first = next(iter(result.values()))
-    keys = [k for k, v in first.items() if k != "stage" and not isinstance(v, dict)]
-    table = Table("stage", *keys, box=None, pad_edge=False, header_style="bold")
-    for stage, stats in result.items():
-        table.add_row(stage, *(_fmt(stats.get(k), ".4g") if isinstance(stats.get(k), float) else str(stats.get(k, "-"))
-                               for k in keys))
-    console.print(table)
-    for stage, stats in result.items():
-        nested = {k: v for k, v in stats.items() if isinstance(v, dict)}
-        for name, values in nested.items():
-            console.print(f"{stage} {name}: " + "  ".join(f"{k}={_fmt(v, '.4g')}" for k, v in values.items()))

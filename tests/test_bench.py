@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -56,10 +55,64 @@ def test_cli_rejects_chunks_that_do_not_divide():
     assert result.exit_code == 2 and "--chunk 3" in result.output
 
 
-def test_cli_train_without_core_train(monkeypatch):
-    monkeypatch.setitem(sys.modules, "core.train", None)  # import fails as if not built yet
-    result = CliRunner().invoke(app, ["bench", "--train"])
-    assert result.exit_code == 2 and "benchmark_train_step" in result.output
+# Two sliding-window layers, a 512-token vocabulary, 32-token rows: the training step compiles in seconds.
+TRAIN_TINY = ["compress_ratios=[0,0]", "base_num_decoder_layers=2", "first_num_hash_layers=0", "vocab_size=512",
+              "hc_sinkhorn_iters=2", "lm_loss_chunk_size=24", "indexer_topk=4"]
+
+
+def test_cli_train_sweep_json():
+    """One shape through the CLI: its own subprocess, every figure present and positive."""
+    result = CliRunner().invoke(app, ["bench", "--train", "--seq", "32", "--batch", "1", "--stage", "sparse",
+                                      "--train-steps", "1", "--json", *TRAIN_TINY])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    (row,) = out["rows"]
+    assert (row["stage"], row["seq"], row["batch"]) == ("sparse", 32, 1), row
+    for key in ("compile_s", "first_step_s", "step_time_s", "tokens_per_s", "temp_bytes", "peak_rss_bytes"):
+        assert row[key] > 0, (key, row)
+    assert row["tokens_per_step"] == 32 and row["last"]["lm_loss"] > 0
+
+
+def test_profile_counts_the_head_exactly():
+    """FLOPs per component from the step's jaxpr: the chunked head's matmuls are 3 x 2NMV
+    (logits, d hidden, d head, all in the forward scan) over N tokens padded to whole chunks, and the
+    components add up to the total."""
+    from rich.console import Console
+
+    from dsv4cli.bench_train import render_profile
+
+    result = CliRunner().invoke(app, ["bench", "--train", "--profile", "--no-time", "--seq", "32", "--batch", "2",
+                                      "--json", *TRAIN_TINY])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert (out["stage"], out["seq"], out["batch"]) == ("sparse", 32, 2) and "measured" not in out
+    n, m, v = 72, 64, 512  # 2 x 32 = 64 tokens in chunks of 24: 3 chunks
+    comps = out["components"]
+    assert comps["head"]["matmul_flops"] == 3 * 2 * n * m * v, comps["head"]
+    assert comps["optimizer"]["matmul_flops"] == 0 and comps["optimizer"]["other_flops"] > 0
+    for name in ("attention", "MoE", "mHC"):
+        assert comps[name]["matmul_flops"] > 0, (name, comps[name])
+    assert comps["indexer"]["matmul_flops"] == comps["compressor"]["matmul_flops"] == 0  # no CSA/HCA layer
+    total = sum(c["matmul_flops"] + c["other_flops"] for c in comps.values())
+    assert total == out["total_flops"] and out["temp_bytes"] > 0
+    console = Console(record=True, width=200)
+    render_profile(console, out)
+    text = console.export_text()
+    assert all(name in text for name in comps) and "MFLOP/token" in text, text
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--stage", "pretrain"], "--stage"), (["--seq", "0"], "--seq"), (["--batch", "x"], "--batch"),
+    (["--profile", "--seq", "32,64"], "one shape"), (["indexer_topk=oops"], "indexer_topk"),
+])
+def test_cli_train_rejects_bad_input(args, needle):
+    result = CliRunner().invoke(app, ["bench", "--train", *args])
+    assert result.exit_code == 2 and needle in result.output, result.output
+
+
+def test_cli_loss_bench_rejects_overrides():
+    result = CliRunner().invoke(app, ["bench", "--shape", "tiny", "remat_policy=none"])
+    assert result.exit_code == 2 and "--train" in result.output
 
 
 @pytest.mark.parametrize("name", ["flash", "tiny"])

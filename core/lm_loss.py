@@ -1,0 +1,127 @@
+"""The LM loss: mean next-token cross-entropy, direct from logits or chunked from hidden states.
+
+DESIGN.md, "Memory": the LM loss never keeps [B, T, V] float32 logits for the backward pass.
+`lm_loss` is the direct formula on given logits (the reference, and what evaluation uses);
+`chunked_lm_loss` computes the same value from the final hidden states and the head weight,
+C tokens at a time (the analogue of MaxText's vocab tiling, `num_vocab_tiling`), with a custom
+VJP in closed form: d logits = (softmax - onehot) * weight per chunk. The loss is a scalar, so its
+cotangent only scales that: under differentiation the forward scan computes each chunk's
+d hidden and accumulates d head while its logits are live, and the backward multiplies them by
+the cotangent. What lives at once: one chunk's [C, V] logits and their softmax, never [B, T, V];
+the residuals are d hidden [B*T, M] and d head [M, V]. The head's matmuls are those of the direct
+path (logits, d hidden, d head: 3 x 2*B*T*M*V FLOPs), with no recomputation.
+
+Deviation from MaxText: the chunk is a size in tokens (`lm_loss_chunk_size`), not a number of
+tiles, so it need not divide B * T (the flattened tokens are zero-padded to a multiple of C; the
+padding carries weight 0) and the live memory does not grow with B or T.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def lm_loss(logits_btv, targets_bt, mask_bt):
+    """Mean next-token cross-entropy over the positions where mask_bt is nonzero.
+
+    Computed in at least float32 (bfloat16 logits are upcast; float64 stays float64 for tests),
+    as logsumexp - target logit, so no [B, T, V] log-probabilities are materialised.
+    Shapes: 1. lse_bt = logsumexp_v(logits)  2. nll_bt = lse_bt - logits[targets]  3. sum(nll * mask) / max(#mask, 1)
+    """
+    dtype = jnp.promote_types(logits_btv.dtype, jnp.float32)
+    logits_btv = logits_btv.astype(dtype)
+    target_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
+    nll_bt = jax.nn.logsumexp(logits_btv, axis=-1) - target_bt
+    mask_bt = mask_bt.astype(dtype)
+    return jnp.sum(nll_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1.0)
+
+
+def head_logits(h_btm, head_mv):
+    """float32 (or float64) logits [B, T, V] = h @ head, both upcast (the model's head)."""
+    dtype = jnp.promote_types(jnp.promote_types(h_btm.dtype, head_mv.dtype), jnp.float32)
+    return jnp.einsum("btm,mv->btv", h_btm.astype(dtype), head_mv.astype(dtype))
+
+
+def chunked_lm_loss(h_btm, head_mv, targets_bt, mask_bt, *, chunk: int):
+    """`lm_loss(head_logits(h, head), targets, mask)` without the [B, T, V] logits.
+
+    Args:
+      h_btm: final hidden states [B, T, M] (after the final norm), any float dtype.
+      head_mv: the head weight [M, V].
+      targets_bt: int [B, T] next-token ids.
+      mask_bt: [B, T], nonzero where the token counts (no gradient).
+      chunk: tokens per scan step C (static, >= 1); need not divide B * T.
+
+    Returns:
+      Scalar loss in float32 (float64 for float64 inputs); 0.0 when nothing is masked in.
+
+    Shapes:
+      1. tokens flattened to N = B*T, zero-padded to a multiple of C; weight = mask / max(#mask, 1)
+      2. per chunk: logits [C, V] = h_c @ head; nll_c = lse_c - logits[target]; loss += sum(nll_c * w_c)
+      3. under differentiation, in the same step: d logits = (exp(logits - lse) - onehot) * w;
+         dh_c = d logits @ head^T, dhead += h_c^T @ d logits; the backward returns g * (dh, dhead)
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk} must be >= 1")
+    dtype = jnp.promote_types(jnp.promote_types(h_btm.dtype, head_mv.dtype), jnp.float32)
+    b, t, m = h_btm.shape
+    n = b * t
+    chunk = min(chunk, n)  # a chunk larger than the batch would only pad
+    pad = -n % chunk
+    mask_n = mask_bt.reshape(n).astype(dtype)
+    weight_n = jax.lax.stop_gradient(mask_n / jnp.maximum(jnp.sum(mask_n), 1.0))
+    h_ncm = jnp.pad(h_btm.astype(dtype).reshape(n, m), ((0, pad), (0, 0))).reshape(-1, chunk, m)
+    targets_nc = jnp.pad(targets_bt.reshape(n).astype(jnp.int32), (0, pad)).reshape(-1, chunk)
+    weight_nc = jnp.pad(weight_n, (0, pad)).reshape(-1, chunk)
+    return _weighted_nll(h_ncm, head_mv.astype(dtype), targets_nc, weight_nc)
+
+
+def _chunk_stats(h_cm, head_mv, targets_c):
+    """(logits [C, V], lse [C], target logit [C]) of one chunk."""
+    logits_cv = jnp.einsum("cm,mv->cv", h_cm, head_mv)
+    lse_c = jax.nn.logsumexp(logits_cv, axis=-1)
+    target_c = jnp.take_along_axis(logits_cv, targets_c[:, None], axis=-1)[:, 0]
+    return logits_cv, lse_c, target_c
+
+
+@jax.custom_vjp
+def _weighted_nll(h_ncm, head_mv, targets_nc, weight_nc):
+    """sum over chunks and tokens of weight * (lse - target logit); see chunked_lm_loss."""
+    def body(total, xs):
+        h_cm, targets_c, weight_c = xs
+        _, lse_c, target_c = _chunk_stats(h_cm, head_mv, targets_c)
+        return total + jnp.sum((lse_c - target_c) * weight_c), None
+
+    return jax.lax.scan(body, jnp.zeros((), h_ncm.dtype), (h_ncm, targets_nc, weight_nc))[0]
+
+
+def _weighted_nll_fwd(h_ncm, head_mv, targets_nc, weight_nc):
+    def body(carry, xs):
+        total, dhead_mv = carry
+        h_cm, targets_c, weight_c = xs
+        logits_cv, lse_c, target_c = _chunk_stats(h_cm, head_mv, targets_c)
+        onehot_cv = jax.nn.one_hot(targets_c, head_mv.shape[-1], dtype=logits_cv.dtype)
+        dlogits_cv = (jnp.exp(logits_cv - lse_c[:, None]) - onehot_cv) * weight_c[:, None]
+        dh_cm = jnp.einsum("cv,mv->cm", dlogits_cv, head_mv)
+        dhead_mv = dhead_mv + jnp.einsum("cm,cv->mv", h_cm, dlogits_cv)
+        return (total + jnp.sum((lse_c - target_c) * weight_c), dhead_mv), dh_cm
+
+    init = (jnp.zeros((), h_ncm.dtype), jnp.zeros_like(head_mv))
+    (total, dhead_mv), dh_ncm = jax.lax.scan(body, init, (h_ncm, targets_nc, weight_nc))
+    return total, (dh_ncm, dhead_mv)
+
+
+def _weighted_nll_bwd(res, g):
+    dh_ncm, dhead_mv = res
+    return g * dh_ncm, g * dhead_mv, None, None
+
+
+_weighted_nll.defvjp(_weighted_nll_fwd, _weighted_nll_bwd)
+
+
+def lm_loss_from_hidden(h_btm, head_mv, targets_bt, mask_bt, *, chunk: int):
+    """The step's LM loss: chunked when chunk >= 1, else the direct head + `lm_loss`."""
+    if chunk:
+        return chunked_lm_loss(h_btm, head_mv, targets_bt, mask_bt, chunk=chunk)
+    return lm_loss(head_logits(h_btm, head_mv), targets_bt, mask_bt)

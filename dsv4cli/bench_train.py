@@ -1,0 +1,86 @@
+"""`dsv4 bench --train` and `--profile`: the training-step sweep and per-component FLOPs, rendered."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+
+from dsv4cli.bench import GIB, STAGE_DEFAULT, _bytes, _console, _fmt, int_list
+
+
+def run(*, seq: str | None, batch: str | None, stage: str, steps: int, profile: bool, timed: bool,
+        overrides: list[str], json_out: bool) -> None:
+    from core import bench_train
+    from core.config import STAGES, load_config
+    from core.errors import ConfigError
+
+    stages = [s.strip() for s in stage.split(",") if s.strip()]
+    bad = [s for s in stages if s not in STAGES]
+    if bad or not stages:
+        raise ConfigError(f"--stage {stage!r}: use one or more of {', '.join(STAGES)}, comma-separated.")
+    if profile:
+        seqs, batches = int_list(seq or "256", "--seq", "256"), int_list(batch or "1", "--batch", "1")
+        stages = ["sparse"] if stage == STAGE_DEFAULT else stages
+        if len(seqs) > 1 or len(batches) > 1 or len(stages) > 1:
+            raise ConfigError("--profile takes one shape: give one --stage, one --seq and one --batch.")
+        result = bench_train.profile_step(stages[0], seqs[0], batches[0], steps=steps, timed=timed,
+                                          overrides=overrides)
+        typer.echo(json.dumps(result, indent=2)) if json_out else render_profile(_console(), result)
+        return
+    defaults = load_config("deepseek4-tiny", overrides)
+    seqs = int_list(seq or str(defaults.max_target_length), "--seq", "256,1024")
+    batches = int_list(batch or str(defaults.per_device_batch_size), "--batch", "1,4")
+    from dsv4cli.display import ProgressBar
+
+    with ProgressBar(len(stages) * len(seqs) * len(batches), "shapes", quiet=json_out) as bar:
+        result = bench_train.run_train_sweep(stages, seqs, batches, steps=steps, overrides=overrides,
+                                             on_progress=lambda label: bar.advance(description=label))
+    typer.echo(json.dumps(result, indent=2)) if json_out else render_sweep(_console(), result)
+
+
+def render_sweep(console, r: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    console.print(f"[bold]{r['model']} training step[/bold]  ·  one subprocess per shape  ·  median of {r['steps']} "
+                  "steps after the first  ·  XLA temp: compiled memory analysis  ·  peak RSS: that process's max RSS")
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for title in ("stage", "B x T", "tokens/s", "step", "compile", "first step", "XLA temp", "peak RSS", "lm_loss"):
+        table.add_column(title, justify="left" if title == "stage" else "right")
+    for row in r["rows"]:
+        shape = f"{row['batch']} x {row['seq']}"
+        if "error" in row:
+            table.add_row(row["stage"], shape, row["error"], *[""] * 6)
+            continue
+        table.add_row(row["stage"], shape, f"{row['tokens_per_s']:.1f}", f"{row['step_time_s']:.3f}s",
+                      f"{row['compile_s']:.1f}s", f"{row['first_step_s']:.2f}s", _bytes(row["temp_bytes"]),
+                      f"{row['peak_rss_bytes'] / GIB:.2f} GiB", _fmt(row["last"].get("lm_loss"), ".3f"))
+    console.print(table)
+
+
+def render_profile(console, r: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    measured, ceiling = r.get("measured") or {}, r.get("matmul_gflops")
+    total = r["total_flops"]
+    console.print(f"[bold]{r['model']} {r['stage']} step, {r['batch']} x {r['seq']}: FLOPs per component[/bold]  "
+                  f"(counted from the step's jaxpr, backward and remat included)")
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for title in ("component", "matmul GFLOP", "other GFLOP", "share", "MFLOP/token", "at ceiling"):
+        table.add_column(title, justify="left" if title == "component" else "right")
+    for name, c in r["components"].items():
+        flops = c["matmul_flops"] + c["other_flops"]
+        table.add_row(name, f"{c['matmul_flops'] / 1e9:.3f}", f"{c['other_flops'] / 1e9:.3f}",
+                      f"{100 * flops / total:.1f}%", f"{flops / r['tokens_per_step'] / 1e6:.1f}",
+                      _fmt(None if not ceiling else c["matmul_flops"] / ceiling / 1e9, ".3f") + ("s" if ceiling else ""))
+    console.print(table)
+    console.print(f"total {total / 1e9:.2f} GFLOP ({total / r['tokens_per_step'] / 1e6:.1f} MFLOP/token); XLA cost "
+                  f"analysis of the compiled step: {r['xla_flops'] / 1e9:.2f} GFLOP; XLA temp {_bytes(r['temp_bytes'])}")
+    if "error" in measured:
+        console.print(f"measured step: {measured['error']}")
+    elif measured:
+        matmul = sum(c["matmul_flops"] for c in r["components"].values())
+        console.print(f"measured step {measured['step_time_s']:.3f}s ({measured['tokens_per_s']:.1f} tokens/s, "
+                      f"{total / measured['step_time_s'] / 1e9:.1f} GFLOP/s); f32 matmul ceiling {ceiling:.1f} GFLOP/s: "
+                      f"the matmuls alone would take {matmul / ceiling / 1e9:.3f}s")
