@@ -9,7 +9,8 @@ hash-routing table (not a parameter), `.../gate/bias` the router selection bias 
 load-balance update, not by gradients), everything else an `nnx.Param`. Totals follow the
 training header (core.train.build): parameters = the nnx.Params; trainable = those whose
 '/'-joined path one of `trainable_parameters_mask`'s regexes fully matches (empty mask =
-all), the rule of `core.train.path_matcher`; frozen = the rest. Router biases and hash tables are
+all) and no `frozen_parameters_mask` regex matches, the rule of `core.train.path_matcher`;
+frozen = the rest. Router biases and hash tables are
 reported as non-parameter state.
 """
 
@@ -30,7 +31,7 @@ from core.errors import CheckpointError
 
 INDEXER_KEYS = ("use_indexer", "indexer_n_heads", "indexer_head_dim", "indexer_topk",
                 "indexer_loss_scaling_factor", "indexer_sparse_training", "indexer_teacher",
-                "trainable_parameters_mask")
+                "dense_pretraining", "trainable_parameters_mask", "frozen_parameters_mask")
 KINDS = ("param", "router_bias", "hash_table")
 
 
@@ -74,10 +75,11 @@ def variable_kind(path: str) -> str:
     return "param"
 
 
-def mask_matcher(patterns: Sequence[str]):
+def mask_matcher(patterns: Sequence[str], frozen: Sequence[str] = ()):
     """path -> trainable?, the rule of core.train.path_matcher (kept import-light here)."""
-    compiled = [re.compile(p) for p in patterns]
-    return lambda path: not compiled or any(c.fullmatch(path) for c in compiled)
+    compiled, never = [re.compile(p) for p in patterns], [re.compile(p) for p in frozen]
+    return lambda path: ((not compiled or any(c.fullmatch(path) for c in compiled))
+                         and not any(c.fullmatch(path) for c in never))
 
 
 def fold(leaves: Sequence[Leaf], depth: int | None) -> list[dict[str, Any]]:
@@ -186,7 +188,7 @@ def summarize_checkpoint(path: str | Path, step: int | None = None) -> Checkpoin
         raise CheckpointError(f"checkpoint {str(step_dir)!r} has no saved config in its metadata: "
                               "it was not written by dsv4 or is corrupted; use another step (--step) or retrain.")
     config = meta["config"]
-    trainable = mask_matcher(config.get("trainable_parameters_mask") or [])
+    trainable = mask_matcher(config.get("trainable_parameters_mask") or [], config.get("frozen_parameters_mask") or [])
     leaves = [Leaf(p, shape, dtype, kind := variable_kind(p), kind == "param" and trainable(p))
               for p, (shape, dtype) in model_tree.items()]
     indexer = {k: config.get(k) for k in INDEXER_KEYS}

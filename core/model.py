@@ -24,9 +24,9 @@ Parameter tree (`segments[s] = (start, unit, repeats)`):
             shared_experts.{w1, w2, w3}}, hc_attn.{fn, base, scale}, hc_ffn.{fn, base, scale}
 Without `scan_layers` every segment is a single layer, so `layers.{i}` is layer i.
 
-Modes: "train" follows the stage table from the config (dense warm-up: CSA over all visible
-blocks, dense indexer loss, no LM head; sparse: top-k, sparse indexer loss; factor 0: top-k, no
-loss); "eval": top-k, no loss; "eval_dense": all visible blocks, no loss. Logits are None when the
+Modes: "train" follows the stage table from the config (dense_pretraining: CSA over all visible
+blocks, no indexer loss, LM head; dense warm-up: CSA over all visible blocks, dense indexer loss,
+no LM head; sparse: top-k, sparse indexer loss; factor 0: top-k, no loss); "eval": top-k, no loss; "eval_dense": all visible blocks, no loss. Logits are None when the
 head is not run.
 """
 
@@ -174,6 +174,7 @@ class Transformer(nnx.Module):
         self.num_layers, self.first_hash = cfg.num_layers, cfg.first_num_hash_layers
         self.csa_layers = cfg.csa_layers if cfg.use_indexer else ()
         self.loss_scale, self.dense_warmup = cfg.indexer_loss_scaling_factor, cfg.dense_warmup
+        self.dense_pretraining = cfg.dense_pretraining
         self.joint = cfg.indexer_teacher == "joint"
         specs = [BlockSpec.from_config(cfg, i) for i in range(cfg.num_layers)]
         self.segments = layer_plan(specs, cfg.scan_layers)
@@ -190,7 +191,7 @@ class Transformer(nnx.Module):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is unknown: use one of {', '.join(MODES)}")
         train = mode == "train"
-        dense = mode == "eval_dense" or (train and self.dense_warmup)
+        dense = mode == "eval_dense" or (train and (self.dense_warmup or self.dense_pretraining))
         loss = train and self.loss_scale > 0 and bool(self.csa_layers)
         return dense, loss, not (train and self.dense_warmup)
 

@@ -8,7 +8,8 @@ the dense warm-up.
 Optimizer: AdamW (decoupled weight decay) on a linear warm-up then cosine schedule, after
 global-norm clipping, inside `optax.multi_transform({"train": ..., "frozen": set_to_zero()})`
 keyed by `trainable_parameters_mask` (regexes fully matching '/'-joined parameter paths such as
-`layers/3/attn/indexer/wq_b`; empty = everything). Frozen parameters hold no optimizer state.
+`layers/3/attn/indexer/wq_b`; empty = everything) minus `frozen_parameters_mask` (the same kind of
+regexes; dsv4 pretrain freezes '.*indexer.*'). Frozen parameters hold no optimizer state.
 Gradients are only taken with respect to trainable parameters, so XLA never builds the frozen
 part of the backward pass (in the warm-up only the indexer's own small backward runs); frozen
 parameters get an explicit zero gradient for the optimizer's tree and stay bitwise unchanged.
@@ -98,20 +99,31 @@ def _path(path: Sequence[Any]) -> str:
     return "/".join(names)
 
 
-def path_matcher(patterns: Sequence[str]) -> Callable[[Sequence[Any]], bool]:
-    """path -> True if it is trainable: empty patterns, or one fully matches the '/'-joined path."""
-    compiled = [re.compile(p) for p in patterns]
-    return lambda path: not compiled or any(c.fullmatch(_path(path)) for c in compiled)
+def path_matcher(patterns: Sequence[str], frozen: Sequence[str] = ()) -> Callable[[Sequence[Any]], bool]:
+    """path -> True if it is trainable: (empty patterns, or one fully matches the '/'-joined path)
+    and no `frozen` pattern fully matches it."""
+    compiled, never = [re.compile(p) for p in patterns], [re.compile(p) for p in frozen]
+
+    def trainable(path):
+        name = _path(path)
+        return (not compiled or any(c.fullmatch(name) for c in compiled)) and not any(c.fullmatch(name) for c in never)
+
+    return trainable
 
 
-def trainable_labels(model: nnx.Module, patterns: Sequence[str]) -> dict[str, bool]:
-    """{parameter path: trainable?}; ConfigError if a non-empty mask matches nothing."""
-    trainable = path_matcher(patterns)
+def config_matcher(cfg) -> Callable[[Sequence[Any]], bool]:
+    """The config's trainable rule: trainable_parameters_mask minus frozen_parameters_mask."""
+    return path_matcher(cfg.trainable_parameters_mask, cfg.frozen_parameters_mask)
+
+
+def trainable_labels(model: nnx.Module, patterns: Sequence[str], frozen: Sequence[str] = ()) -> dict[str, bool]:
+    """{parameter path: trainable?}; ConfigError if the masks leave nothing to train."""
+    trainable = path_matcher(patterns, frozen)
     paths = list(ckpt.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
     labels = {p: trainable(p.split("/")) for p in paths}
     if not any(labels.values()):
-        raise ConfigError(f"trainable_parameters_mask={list(patterns)} matches no parameter: paths look like "
-                          f"{paths[0]!r}; write e.g. '.*indexer.*'.")
+        raise ConfigError(f"trainable_parameters_mask={list(patterns)} frozen_parameters_mask={list(frozen)} "
+                          f"leave no parameter to train: paths look like {paths[0]!r}; write e.g. '.*indexer.*'.")
     return labels
 
 
@@ -140,7 +152,7 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
 
 
 def _make_optimizer(cfg) -> optax.GradientTransformation:
-    trainable = path_matcher(cfg.trainable_parameters_mask)
+    trainable = config_matcher(cfg)
     train = [optax.clip_by_global_norm(cfg.gradient_clipping_threshold)] if cfg.gradient_clipping_threshold > 0 else []
     train.append(optax.adamw(learning_rate_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
                              weight_decay=cfg.adam_weight_decay))
@@ -168,7 +180,7 @@ def make_train_step(cfg, graphdef, state, mesh):
 
 
 def _step_fn(cfg, graphdef):
-    trainable = path_matcher(cfg.trainable_parameters_mask)
+    trainable = config_matcher(cfg)
     grad_filter = nnx.All(nnx.Param, lambda path, _: trainable(path))
     frozen_filter = nnx.All(nnx.Param, nnx.Not(grad_filter))
     # A router bias moves unless its router is frozen: neither it nor the router weight is trainable.
@@ -232,7 +244,10 @@ def build(cfg) -> Setup:
     else:
         model = create_sharded(make_model, mesh)
         optimizer = create_sharded(make_opt, mesh, model)
-    labels = trainable_labels(model, cfg.trainable_parameters_mask)
+    labels = trainable_labels(model, cfg.trainable_parameters_mask, cfg.frozen_parameters_mask)
+    if cfg.dense_pretraining and any(v for p, v in labels.items() if "/indexer/" in f"/{p}/"):
+        raise ConfigError("dense_pretraining=true leaves the indexer idle, yet the masks train its parameters "
+                          "(weight decay alone would move them): add '.*indexer.*' to frozen_parameters_mask.")
     sizes = {p: math.prod(x.shape) for p, x in ckpt.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
     return Setup(cfg, mesh, model, optimizer, cfg.per_device_batch_size * mesh.size,
                  sum(sizes.values()), sum(n for p, n in sizes.items() if labels[p]))
@@ -410,7 +425,8 @@ def benchmark_train_step(cfg, steps: int) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
     tokens = setup.batch_size * cfg.max_target_length
     step_time = float(np.median(times[1:])) if steps else times[0]
-    return {"stage": "warmup" if cfg.dense_warmup else "sparse", "compile_s": times[0], "step_time_s": step_time,
+    stage = "warmup" if cfg.dense_warmup else "pretrain" if cfg.dense_pretraining else "sparse"
+    return {"stage": stage, "compile_s": times[0], "step_time_s": step_time,
             "tokens_per_step": tokens, "tokens_per_s": tokens / step_time, "params_total": setup.params_total,
             "params_trainable": setup.params_trainable, "devices": jax.device_count(),
             "last": {k: float(v) for k, v in metrics.items()}}
