@@ -45,6 +45,7 @@ from core.data import train_batches
 from core.errors import CheckpointError, ConfigError
 from core.model import Transformer
 from core.moe import RouterBias
+from core.stages import is_indexer, source_lacks_indexer, topk_warning, without_indexer
 from core.sharding import (abstract_state, create_sharded, describe_mesh, make_mesh, shard_batch, shard_state,
                            state_shardings)
 
@@ -257,9 +258,15 @@ def _abstract_pure(obj, mesh):
     return nnx.to_pure_dict(abstract_state(obj, mesh))
 
 
-def load_init_weights(setup: Setup, path: str | Path) -> int:
-    """Overwrite the model's variables (params, router biases) with a checkpoint's; returns its step."""
+def load_init_weights(setup: Setup, path: str | Path, fresh_indexer: bool = False) -> int:
+    """Overwrite the model's variables (params, router biases) with a checkpoint's; returns its step.
+
+    With `fresh_indexer` the checkpoint holds no indexer (`source_lacks_indexer`): the indexer
+    keeps its fresh initialisation and everything else is loaded (core.stages).
+    """
     target = _abstract_pure(setup.model, setup.mesh)
+    if fresh_indexer:
+        target = without_indexer(target)
     values, step = ckpt.restore_model_state(path, target)
     state = nnx.state(setup.model)
     nnx.replace_by_pure_dict(state, values)
@@ -317,15 +324,20 @@ class Trainer:
         if self.resumed_from is not None:
             self._check_stage(self.resumed_from)
         self.data = train_batches(cfg, cfg.per_device_batch_size * jax.device_count())
+        fresh_indexer = False
         if self.resumed_from is not None or init_from is not None:
             abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
             source = self.ckpt.dir if self.resumed_from is not None else init_from
-            ckpt.check_model_shapes(source, ckpt.shapes(nnx.to_pure_dict(nnx.state(abstract))), self.resumed_from)
+            expected = ckpt.shapes(nnx.to_pure_dict(nnx.state(abstract)))
+            fresh_indexer = self.resumed_from is None and source_lacks_indexer(init_from, list(expected))
+            if fresh_indexer:
+                expected = {p: s for p, s in expected.items() if not is_indexer(p)}
+            ckpt.check_model_shapes(source, expected, self.resumed_from)
         self.setup = setup = build(cfg)
         if self.resumed_from is not None:
             self._resume(self.resumed_from)
         elif init_from is not None:
-            self.init_step = load_init_weights(setup, init_from)
+            self.init_step = load_init_weights(setup, init_from, fresh_indexer)
         self.init_from = None if self.resumed_from is not None else init_from
         ckpt.write_config(self.run_dir, cfg)
         ckpt.truncate_metrics(self.run_dir, self.start_step - 1)
@@ -343,7 +355,11 @@ class Trainer:
             "init_from": None if self.init_from is None else str(self.init_from), "init_step": self.init_step,
             "init_from_ignored": init_from is not None and self.resumed_from is not None,
             "data": self.data.fingerprint["source"],
+            "init_fresh_indexer": fresh_indexer,
         }
+        self.info["notices"] = [f"indexer initialised fresh (init_weights_seed={cfg.init_weights_seed}): {init_from} "
+                                "has no indexer parameters; everything else comes from it"] if fresh_indexer else []
+        self.info["warnings"] = [w for w in (topk_warning(cfg),) if w]
 
     def _check_stage(self, step: int) -> None:
         meta = ckpt.read_metadata(self.ckpt.dir, step)

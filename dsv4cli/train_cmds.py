@@ -56,6 +56,8 @@ def _train(stage: str, *, overrides, steps, output, model, config, init_from=Non
 
     trainer = Trainer(cfg, stage=stage, run_dir=run_dir, init_from=init_from)
     display.header(trainer.info)
+    for line in trainer.info["notices"] + [f"warning: {w}" for w in trainer.info["warnings"]]:
+        display.console.print(f"[yellow]{line}[/yellow]")  # a fresh indexer; a top-k that cannot bind
     try:
         with display.steps():
             for row in trainer.run():
