@@ -123,8 +123,9 @@ def trainable_labels(model: nnx.Module, patterns: Sequence[str], frozen: Sequenc
     paths = list(ckpt.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
     labels = {p: trainable(p.split("/")) for p in paths}
     if not any(labels.values()):
-        raise ConfigError(f"trainable_parameters_mask={list(patterns)} frozen_parameters_mask={list(frozen)} "
-                          f"leave no parameter to train: paths look like {paths[0]!r}; write e.g. '.*indexer.*'.")
+        outside = f" outside frozen_parameters_mask={list(frozen)}" if frozen else ""
+        raise ConfigError(f"trainable_parameters_mask={list(patterns)} matches no parameter{outside}: paths look like "
+                          f"{paths[0]!r}; write e.g. '.*indexer.*'.")
     return labels
 
 
