@@ -142,3 +142,20 @@ def test_trainer_carries_the_warning_once(tmp_path):
     trainer = train.Trainer(cfg, stage="warmup", run_dir=tmp_path / "w")
     trainer.ckpt.close()
     assert trainer.info["warnings"] == [topk_warning(cfg)] and trainer.info["notices"] == []
+
+
+def test_pretrain_forward_is_dense_with_the_head_and_no_indexer_loss():
+    """mode="train" under dense_pretraining = the eval_dense forward (every visible block), not top-k."""
+    import jax
+    import jax.numpy as jnp
+
+    cfg = tiny_config("pretrain", "indexer_topk=2", "per_device_batch_size=1")
+    model = train.Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, cfg.max_target_length), 0, cfg.vocab_size)
+    positions = jnp.arange(cfg.max_target_length)[None]
+    segments = jnp.ones_like(tokens)
+    run = nnx.jit(lambda m, mode: m(tokens, positions, segments, mode=mode), static_argnums=1)
+    (train_logits, aux), (dense_logits, _), (topk_logits, _) = (run(model, m) for m in ("train", "eval_dense", "eval"))
+    assert float(aux["indexer_loss"]) == 0.0 and train_logits is not None
+    np.testing.assert_array_equal(np.asarray(train_logits), np.asarray(dense_logits))
+    assert np.abs(np.asarray(train_logits) - np.asarray(topk_logits)).max() > 1e-6  # top-2 of 32 blocks binds
