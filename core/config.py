@@ -448,7 +448,7 @@ def load_config(
         resolved config.yml works too).
       overrides: "KEY=VALUE" strings, values parsed as YAML; a later one wins.
       config_file: an extra YAML file applied after the stage preset.
-      stage: "warmup" | "sparse" | None: applies base.yml's stage preset and its rules.
+      stage: "pretrain" | "warmup" | "sparse" | None: applies base.yml's stage preset and its rules.
       options: typed CLI options (e.g. {"steps": 10}); they win over everything.
 
     Returns:

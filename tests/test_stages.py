@@ -159,3 +159,15 @@ def test_pretrain_forward_is_dense_with_the_head_and_no_indexer_loss():
     assert float(aux["indexer_loss"]) == 0.0 and train_logits is not None
     np.testing.assert_array_equal(np.asarray(train_logits), np.asarray(dense_logits))
     assert np.abs(np.asarray(train_logits) - np.asarray(topk_logits)).max() > 1e-6  # top-2 of 32 blocks binds
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("indexer_loss_scaling_factor=0.1", "leaves the indexer idle"),
+    ("dense_pretraining=false", "dense_pretraining=false in dsv4 pretrain"),
+    ("frozen_parameters_mask=[]", "add '.*indexer.*' to frozen_parameters_mask"),
+    ("frozen_parameters_mask=['(']", "not a valid regex"),
+])
+def test_pretrain_bad_inputs_exit_2_with_one_line(tmp_path, override, needle):
+    result = runner.invoke(app, ["pretrain", "--steps", "1", "--output", str(tmp_path / "p"), *TINY_OVERRIDES, override])
+    assert result.exit_code == 2 and needle in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
