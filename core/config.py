@@ -21,7 +21,7 @@ import yaml
 from core.errors import ConfigError
 
 ALIASES = {"mla_qk_head_chunk_size": "csa_qk_head_chunk_size"}
-STAGES = ("warmup", "sparse")
+STAGES = ("warmup", "sparse", "pretrain")
 LAYER_KINDS = {0: "swa", 4: "csa", 128: "hca"}
 
 
@@ -66,6 +66,7 @@ class Config:
     indexer_topk: int                 # blocks
     indexer_loss_scaling_factor: float
     indexer_sparse_training: bool
+    dense_pretraining: bool           # stage 1: CSA over every visible block, indexer idle
     indexer_teacher: str
     csa_qk_head_chunk_size: int       # heads per scan step, 0 = off
     csa_query_chunk_size: int         # query positions per scan step, 0 = off
@@ -101,6 +102,7 @@ class Config:
     adam_weight_decay: float
     gradient_clipping_threshold: float
     trainable_parameters_mask: tuple[str, ...]
+    frozen_parameters_mask: tuple[str, ...]
     init_weights_seed: int
     checkpoint_period: int            # steps
     max_checkpoints: int
@@ -421,11 +423,21 @@ def validate(cfg: Config, stage: str | None = None) -> Config:
     if query_chunk:
         _check(cfg.max_target_length % query_chunk == 0,
                f"csa_query_chunk_size={query_chunk} must divide max_target_length={cfg.max_target_length}.")
-    for pattern in cfg.trainable_parameters_mask:
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise ConfigError(f"trainable_parameters_mask entry {pattern!r} is not a valid regex ({e}): fix or quote it.") from None
+    for key in ("trainable_parameters_mask", "frozen_parameters_mask"):
+        for pattern in getattr(cfg, key):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ConfigError(f"{key} entry {pattern!r} is not a valid regex ({e}): fix or quote it.") from None
+    if cfg.dense_pretraining:
+        _check(cfg.indexer_loss_scaling_factor == 0 and not cfg.indexer_sparse_training,
+               f"dense_pretraining=true with indexer_loss_scaling_factor={cfg.indexer_loss_scaling_factor} "
+               f"indexer_sparse_training={cfg.indexer_sparse_training}: pre-training leaves the indexer idle; "
+               "set the factor to 0 and indexer_sparse_training=false (or use dsv4 warmup / dsv4 sparse).")
+    if stage == "pretrain":
+        _check(cfg.dense_pretraining,
+               "dense_pretraining=false in dsv4 pretrain: stage 1 attends every visible block; "
+               "use dsv4 sparse to train through the top-k.")
     if stage == "warmup":
         _check(cfg.indexer_loss_scaling_factor > 0,
                "indexer_loss_scaling_factor=0 in a warm-up trains nothing (the LM loss is not run there): give it a value > 0, e.g. 0.01.")
@@ -467,7 +479,7 @@ def load_config(
         resolved config.yml works too).
       overrides: "KEY=VALUE" strings, values parsed as YAML; a later one wins.
       config_file: an extra YAML file applied after the stage preset.
-      stage: "warmup" | "sparse" | None: applies base.yml's stage preset and its rules.
+      stage: "pretrain" | "warmup" | "sparse" | None: applies base.yml's stage preset and its rules.
       options: typed CLI options (e.g. {"steps": 10}); they win over everything.
 
     Returns:

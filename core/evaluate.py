@@ -1,4 +1,5 @@
-"""Indexer quality against the dense teacher: KL, recall@k, overlap@k, baselines, LM-loss gap.
+"""Indexer quality against the dense teacher: KL, recall@k, overlap@k, baselines, kl_captured,
+gain@k, LM-loss gap.
 
 Implements `dsv4 eval-indexer` (issue 6) on top of DESIGN.md, "The indexer loss". Per CSA
 layer, the *dense teacher* is the loss's "compressed" teacher with every visible block allowed:
@@ -17,6 +18,17 @@ Definitions, per query row (b, t); n_vis = #visible blocks, k_eff = min(k, n_vis
   recall_recent      recall of the k_eff most recent visible blocks (highest block index; the
                      visible blocks of a row all belong to its document, in position order).
   recall_random      recall of k_eff visible blocks chosen uniformly at random (seeded).
+  kl_uniform         KL(P || uniform over the visible blocks): the KL of a student that knows
+                     nothing, on the same row.
+Derived from the pooled means (so each is a ratio of sums over the same rows, never a mean of
+per-row ratios):
+  kl_captured        1 - kl / kl_uniform: the share of the uniform student's KL the indexer
+                     removes (1 = the teacher exactly, 0 = no better than uniform, < 0 = worse).
+  gain@k             (recall - recall_random) / (recall_oracle - recall_random): the share of the
+                     achievable recall over random that the indexer realises (1 = oracle, 0 =
+                     random); None when the oracle is no better than random.
+Top-k binds on a row when it is informative. When no row is (every k >= the visible blocks),
+recall = oracle = 1 trivially: `IndexerEval.warnings` says so (core.stages.eval_topk_warnings).
 Top-k everywhere is `core.indexer.select_topk`: ties to the lower block index.
 Aggregates are means over rows pooled across batches (not means of batch means); `overall`
 pools the rows of every CSA layer (every layer sees the same rows, so it is the layer mean).
@@ -39,10 +51,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from core.indexer import select_topk, selection_mask
+from core.stages import eval_topk_warnings
 from core.masks import NEG
 
 EPS = 1e-8  # the indexer loss's normaliser / log epsilon (DESIGN.md)
-METRICS = ("kl", "recall", "overlap", "recall_oracle", "recall_recent", "recall_random")
+METRICS = ("kl", "recall", "overlap", "recall_oracle", "recall_recent", "recall_random", "kl_uniform")
+DERIVED = ("kl_captured", "gain")
 SUBSETS = ("all", "informative")
 
 
@@ -122,7 +136,7 @@ def row_metrics(p_btw, scores_btw, visible_btw, random_btw, k: int) -> dict[str,
 
     Returns:
       dict of [B, T] arrays: every name in METRICS (float32), "valid" and "informative" (bool).
-      Metric values on invalid rows are 0.
+      Metric values on invalid rows are 0. kl_uniform is `row_kl` with equal scores.
 
     Shapes:
       1. four selections sel_btw: indexer, teacher, recency, random (top-k_eff of visible)
@@ -144,6 +158,7 @@ def row_metrics(p_btw, scores_btw, visible_btw, random_btw, k: int) -> dict[str,
     shared_bt = jnp.sum(sel_index & sel_teacher, axis=-1)
     return {
         "kl": row_kl(p_btw, scores_btw, visible_btw),
+        "kl_uniform": row_kl(p_btw, jnp.zeros_like(p_btw), visible_btw),
         "recall": recall(sel_index),
         "overlap": jnp.where(valid_bt, shared_bt / jnp.maximum(k_eff_bt, 1), 0.0).astype(p_btw.dtype),
         "recall_oracle": recall(sel_teacher),
@@ -237,8 +252,8 @@ class MetricSums:
                 "k": k,
                 "informative_rows": n_inf,
                 "informative_share": _ratio(n_inf, valid),
-                "all": {m: _ratio(sums["all"][m][j], valid) for m in METRICS},
-                "informative": {m: _ratio(sums["informative"][m][j], n_inf) for m in METRICS},
+                "all": derived({m: _ratio(sums["all"][m][j], valid) for m in METRICS}),
+                "informative": derived({m: _ratio(sums["informative"][m][j], n_inf) for m in METRICS}),
             })
         return {"valid_rows": int(valid), "by_k": by_k}
 
@@ -254,6 +269,16 @@ class MetricSums:
         """The same as a layer report with the rows of every layer pooled (no "layer" key)."""
         sums = {s: {m: self.sums[s][m].sum(axis=0) for m in METRICS} for s in SUBSETS}
         return self._row(int(self.valid.sum()), self.informative.sum(axis=0), sums)
+
+
+def derived(means: dict[str, float | None]) -> dict[str, float | None]:
+    """`means` (METRICS over one set of rows) plus kl_captured and gain (module docstring)."""
+    out = dict(means)
+    kl, kl_u = means["kl"], means["kl_uniform"]
+    out["kl_captured"] = None if kl is None or not kl_u else 1.0 - kl / kl_u
+    rec, orc, rnd = means["recall"], means["recall_oracle"], means["recall_random"]
+    out["gain"] = None if rec is None or orc - rnd <= 0 else (rec - rnd) / (orc - rnd)
+    return out
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -274,6 +299,7 @@ class IndexerEval:
         "informative_share", "all": {METRICS}, "informative": {METRICS}}]}; overall: the same,
         rows of every layer pooled, without "layer".
       seed: the random baseline's seed.
+      warnings: lines from `topk_warnings` (top-k that cannot bind), [] when it binds.
       context: where the numbers come from ({"checkpoint", "step", "stage", "model_name",
         "batch_size", "max_target_length", "data"} from `evaluate_checkpoint`; {} otherwise).
     """
@@ -289,6 +315,15 @@ class IndexerEval:
     overall: dict[str, Any]
     seed: int
     context: dict[str, Any] = dataclasses.field(default_factory=dict)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def topk_binds_share(self) -> float | None:
+        """Share of valid rows (all layers) where the model's own top-k binds; None unless
+        indexer_topk is among the swept ks."""
+        if self.indexer_topk not in self.ks:
+            return None
+        return self.overall["by_k"][self.ks.index(self.indexer_topk)]["informative_share"]
 
     @property
     def lm_loss_gap(self) -> float | None:
@@ -299,7 +334,8 @@ class IndexerEval:
         return {"checkpoint": dict(self.context), "ks": list(self.ks), "indexer_topk": self.indexer_topk,
                 "batches": self.batches, "rows": self.rows, "tokens": self.tokens, "seed": self.seed,
                 "lm_loss": {"dense": self.lm_loss_dense, "topk": self.lm_loss_topk, "gap": self.lm_loss_gap},
-                "layers": self.layers, "overall": self.overall}
+                "layers": self.layers, "overall": self.overall,
+                "topk_binds_share": self.topk_binds_share, "warnings": list(self.warnings)}
 
 
 # ----------------------------------------------------------------------------- the model
@@ -392,7 +428,9 @@ def evaluate_indexer(model, cfg, batches: Iterable[dict[str, Any]], *, ks: Seque
     return IndexerEval(
         ks=ks, indexer_topk=cfg.indexer_topk, batches=done, rows=rows, tokens=int(nll[2]),
         lm_loss_dense=_ratio(nll[0], nll[2]), lm_loss_topk=_ratio(nll[1], nll[2]),
-        layers=acc.layer_reports(), overall=acc.overall(), seed=seed)
+        layers=acc.layer_reports(), overall=acc.overall(), seed=seed,
+        warnings=eval_topk_warnings(ks, [int(n) for n in acc.informative.sum(axis=0)] if done else [],
+                               cfg.indexer_topk, cfg.max_target_length))
 
 
 def with_overrides(cfg, overrides: Sequence[str]):

@@ -9,7 +9,9 @@ hash-routing table (not a parameter), `.../gate/bias` the router selection bias 
 load-balance update, not by gradients), everything else an `nnx.Param`. Totals are
 `core.params.count_parameters`, the one count the training header and `core.model.param_counts`
 also use: parameters = the nnx.Params + the router biases (the official inventory, MTP excluded)
-= trainable + frozen + router bias; the hash tables are listed beside it, not counted.
+= trainable + frozen + router bias; the hash tables are listed beside it, not counted. Trainable
+follows `core.train.path_matcher`: a `trainable_parameters_mask` regex fully matches the
+'/'-joined path (empty mask = all) and no `frozen_parameters_mask` regex does.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from core.params import KINDS, count_parameters, mask_matcher, variable_kind  # 
 
 INDEXER_KEYS = ("use_indexer", "indexer_n_heads", "indexer_head_dim", "indexer_topk",
                 "indexer_loss_scaling_factor", "indexer_sparse_training", "indexer_teacher",
-                "trainable_parameters_mask")
+                "dense_pretraining", "trainable_parameters_mask", "frozen_parameters_mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +169,7 @@ def summarize_checkpoint(path: str | Path, step: int | None = None) -> Checkpoin
         raise CheckpointError(f"checkpoint {str(step_dir)!r} has no saved config in its metadata: "
                               "it was not written by dsv4 or is corrupted; use another step (--step) or retrain.")
     config = meta["config"]
-    trainable = mask_matcher(config.get("trainable_parameters_mask") or [])
+    trainable = mask_matcher(config.get("trainable_parameters_mask") or [], config.get("frozen_parameters_mask") or [])
     leaves = [Leaf(p, shape, dtype, kind := variable_kind(p), kind == "param" and trainable(p))
               for p, (shape, dtype) in model_tree.items()]
     indexer = {k: config.get(k) for k in INDEXER_KEYS}

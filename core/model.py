@@ -38,6 +38,11 @@ deepseek4-tiny sparse step at 1 x 1024 needs 5.06 GB of XLA temporaries under `n
 under `minimal`, 0.51 GB under `full`, for 35.8 / 38.0 / 43.3 GFLOP at 1 x 256. `minimal`
 already recomputes every non-matmul op (norms, softmax, Sinkhorn: most of a CPU step's time);
 `full` adds the layers' matmuls (+14% FLOPs) for half the memory. An idle-machine bench decides.
+
+Modes: "train" follows the stage table from the config (dense_pretraining: CSA over all visible
+blocks, no indexer loss, LM head; dense warm-up: CSA over all visible blocks, dense indexer loss,
+no LM head; sparse: top-k, sparse indexer loss; factor 0: top-k, no loss); "eval": top-k, no loss; "eval_dense": all visible blocks, no loss. Logits are None when the
+head is not run.
 """
 
 from __future__ import annotations
@@ -190,6 +195,7 @@ class Transformer(nnx.Module):
         self.num_layers, self.first_hash = cfg.num_layers, cfg.first_num_hash_layers
         self.csa_layers = cfg.csa_layers if cfg.use_indexer else ()
         self.loss_scale, self.dense_warmup = cfg.indexer_loss_scaling_factor, cfg.dense_warmup
+        self.dense_pretraining = cfg.dense_pretraining
         self.joint = cfg.indexer_teacher == "joint"
         self.remat_policy = cfg.remat_policy
         specs = [BlockSpec.from_config(cfg, i) for i in range(cfg.num_layers)]
@@ -207,7 +213,7 @@ class Transformer(nnx.Module):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is unknown: use one of {', '.join(MODES)}")
         train = mode == "train"
-        dense = mode == "eval_dense" or (train and self.dense_warmup)
+        dense = mode == "eval_dense" or (train and (self.dense_warmup or self.dense_pretraining))
         loss = train and self.loss_scale > 0 and bool(self.csa_layers)
         return dense, loss, not (train and self.dense_warmup)
 

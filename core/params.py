@@ -35,10 +35,11 @@ def variable_kind(path: str) -> str:
     return "param"
 
 
-def mask_matcher(patterns: Sequence[str]) -> Callable[[str], bool]:
+def mask_matcher(patterns: Sequence[str], frozen: Sequence[str] = ()) -> Callable[[str], bool]:
     """path -> trainable?, the rule of core.train.path_matcher on '/'-joined paths."""
-    compiled = [re.compile(p) for p in patterns]
-    return lambda path: not compiled or any(c.fullmatch(path) for c in compiled)
+    compiled, never = [re.compile(p) for p in patterns], [re.compile(p) for p in frozen]
+    return lambda path: ((not compiled or any(c.fullmatch(path) for c in compiled))
+                         and not any(c.fullmatch(path) for c in never))
 
 
 def count_parameters(shapes: Mapping[str, Sequence[int]], trainable: Callable[[str], bool] | None = None

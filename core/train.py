@@ -8,7 +8,8 @@ the dense warm-up.
 Optimizer: AdamW (decoupled weight decay) on a linear warm-up then cosine schedule, after
 global-norm clipping, inside `optax.multi_transform({"train": ..., "frozen": set_to_zero()})`
 keyed by `trainable_parameters_mask` (regexes fully matching '/'-joined parameter paths such as
-`layers/3/attn/indexer/wq_b`; empty = everything). Frozen parameters hold no optimizer state.
+`layers/3/attn/indexer/wq_b`; empty = everything) minus `frozen_parameters_mask` (the same kind of
+regexes; dsv4 pretrain freezes '.*indexer.*'). Frozen parameters hold no optimizer state.
 Gradients are only taken with respect to trainable parameters, so XLA never builds the frozen
 part of the backward pass (in the warm-up only the indexer's own small backward runs); frozen
 parameters get an explicit zero gradient for the optimizer's tree and stay bitwise unchanged.
@@ -50,6 +51,7 @@ from core.lm_loss import lm_loss, lm_loss_from_hidden  # noqa: F401  (lm_loss: t
 from core.model import Transformer
 from core.moe import RouterBias
 from core.params import count_parameters
+from core.stages import is_indexer, source_lacks_indexer, topk_warning, without_indexer
 from core.sharding import (abstract_state, create_sharded, describe_mesh, make_mesh, shard_batch, shard_state,
                            state_shardings)
 from core.tensorboard import EventWriter
@@ -92,19 +94,31 @@ def _path(path: Sequence[Any]) -> str:
     return "/".join(names)
 
 
-def path_matcher(patterns: Sequence[str]) -> Callable[[Sequence[Any]], bool]:
-    """path -> True if it is trainable: empty patterns, or one fully matches the '/'-joined path."""
-    compiled = [re.compile(p) for p in patterns]
-    return lambda path: not compiled or any(c.fullmatch(_path(path)) for c in compiled)
+def path_matcher(patterns: Sequence[str], frozen: Sequence[str] = ()) -> Callable[[Sequence[Any]], bool]:
+    """path -> True if it is trainable: (empty patterns, or one fully matches the '/'-joined path)
+    and no `frozen` pattern fully matches it."""
+    compiled, never = [re.compile(p) for p in patterns], [re.compile(p) for p in frozen]
+
+    def trainable(path):
+        name = _path(path)
+        return (not compiled or any(c.fullmatch(name) for c in compiled)) and not any(c.fullmatch(name) for c in never)
+
+    return trainable
 
 
-def trainable_labels(model: nnx.Module, patterns: Sequence[str]) -> dict[str, bool]:
-    """{parameter path: trainable?}; ConfigError if a non-empty mask matches nothing."""
-    trainable = path_matcher(patterns)
+def config_matcher(cfg) -> Callable[[Sequence[Any]], bool]:
+    """The config's trainable rule: trainable_parameters_mask minus frozen_parameters_mask."""
+    return path_matcher(cfg.trainable_parameters_mask, cfg.frozen_parameters_mask)
+
+
+def trainable_labels(model: nnx.Module, patterns: Sequence[str], frozen: Sequence[str] = ()) -> dict[str, bool]:
+    """{parameter path: trainable?}; ConfigError if the masks leave nothing to train."""
+    trainable = path_matcher(patterns, frozen)
     paths = list(ckpt.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
     labels = {p: trainable(p.split("/")) for p in paths}
     if not any(labels.values()):
-        raise ConfigError(f"trainable_parameters_mask={list(patterns)} matches no parameter: paths look like "
+        outside = f" outside frozen_parameters_mask={list(frozen)}" if frozen else ""
+        raise ConfigError(f"trainable_parameters_mask={list(patterns)} matches no parameter{outside}: paths look like "
                           f"{paths[0]!r}; write e.g. '.*indexer.*'.")
     return labels
 
@@ -137,7 +151,7 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
 
 
 def _make_optimizer(cfg) -> optax.GradientTransformation:
-    trainable = path_matcher(cfg.trainable_parameters_mask)
+    trainable = config_matcher(cfg)
     train = [optax.clip_by_global_norm(cfg.gradient_clipping_threshold)] if cfg.gradient_clipping_threshold > 0 else []
     train.append(optax.adamw(learning_rate_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
                              weight_decay=cfg.adam_weight_decay))
@@ -165,7 +179,7 @@ def make_train_step(cfg, graphdef, state, mesh):
 
 
 def _step_fn(cfg, graphdef):
-    trainable = path_matcher(cfg.trainable_parameters_mask)
+    trainable = config_matcher(cfg)
     grad_filter = nnx.All(nnx.Param, lambda path, _: trainable(path))
     frozen_filter = nnx.All(nnx.Param, nnx.Not(grad_filter))
     # A router bias moves unless its router is frozen: neither it nor the router weight is trainable.
@@ -238,7 +252,10 @@ def build(cfg) -> Setup:
     else:
         model = create_sharded(make_model, mesh)
         optimizer = create_sharded(make_opt, mesh, model)
-    labels = trainable_labels(model, cfg.trainable_parameters_mask)
+    labels = trainable_labels(model, cfg.trainable_parameters_mask, cfg.frozen_parameters_mask)
+    if cfg.dense_pretraining and any(v for p, v in labels.items() if "/indexer/" in f"/{p}/"):
+        raise ConfigError("dense_pretraining=true leaves the indexer idle, yet the masks train its parameters "
+                          "(weight decay alone would move them): add '.*indexer.*' to frozen_parameters_mask.")
     counts = count_parameters(ckpt.shapes(nnx.to_pure_dict(nnx.state(model))), lambda p: labels.get(p, False))
     return Setup(cfg, mesh, model, optimizer, cfg.per_device_batch_size * mesh.size,
                  counts["parameters"], counts["trainable"])
@@ -248,9 +265,15 @@ def _abstract_pure(obj, mesh):
     return nnx.to_pure_dict(abstract_state(obj, mesh))
 
 
-def load_init_weights(setup: Setup, path: str | Path) -> int:
-    """Overwrite the model's variables (params, router biases) with a checkpoint's; returns its step."""
+def load_init_weights(setup: Setup, path: str | Path, fresh_indexer: bool = False) -> int:
+    """Overwrite the model's variables (params, router biases) with a checkpoint's; returns its step.
+
+    With `fresh_indexer` the checkpoint holds no indexer (`source_lacks_indexer`): the indexer
+    keeps its fresh initialisation and everything else is loaded (core.stages).
+    """
     target = _abstract_pure(setup.model, setup.mesh)
+    if fresh_indexer:
+        target = without_indexer(target)
     values, step = ckpt.restore_model_state(path, target)
     state = nnx.state(setup.model)
     nnx.replace_by_pure_dict(state, values)
@@ -316,15 +339,20 @@ class Trainer:
         self.data = train_batches(cfg, cfg.per_device_batch_size * jax.device_count())
         data_notices = ([] if self.resumed_from is None  # changed data stops a resume before the model is built
                         else self.data.check(ckpt.read_data_state(self.ckpt.dir, self.resumed_from)))
+        fresh_indexer = False
         if self.resumed_from is not None or init_from is not None:
             abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
             source = self.ckpt.dir if self.resumed_from is not None else init_from
-            ckpt.check_model_shapes(source, ckpt.shapes(nnx.to_pure_dict(nnx.state(abstract))), self.resumed_from)
+            expected = ckpt.shapes(nnx.to_pure_dict(nnx.state(abstract)))
+            fresh_indexer = self.resumed_from is None and source_lacks_indexer(init_from, list(expected))
+            if fresh_indexer:
+                expected = {p: s for p, s in expected.items() if not is_indexer(p)}
+            ckpt.check_model_shapes(source, expected, self.resumed_from)
         self.setup = setup = build(cfg)
         if self.resumed_from is not None:
             self._resume(self.resumed_from)
         elif init_from is not None:
-            self.init_step = load_init_weights(setup, init_from)
+            self.init_step = load_init_weights(setup, init_from, fresh_indexer)
         self.init_from = None if self.resumed_from is not None else init_from
         self.graphdef, self.state = nnx.split((setup.model, setup.optimizer))
         self.guard = run_guard.WriteGuard(self.run_dir, self.ckpt.dir, run_guard.tree_bytes(self.state),
@@ -350,7 +378,11 @@ class Trainer:
             "init_from_ignored": init_from is not None and self.resumed_from is not None,
             "data": self.data.fingerprint["source"],
             "notices": notices,  # one-line messages for the user before the first step
+            "init_fresh_indexer": fresh_indexer,
         }
+        self.info["notices"] += [f"indexer initialised fresh (init_weights_seed={cfg.init_weights_seed}): {init_from} "
+                                "has no indexer parameters; everything else comes from it"] if fresh_indexer else []
+        self.info["warnings"] = [w for w in (topk_warning(cfg),) if w]
 
     def _check_stage(self, step: int) -> None:
         meta = ckpt.read_metadata(self.ckpt.dir, step)
@@ -448,7 +480,8 @@ def benchmark_train_step(cfg, steps: int) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
     tokens = setup.batch_size * cfg.max_target_length
     step_time = float(np.median(times[1:])) if steps else times[0]
-    return {"stage": "warmup" if cfg.dense_warmup else "sparse", "compile_s": times[0], "step_time_s": step_time,
+    stage = "warmup" if cfg.dense_warmup else "pretrain" if cfg.dense_pretraining else "sparse"
+    return {"stage": stage, "compile_s": times[0], "step_time_s": step_time,
             "tokens_per_step": tokens, "tokens_per_s": tokens / step_time, "params_total": setup.params_total,
             "params_trainable": setup.params_trainable, "devices": jax.device_count(),
             "last": {k: float(v) for k, v in metrics.items()}}

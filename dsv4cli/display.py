@@ -155,6 +155,8 @@ class TrainDisplay:
             c.print(f"initialised from {info['init_from']} (step {info['init_step']}), fresh optimizer")
         for notice in info.get("notices", ()):
             c.print(f"[yellow]notice:[/yellow] {escape(notice)}")
+        for warning in info.get("warnings", ()):  # e.g. a top-k that cannot bind
+            c.print(f"[yellow]warning:[/yellow] {escape(warning)}")
         if info["start_step"] >= info["steps"]:
             c.print(f"nothing to do: the run already has {info['steps']} steps (raise --steps to continue)")
         self.bar = ProgressBar(info["steps"], "steps", c, completed=min(info["start_step"], info["steps"]),

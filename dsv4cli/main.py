@@ -36,6 +36,7 @@ def _root(
 def _register() -> None:
     from dsv4cli import bench, eval_indexer, export_hf, import_hf, inspect_ckpt, train_cmds
 
+    app.command("pretrain", help=train_cmds.PRETRAIN_HELP, short_help=train_cmds.PRETRAIN_HELP.split(":")[0] + ".", epilog=train_cmds.PRETRAIN_EPILOG)(train_cmds.pretrain)
     app.command("warmup", help=train_cmds.WARMUP_HELP, short_help=train_cmds.WARMUP_HELP.split(":")[0] + ".", epilog=train_cmds.WARMUP_EPILOG)(train_cmds.warmup)
     app.command("sparse", help=train_cmds.SPARSE_HELP, short_help=train_cmds.SPARSE_HELP.split(":")[0] + ".", epilog=train_cmds.SPARSE_EPILOG)(train_cmds.sparse)
     app.command("eval-indexer", help=eval_indexer.HELP, short_help=eval_indexer.HELP.split(":")[0] + ".", epilog=eval_indexer.EPILOG)(eval_indexer.command)

@@ -1,4 +1,4 @@
-"""`dsv4 warmup` and `dsv4 sparse`: the two indexer training stages of DESIGN.md's stage table."""
+"""`dsv4 pretrain`, `dsv4 warmup` and `dsv4 sparse`: the three training stages of DESIGN.md's stage table."""
 
 from __future__ import annotations
 
@@ -10,17 +10,27 @@ import typer
 from dsv4cli import options as opt
 from dsv4cli.errors import handle_errors
 
+PRETRAIN_HELP = (
+    "Dense pre-training (stage 1): the LM trains with every visible compressed block, the indexer idle "
+    "(no indexer loss; its parameters exist but get no gradient and no optimizer state). "
+    "Stage defaults: dense_pretraining=true indexer_loss_scaling_factor=0 indexer_sparse_training=false "
+    "frozen_parameters_mask=['.*indexer.*'] learning_rate=1e-3 per_device_batch_size=1. "
+    "Then: dsv4 warmup --init-from this run. Rerun on the same --output to resume; --steps is the run's total."
+)
+PRETRAIN_EPILOG = "Example: dsv4 pretrain --steps 300    |    dsv4 pretrain --steps 20 --output runs/p2 learning_rate=3e-3"
 WARMUP_HELP = (
     "Dense indexer warm-up: the indexer distills the main attention by a KL loss, everything else frozen. "
     "Stage defaults: use_indexer=true indexer_loss_scaling_factor=0.01 indexer_sparse_training=false "
-    "trainable_parameters_mask=['.*indexer.*'] learning_rate=1e-3 (AdamW, linear warm-up). "
+    "trainable_parameters_mask=['.*indexer.*'] learning_rate=1e-2 (AdamW, linear warm-up). "
+    "--init-from starts from a run's weights and router biases (a model without an indexer gets a fresh one). "
     "Rerun on the same --output to resume from its latest checkpoint; --steps is the run's total."
 )
-WARMUP_EPILOG = "Example: dsv4 warmup --steps 100    |    dsv4 warmup --steps 20 indexer_topk=8 max_target_length=128"
+WARMUP_EPILOG = ("Example: dsv4 warmup --steps 100 --init-from runs/pretrain    |    "
+                 "dsv4 warmup --steps 20 indexer_topk=8 max_target_length=128")
 SPARSE_HELP = (
     "Sparse pre-training: the whole model trains through the indexer's top-k. "
     "Stage defaults: indexer_loss_scaling_factor=0.1 indexer_sparse_training=true per_device_batch_size=1, every parameter trained. "
-    "--init-from starts from a warm-up run's weights and router biases with a fresh optimizer."
+    "--init-from starts from a run's weights and router biases (e.g. the warm-up's) with a fresh optimizer."
 )
 EXIT_CODES = (" Exit codes: 0 done, 2 bad input or run directory in use, 3 diverged (non-finite loss; the step was not "
               "applied, the last good checkpoint kept), 4 a write failed (disk full, permissions), 130 interrupted.")
@@ -29,7 +39,7 @@ SPARSE_HELP += EXIT_CODES
 SPARSE_EPILOG = "Example: dsv4 sparse --steps 100 --init-from runs/warmup"
 
 InitFrom = Annotated[Optional[Path], typer.Option(
-    "--init-from", help="A warm-up run directory or checkpoint step to start from (fresh optimizer).")]
+    "--init-from", help="A run directory (any stage) or checkpoint step to start from (fresh optimizer).")]
 
 
 def _train(stage: str, *, overrides, steps, output, model, config, init_from=None, hosts=(None, None, None)) -> None:
@@ -63,7 +73,7 @@ def _train(stage: str, *, overrides, steps, output, model, config, init_from=Non
 
 
 @handle_errors
-def warmup(
+def pretrain(
     overrides: opt.Overrides = None,
     steps: opt.Steps = None,
     output: opt.Output = None,
@@ -73,8 +83,24 @@ def warmup(
     num_processes: opt.NumProcesses = None,
     process_id: opt.ProcessId = None,
 ) -> None:
-    _train("warmup", overrides=overrides, steps=steps, output=output, model=model, config=config,
+    _train("pretrain", overrides=overrides, steps=steps, output=output, model=model, config=config,
            hosts=(coordinator_address, num_processes, process_id))
+
+
+@handle_errors
+def warmup(
+    overrides: opt.Overrides = None,
+    steps: opt.Steps = None,
+    output: opt.Output = None,
+    init_from: InitFrom = None,
+    model: opt.Model = "deepseek4-tiny",
+    config: opt.ConfigFile = None,
+    coordinator_address: opt.CoordinatorAddress = None,
+    num_processes: opt.NumProcesses = None,
+    process_id: opt.ProcessId = None,
+) -> None:
+    _train("warmup", overrides=overrides, steps=steps, output=output, model=model, config=config,
+           init_from=init_from, hosts=(coordinator_address, num_processes, process_id))
 
 
 @handle_errors

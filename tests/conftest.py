@@ -62,3 +62,27 @@ def packed(lengths, t):
         pos[start:start + n], seg[start:start + n] = np.arange(n), doc
         start += n
     return pos, seg
+
+
+# The stage chain pretrain -> warmup -> sparse through the CLI (issue 11), shared by the tests
+# that need it. The warm-up and sparse steps and checkpoint period equal tests/test_train.py's,
+# so a full session compiles each of those steps once.
+CHAIN_STEPS = {"pretrain": 30, "warmup": 6, "sparse": 30}
+
+
+@pytest.fixture(scope="session")
+def stage_chain(tmp_path_factory):
+    """{"pretrain" | "warmup" | "sparse": (run dir, CLI output)}, each run --init-from the previous."""
+    from typer.testing import CliRunner
+
+    from dsv4cli.main import app
+
+    root, runs, previous = tmp_path_factory.mktemp("chain"), {}, None
+    for stage, steps in CHAIN_STEPS.items():
+        run = root / stage
+        init = ["--init-from", str(previous)] if previous else []
+        result = CliRunner().invoke(app, [stage, "--steps", str(steps), "--output", str(run), *init,
+                                          *TINY_OVERRIDES, "checkpoint_period=4"])
+        assert result.exit_code == 0, result.output
+        runs[stage], previous = (run, result.output), run
+    return runs

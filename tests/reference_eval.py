@@ -41,6 +41,22 @@ def kl_row(p_row, s_row, vis_row):
     return float(sum(p_row[w] * (np.log(p_row[w] + EPS) - lq) for w, lq in zip(ws, logq) if p_row[w] > 0))
 
 
+def kl_uniform_row(p_row, vis_row):
+    """KL(P || uniform over the visible blocks) of one row, 0 when nothing is visible."""
+    ws = [w for w in range(len(vis_row)) if vis_row[w]]
+    return float(sum(p_row[w] * (np.log(p_row[w] + EPS) + np.log(len(ws))) for w in ws if p_row[w] > 0))
+
+
+def kl_captured(kl_mean, kl_uniform_mean):
+    """1 - KL / KL_uniform over the same rows (None without rows or with KL_uniform 0)."""
+    return None if kl_mean is None or not kl_uniform_mean else 1.0 - kl_mean / kl_uniform_mean
+
+
+def gain(recall, oracle, random):
+    """(recall - random) / (oracle - random); None when the oracle is no better than random."""
+    return None if recall is None or oracle - random <= 0 else (recall - random) / (oracle - random)
+
+
 def topk_row(s_row, vis_row, k):
     """Indices of the top-min(k, #visible) visible blocks, ties to the lower index."""
     ws = [w for w in range(len(vis_row)) if vis_row[w]]
@@ -69,6 +85,7 @@ def row_metrics(p_row, s_row, vis_row, rand_row, k):
 
     return {
         "kl": kl_row(p_row, s_row, vis_row),
+        "kl_uniform": kl_uniform_row(p_row, vis_row),
         "recall": recall(sel),
         "overlap": len(set(sel) & set(sel_t)) / k_eff,
         "recall_oracle": recall(sel_t),
@@ -88,7 +105,7 @@ def layer_means(q, kv, scores, vis, rand, k):
             if r is not None:
                 rows.append(r)
     informative = [r for r in rows if r["informative"]]
-    names = ("kl", "recall", "overlap", "recall_oracle", "recall_recent", "recall_random")
+    names = ("kl", "recall", "overlap", "recall_oracle", "recall_recent", "recall_random", "kl_uniform")
 
     def mean(rs):
         return {m: (sum(r[m] for r in rs) / len(rs) if rs else None) for m in names}

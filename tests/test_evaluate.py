@@ -177,9 +177,16 @@ def test_metric_sums_pool_rows_across_batches_and_layers(x64):
         for m in ev.METRICS:
             want = sum(x[1][m] * x[3] for x in rows) / n_inf
             assert abs(overall["by_k"][j]["informative"][m] - want) < 1e-10, (k, m)
+        for subset, (mi, ni) in (("all", (0, 2)), ("informative", (1, 3))):  # derived from the pooled means
+            pooled = {m: sum(x[mi][m] * x[ni] for x in rows) / sum(x[ni] for x in rows) for m in ev.METRICS}
+            got = overall["by_k"][j][subset]
+            assert abs(got["kl_captured"] - ref.kl_captured(pooled["kl"], pooled["kl_uniform"])) < 1e-10, (k, subset)
+            want = ref.gain(pooled["recall"], pooled["recall_oracle"], pooled["recall_random"])
+            assert abs(got["gain"] - want) < 1e-10, (k, subset)
 
 
-EVAL_KEYS = {"checkpoint", "ks", "indexer_topk", "batches", "rows", "tokens", "seed", "lm_loss", "layers", "overall"}
+EVAL_KEYS = {"checkpoint", "ks", "indexer_topk", "batches", "rows", "tokens", "seed", "lm_loss", "layers", "overall",
+             "topk_binds_share", "warnings"}
 ROW_KEYS = {"valid_rows", "by_k"}
 K_KEYS = {"k", "informative_rows", "informative_share", "all", "informative"}
 
@@ -193,5 +200,67 @@ def test_report_schema_is_stable_and_json_safe():
     assert set(d["overall"]) == ROW_KEYS and set(d["layers"][0]) == ROW_KEYS | {"layer"}
     for entry in d["overall"]["by_k"]:
         assert set(entry) == K_KEYS
-        assert set(entry["all"]) == set(entry["informative"]) == set(ev.METRICS)
-        assert entry["all"]["recall"] is None  # no rows: null, never NaN
+        assert set(entry["all"]) == set(entry["informative"]) == set(ev.METRICS) | set(ev.DERIVED)
+        assert entry["all"]["recall"] is None and entry["all"]["gain"] is None  # no rows: null, never NaN
+
+
+def _hand_case():
+    """One document of 16 tokens (4 blocks): row t=15 sees blocks 0..3, t=8 sees 0..1, t=2 none."""
+    vis = np.zeros((1, 16, 4), bool)
+    vis[0, 15] = True
+    vis[0, 8, :2] = True
+    p = np.zeros((1, 16, 4))
+    p[0, 15] = [0.4, 0.1, 0.3, 0.2]
+    p[0, 8, :2] = [0.75, 0.25]
+    rand = np.broadcast_to(np.array([9.0, 0.0, 0.0, 8.0]), vis.shape)  # random top-2 = blocks 0, 3
+    return p, vis, rand
+
+
+def _derived_means(p, scores, vis, rand, k):
+    """ev.derived of the row means (all valid rows, informative rows) of one layer."""
+    r = {n: np.asarray(v, np.float64) for n, v in row_metrics(*map(jnp.asarray, (p, scores, vis, rand)), k).items()}
+    out = []
+    for key in ("valid", "informative"):
+        rows = r[key].astype(bool)
+        out.append(ev.derived({m: float(r[m][rows].mean()) for m in ev.METRICS}))
+    return out
+
+
+def test_kl_captured_and_gain_float64_by_hand(x64):
+    """Perfect indexer: gain 1, kl_captured 1; uniform student: kl_captured 0; a poor one by hand."""
+    p, vis, rand = _hand_case()
+    uniform_kl = [sum(x * np.log(x * n) for x in row if x > 0) for row, n in (([0.4, 0.1, 0.3, 0.2], 4), ([0.75, 0.25], 2))]
+    perfect = np.where(vis, np.log(p + 1e-300), NEG)
+    every, informative = _derived_means(p, perfect, vis, rand, 2)
+    assert informative["gain"] == pytest.approx(1.0, abs=1e-12)  # recall 0.7 = oracle on row 15
+    # kl of scores log P is sum P (log(P + 1e-8) - log P) ~ 1e-8 per block, not exactly 0
+    assert every["kl_captured"] == pytest.approx(1.0, abs=1e-6) and informative["kl_captured"] == pytest.approx(1.0, abs=1e-6)
+    assert every["kl_uniform"] == pytest.approx(np.mean(uniform_kl), abs=1e-7)
+    every, informative = _derived_means(p, np.where(vis, 0.0, NEG), vis, rand, 2)
+    assert abs(every["kl_captured"]) < 1e-12 and abs(informative["kl_captured"]) < 1e-12
+    poor = np.where(vis, np.array([0.0, 3.0, 2.0, 1.0]), NEG)  # picks blocks 1, 2: recall 0.4
+    _, informative = _derived_means(p, poor, vis, rand, 2)
+    want = ref.gain(0.4, 0.7, 0.6)
+    assert want == pytest.approx(-2.0) and informative["gain"] == pytest.approx(want, abs=1e-12)
+    kl15 = ref.kl_row(p[0, 15], poor[0, 15], vis[0, 15])
+    want = ref.kl_captured(kl15, ref.kl_uniform_row(p[0, 15], vis[0, 15]))
+    assert abs(ref.kl_uniform_row(p[0, 15], vis[0, 15]) - uniform_kl[0]) < 1e-7  # the reference = the formula
+    assert informative["kl_captured"] == pytest.approx(want, abs=1e-12)
+
+
+def test_derived_metrics_without_rows_or_headroom():
+    none = ev.derived({m: None for m in ev.METRICS})
+    assert none["kl_captured"] is None and none["gain"] is None
+    flat = ev.derived({**{m: 0.5 for m in ev.METRICS}, "kl_uniform": 0.0})  # oracle == random
+    assert flat["gain"] is None and flat["kl_captured"] is None
+
+
+@pytest.mark.parametrize("topk,length,binds", [(16, 128, True), (31, 128, True), (32, 128, False), (64, 128, False),
+                                               (16, 256, True), (64, 256, False)])
+def test_topk_warnings_fire_exactly_when_topk_cannot_bind(topk, length, binds):
+    from core.stages import eval_topk_warnings, topk_never_binds
+
+    assert topk_never_binds(topk, length) == (not binds)
+    assert bool(eval_topk_warnings((topk,), [1], topk, length)) == (not binds)
+    rows = eval_topk_warnings((4, topk), [5, 0], 4, length)  # k=topk binds on no evaluated row
+    assert len(rows) == 1 and f"k={topk}" in rows[0]
