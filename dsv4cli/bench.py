@@ -24,7 +24,7 @@ Budget = Annotated[float, typer.Option("--budget-gib", min=0, help="Memory budge
 Train = Annotated[bool, typer.Option("--train", help="Instead: the deepseek4-tiny training step per stage and shape (one subprocess each): tokens/s, step and compile time, XLA temp memory, peak RSS.")]
 TrainSteps = Annotated[int, typer.Option("--train-steps", min=1, help="Timed training steps per shape with --train (after one untimed first step).")]
 Batches = Annotated[Optional[str], typer.Option("--batch", help="With --train: comma-separated batch sizes (default: the config's, 4).", show_default=False)]
-Stages = Annotated[str, typer.Option("--stage", help="With --train: comma-separated stages (warmup, sparse).")]
+Stages = Annotated[str, typer.Option("--stage", help="With --train: comma-separated stages (pretrain, warmup, sparse).")]
 Profile = Annotated[bool, typer.Option("--profile", help="With --train: FLOPs of the step per component (attention, compressor, indexer, MoE, mHC, head, optimizer) for one stage and shape (default sparse 1 x 256), and its measured step time.")]
 NoTime = Annotated[bool, typer.Option("--no-time", help="With --profile: count FLOPs only; do not run the step.")]
 

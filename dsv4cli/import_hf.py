@@ -21,7 +21,7 @@ Output = Annotated[Optional[Path], typer.Option("--output", "-o", help="Run dire
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="bfloat16 | float32 (default: bfloat16 above 1B parameters, float32 below).")]
 
 
-class ProgressBar:
+class ShardProgress:
     """Shards and bytes: a Rich bar on a terminal, one plain line per shard elsewhere."""
 
     def __init__(self, console, what: str = "shards"):
@@ -65,7 +65,7 @@ def command(src: Source, output: Output = None, dtype: Dtype = None, json_out: o
         raise ConfigError(f"--dtype {dtype!r} is not supported: use bfloat16 or float32.")
     output = output or Path("runs") / Path(src.rstrip("/")).name
     err = Console(stderr=True, highlight=False)
-    with ProgressBar(err) as bar:
+    with ShardProgress(err) as bar:
         summary = import_checkpoint(src, output, dtype=dtype, on_progress=bar.update)
     s = asdict(summary)
     if json_out:

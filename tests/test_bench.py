@@ -102,7 +102,7 @@ def test_profile_counts_the_head_exactly():
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--stage", "pretrain"], "--stage"), (["--seq", "0"], "--seq"), (["--batch", "x"], "--batch"),
+    (["--stage", "nosuch"], "--stage"), (["--seq", "0"], "--seq"), (["--batch", "x"], "--batch"),
     (["--profile", "--seq", "32,64"], "one shape"), (["indexer_topk=oops"], "indexer_topk"),
 ])
 def test_cli_train_rejects_bad_input(args, needle):
