@@ -190,7 +190,17 @@ def test_model_hidden_path_equals_logits_path():
 
 @pytest.mark.parametrize("policy", sorted(set(REMAT_POLICIES) - {"none"}))
 def test_remat_policies_give_the_same_loss_and_gradients(policy):
-    _assert_same(_policy_loss(policy, 7), _policy_loss("none", 7), 1e-5)
+    """Remat recomputes the same function; XLA may fuse and order the recomputation differently, so
+    gradients agree to float32 rounding of the gradient's own magnitude (the largest entry over all
+    parameters): a leaf whose entries are small sums of large cancelling terms (hc_head.base) carries
+    the rounding of those terms, not of its tiny result."""
+    (va, ga, _), (vb, gb, _) = _policy_loss(policy, 7), _policy_loss("none", 7)
+    np.testing.assert_allclose(va, vb, rtol=1e-6)
+    assert ga.keys() == gb.keys()
+    scale = max(float(np.abs(g).max()) for g in gb.values())
+    for k in ga:
+        diff = float(np.abs(ga[k] - gb[k]).max())
+        assert diff <= 1e-6 * scale, f"{k}: max diff {diff} (largest gradient entry {scale})"
 
 
 def test_remat_reduces_compiled_temp_memory():
