@@ -124,7 +124,8 @@ def select_topk_chunked(q_in_bt_, k_bwd, weights_bti, positions_bt, segment_ids_
       2. scores_bcw = indexer_scores(q[chunk], k, w[chunk])     [B, c, W, head_chunk] live
       3. idx_bck, valid_bck = select_topk(scores_bcw, visible_bcw, k)
     """
-    from core.sparse_attention import block_keys, from_chunks, num_chunks, to_chunks, visible_rows
+    from core.masks import visible_rows
+    from core.sparse_attention import block_keys, from_chunks, num_chunks, to_chunks
 
     sg = jax.lax.stop_gradient
     q_in_bt_, k_bwd, weights_bti = sg(q_in_bt_), sg(k_bwd), sg(weights_bti)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from core.indexer import indexer_scores, select_topk, selection_mask
-from core.masks import NEG, block_last_positions, block_segment_ids
+from core.masks import NEG, block_last_positions, block_segment_ids, visible_rows, window_rows
 
 TEACHERS = ("compressed", "joint")
 EPS = 1e-8  # DESIGN.md's epsilon in the teacher normalisation and in log(P + eps)
@@ -258,19 +258,6 @@ def csa_indexer_loss(index_scores, query, compressed_kv, allowed, *, scale=1.0, 
 # ----------------------------------------------------------------------------- streamed
 
 
-def _visible_rows(pos_bt, seg_bt, seg_bw, last_bw):
-    """csa_visible's rule for a block of query rows against every compressed block, bool [B,t,W]."""
-    same_doc_btw = (seg_bw[:, None, :] == seg_bt[:, :, None]) & (seg_bt[:, :, None] >= 1)
-    return same_doc_btw & (last_bw[:, None, :] <= pos_bt[:, :, None])
-
-
-def _window_rows(pos_bt, seg_bt, pos_bs, seg_bs, window: int):
-    """sliding_window_mask's rule for a block of query rows against every raw key, bool [B,t,S]."""
-    same_doc_bts = (seg_bt[:, :, None] == seg_bs[:, None, :]) & (seg_bt[:, :, None] >= 1)
-    delta_bts = pos_bt[:, :, None] - pos_bs[:, None, :]
-    return same_doc_bts & (delta_bts >= 0) & (delta_bts < window)
-
-
 def _indexer_vjp(q_btid, k_bwd, w_bti, visible_btw, grad_btw, head_chunk: int):
     """Pull d/d scores back to (q, k, w) of `indexer_scores`, one head group at a time.
 
@@ -319,7 +306,7 @@ def _stream_block(spec: _Spec, t0, inputs, block_masks, with_grad: bool):
         q_args = (_slice_t(q_idx[0], t0, qc), q_idx[1])
         q_blk, q_pull = jax.vjp(fn, *q_args) if with_grad else (fn(*q_args), None)
     heads_i = q_blk.shape[2]
-    visible_btw = _visible_rows(pos_bt, seg_bt, seg_bw, last_bw)
+    visible_btw = visible_rows(pos_bt, seg_bt, seg_bw, last_bw)
     pull = None
     if with_grad and spec.index_chunk == heads_i:  # one group: keep its residuals, no recompute
         scores_btw, pull = jax.vjp(lambda q, k, w: indexer_scores(q, k, w, visible_btw), q_blk, k_idx, w_blk)
@@ -331,7 +318,7 @@ def _stream_block(spec: _Spec, t0, inputs, block_masks, with_grad: bool):
         allowed_btw = visible_btw & selection_mask(idx_btk, valid_btk, num_blocks)
     window_bts = None
     if spec.joint:
-        window_bts = _window_rows(pos_bt, seg_bt, positions, segment_ids, spec.window)
+        window_bts = window_rows(pos_bt, seg_bt, positions, segment_ids, spec.window)
     query_btd = _block_query(spec, query, t0, pos_bt).astype(kv.dtype)
     psum_btw = _teacher_rows(spec, query_btd, kv, allowed_btw, raw_kv, window_bts, sink)
     kl, n, grad_btw = _kl_rows(scores_btw, psum_btw, allowed_btw, with_grad)

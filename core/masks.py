@@ -55,11 +55,15 @@ def csa_visible(positions, segment_ids, ratio: int = 4):
     Returns:
       bool [B, T, T // ratio].
     """
-    seg_bw = block_segment_ids(segment_ids, ratio)
-    last_bw = block_last_positions(positions, ratio)
-    same_doc_btw = (seg_bw[:, None, :] == segment_ids[:, :, None]) & (segment_ids[:, :, None] >= 1)
-    complete_btw = last_bw[:, None, :] <= positions[:, :, None]
-    return same_doc_btw & complete_btw
+    return visible_rows(positions, segment_ids, block_segment_ids(segment_ids, ratio),
+                        block_last_positions(positions, ratio))
+
+
+def visible_rows(pos_bt, seg_bt, seg_bw, last_bw):
+    """csa_visible's rule for any set of query rows (all of them, or one query chunk) against the
+    blocks' segment ids and last positions: bool [B, t, W]."""
+    same_doc_btw = (seg_bw[:, None, :] == seg_bt[:, :, None]) & (seg_bt[:, :, None] >= 1)
+    return same_doc_btw & (last_bw[:, None, :] <= pos_bt[:, :, None])
 
 
 def sliding_window_mask(positions, segment_ids, window: int):
@@ -68,6 +72,12 @@ def sliding_window_mask(positions, segment_ids, window: int):
     Returns:
       bool [B, T, S] with S = T (raw key positions).
     """
-    same_doc_bts = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] >= 1)
-    delta_bts = positions[:, :, None] - positions[:, None, :]
+    return window_rows(positions, segment_ids, positions, segment_ids, window)
+
+
+def window_rows(pos_bt, seg_bt, pos_bs, seg_bs, window: int):
+    """sliding_window_mask's rule for any set of query rows against any set of raw keys (every key,
+    or one chunk's band): bool [B, t, s]."""
+    same_doc_bts = (seg_bt[:, :, None] == seg_bs[:, None, :]) & (seg_bt[:, :, None] >= 1)
+    delta_bts = pos_bt[:, :, None] - pos_bs[:, None, :]
     return same_doc_bts & (delta_bts >= 0) & (delta_bts < window)

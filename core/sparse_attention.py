@@ -31,7 +31,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from core.masks import NEG, block_last_positions, block_segment_ids
+from core.masks import NEG, block_last_positions, block_segment_ids, visible_rows, window_rows
 
 
 def num_chunks(t: int, chunk: int) -> tuple[int, int]:
@@ -60,19 +60,6 @@ def block_keys(positions_bt, segment_ids_bt, ratio: int):
     w = positions_bt.shape[1] // ratio
     return (block_segment_ids(segment_ids_bt[:, : w * ratio], ratio),
             block_last_positions(positions_bt[:, : w * ratio], ratio))
-
-
-def visible_rows(pos_bc, seg_bc, seg_bw, last_bw):
-    """`csa_visible` for a chunk of query rows against every block: bool [B, C, W]."""
-    same_doc_bcw = (seg_bw[:, None, :] == seg_bc[:, :, None]) & (seg_bc[:, :, None] >= 1)
-    return same_doc_bcw & (last_bw[:, None, :] <= pos_bc[:, :, None])
-
-
-def window_rows(pos_bc, seg_bc, pos_bu, seg_bu, window: int):
-    """`sliding_window_mask` for a chunk of query rows against a band of keys: bool [B, C, U]."""
-    same_doc_bcu = (seg_bc[:, :, None] == seg_bu[:, None, :]) & (seg_bc[:, :, None] >= 1)
-    delta_bcu = pos_bc[:, :, None] - pos_bu[:, None, :]
-    return same_doc_bcu & (delta_bcu >= 0) & (delta_bcu < window)
 
 
 def merged_softmax(q_bchd, sink_h, parts):
