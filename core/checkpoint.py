@@ -240,10 +240,14 @@ def resolve_checkpoint(path: str | Path, step: int | None = None) -> tuple[Path,
 # ----------------------------------------------------------------------------- Orbax
 
 
-def _manager(checkpoints_dir: Path, *, max_to_keep: int | None = None, async_save: bool = False):
+def _manager(checkpoints_dir: Path, *, max_to_keep: int | None = None, async_save: bool = False,
+             host_model: bool = False):
     import orbax.checkpoint as ocp
 
-    handlers = {"model": ocp.StandardCheckpointHandler(), "optimizer": ocp.StandardCheckpointHandler(),
+    from core.host_checkpoint import HostTreeHandler
+
+    model = HostTreeHandler() if host_model else ocp.StandardCheckpointHandler()
+    handlers = {"model": model, "optimizer": ocp.StandardCheckpointHandler(),
                 "data": ocp.JsonCheckpointHandler(), "metadata": ocp.JsonCheckpointHandler()}
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
                                            create=max_to_keep is not None)
@@ -368,12 +372,18 @@ def restore_model(path: str | Path, step: int | None = None, cfg=None):
 
 
 class RunCheckpointer:
-    """Saves and restores the training state of one run directory (async, `max_to_keep` kept)."""
+    """Saves and restores the training state of one run directory (async, `max_to_keep` kept).
 
-    def __init__(self, run_dir: str | Path, *, max_to_keep: int, async_save: bool):
+    `host_model=True` (a synchronous save of a model tree of NumPy arrays, e.g. `dsv4 import-hf`)
+    writes the model item in place, in bounded chunks: core.host_checkpoint; same layout.
+    """
+
+    def __init__(self, run_dir: str | Path, *, max_to_keep: int, async_save: bool, host_model: bool = False):
+        if host_model and async_save:
+            raise ValueError("host_model saves write the caller's arrays in place: they must be synchronous")
         self.run_dir = Path(run_dir)
         self.dir = self.run_dir / CHECKPOINTS_DIR
-        self._options = dict(max_to_keep=max_to_keep, async_save=async_save)
+        self._options = dict(max_to_keep=max_to_keep, async_save=async_save, host_model=host_model)
         self._mgr_instance = None
 
     @property
@@ -391,8 +401,11 @@ class RunCheckpointer:
         """Start writing step `step` (model/optimizer: plain nested dicts of arrays)."""
         import orbax.checkpoint as ocp
 
+        from core.host_checkpoint import HostTreeSave
+
+        host = self._options["host_model"]
         self._mgr.save(step, args=ocp.args.Composite(
-            model=ocp.args.StandardSave(model), optimizer=ocp.args.StandardSave(optimizer),
+            model=HostTreeSave(model) if host else ocp.args.StandardSave(model), optimizer=ocp.args.StandardSave(optimizer),
             data=ocp.args.JsonSave(dict(data)), metadata=ocp.args.JsonSave(dict(metadata))), force=True)
 
     def restore(self, step: int, *, model: Any, optimizer: Any) -> dict[str, Any]:

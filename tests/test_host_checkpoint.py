@@ -1,0 +1,96 @@
+"""core.host_checkpoint: the import's model save writes the host buffers in place, in bounded
+chunks, into the ordinary run layout.
+
+Host memory is measured with tracemalloc, which sees every NumPy allocation (NumPy registers its
+buffers with it) and every Python object, so the figures are deterministic: the whole import of a
+checkpoint whose output is tens of MB peaks at the output plus less than its largest tensor, where
+Orbax's default save would add a full copy (shown beside it). TensorStore's own chunk buffers
+(C++, bounded by CHUNK_BYTES) are outside this measure: docs/benchmarks.md measures them with RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from core import checkpoint as ckpt
+from core import host_checkpoint
+from core.hf_import import import_checkpoint
+from tests.hf_checkpoints import SMALL, write_official
+
+
+def _tree(rng):
+    return {"embed": rng.standard_normal((300, 70)).astype(ml_dtypes.bfloat16),
+            "layers": {"0": {"w": rng.standard_normal((3, 40, 50)).astype(np.float32),
+                             "tid2eid": rng.integers(0, 8, (64, 2)).astype(np.int32)}},
+            "scale": np.asarray(rng.standard_normal(()), np.float32)}
+
+
+def _save(run, tree, host_model):
+    saver = ckpt.RunCheckpointer(run, max_to_keep=1, async_save=False, host_model=host_model)
+    saver.save(0, model=tree, optimizer={"imported": np.zeros((), np.int32)}, data={"imported": True},
+               metadata={"stage": "import", "step": 0})
+    saver.close()
+
+
+def _layout(run):
+    step = run / "checkpoints" / "0"
+    meta = json.loads((step / "model" / "_METADATA").read_text())["tree_metadata"]
+    return sorted(p.name for p in step.iterdir()), sorted(p.name for p in (step / "model").iterdir()), meta
+
+
+def test_host_save_is_the_standard_layout_bitwise(tmp_path, monkeypatch):
+    """Chunked into many pieces, the host save restores bitwise and has the standard save's items,
+    files and tree metadata; `restore_model_state` / `read_tree` read it as any run."""
+    monkeypatch.setattr(host_checkpoint, "CHUNK_BYTES", 4096)  # every leaf above spans several chunks
+    tree = _tree(np.random.default_rng(0))
+    _save(tmp_path / "host", tree, host_model=True)
+    _save(tmp_path / "standard", tree, host_model=False)
+    assert _layout(tmp_path / "host") == _layout(tmp_path / "standard")
+    assert ckpt.read_tree(tmp_path / "host") == ckpt.read_tree(tmp_path / "standard")
+    import jax
+
+    target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), tree)
+    out, step = ckpt.restore_model_state(tmp_path / "host", target)
+    assert step == 0
+    for k, v in ckpt.flatten(tree).items():
+        got = np.asarray(ckpt.flatten(out)[k])
+        assert got.dtype == v.dtype and got.tobytes() == v.tobytes(), k
+
+
+def test_host_save_must_be_synchronous(tmp_path):
+    with pytest.raises(ValueError, match="synchronous"):
+        ckpt.RunCheckpointer(tmp_path, max_to_keep=1, async_save=True, host_model=True)
+
+
+def _traced_import(src, run):
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        summary = import_checkpoint(str(src), run, dtype="float32")
+        return summary, tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def test_import_peak_is_the_output_plus_less_than_one_tensor(tmp_path, monkeypatch):
+    """A wide-vocabulary SMALL (37 MB of float32 output, the largest tensor the 17 MB embedding):
+    peak NumPy + Python allocations of the whole import <= output + largest tensor. The same import
+    through Orbax's default save peaks above output + largest tensor (it copies every leaf)."""
+    c = {**SMALL, "vocab_size": 65536}
+    src = tmp_path / "wide"
+    write_official(src, c, seed=5, keep_values=False)
+    default = ckpt.RunCheckpointer.__init__
+    with monkeypatch.context() as m:  # first, so that the measured import below runs warm
+        m.setattr(ckpt.RunCheckpointer, "__init__", lambda self, *a, host_model=False, **k: default(self, *a, **k))
+        _, peak_default = _traced_import(src, tmp_path / "run-default")
+    summary, peak = _traced_import(src, tmp_path / "run")
+    output = summary.params * 4
+    largest = c["vocab_size"] * c["hidden_size"] * 4
+    assert output > 2 * largest
+    assert peak <= output + largest, (peak, output, largest)
+    assert peak_default > output + largest, (peak_default, output, largest)
