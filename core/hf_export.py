@@ -4,8 +4,10 @@ Writes config.json (official spelling, core.hf_config.to_hf_config: no MTP, no q
 and safetensors shards + model.safetensors.index.json in the official or the transformers layout
 (core.hf_names). Weights in --dtype (default: the run's weight_dtype); float32 for mHC, ape, sinks
 and router biases whatever --dtype (transformers keeps those modules in float32); int64 tid2eid.
-Shards hold whole tensors, filled in layer order up to `max_shard_bytes`; everything is written in
-a temporary sibling directory renamed to OUT at the end. Host memory: the model plus one shard.
+Shards hold whole tensors, filled in layer order up to `max_shard_bytes`: a first pass over names
+and shapes plans them, the second writes each tensor into its planned file as it is converted
+(core.safetensors_io.StreamedFile); everything is written in a temporary sibling directory renamed
+to OUT at the end. Host memory: the restored model plus about one tensor (its converted copy).
 """
 
 from __future__ import annotations
@@ -61,14 +63,35 @@ def _layer_params(model, cfg) -> Iterator[tuple[int | None, dict[str, np.ndarray
     yield None, root
 
 
-def _cast(path: str, value: np.ndarray, dtype: str) -> np.ndarray:
+def _export_dtype(path: str, value: np.ndarray, dtype: str) -> np.dtype:
     import ml_dtypes
 
     if np.issubdtype(value.dtype, np.integer):
-        return value.astype(np.int64)
+        return np.dtype(np.int64)
     if names.FLOAT32_PARAMS.search(path):
-        return value.astype(np.float32)
-    return value.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
+        return np.dtype(np.float32)
+    return np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
+
+
+def _tensors(model, cfg, layout: str, dtype: str) -> Iterator[tuple[int, str, np.ndarray, np.dtype]]:
+    """(step of `_layer_params`, HF name, HF-layout view or array, export dtype) in file order."""
+    dims = names.dims_of(cfg)
+    for k, (_, params) in enumerate(_layer_params(model, cfg)):
+        for name, value in names.dsv4_to_hf(params, dims, layout):
+            yield k, name, value, _export_dtype(_logical_of(name, layout), value, dtype)
+
+
+def _plan(model, cfg, layout: str, dtype: str, limit: int) -> list[list[tuple[str, np.dtype, tuple]]]:
+    """Shards of whole tensors [(name, dtype, shape)], in file order, each at most `limit` bytes
+    (or one tensor): a pass over the names and shapes, holding no tensor."""
+    shards, size = [[]], 0
+    for _, name, value, out in _tensors(model, cfg, layout, dtype):
+        n = value.size * out.itemsize
+        if shards[-1] and size + n > limit:
+            shards, size = shards + [[]], 0
+        shards[-1].append((name, out, tuple(value.shape)))
+        size += n
+    return shards
 
 
 def export_checkpoint(run: str | Path, output: str | Path, *, step: int | None = None, layout: str = "official",
@@ -95,19 +118,29 @@ def export_checkpoint(run: str | Path, output: str | Path, *, step: int | None =
         raise CheckpointError(f"output {str(output)!r} exists and is not empty: choose a new OUT or remove it.")
     model, cfg, meta = ckpt.restore_model(run, step)
     dtype = dtype or cfg.weight_dtype
-    dims = names.dims_of(cfg)
+    plan = _plan(model, cfg, layout, dtype, max_shard_bytes)
+    files = [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.parent / f".{output.name}.export-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        shards = _Shards(tmp, max_shard_bytes)
-        for k, (_, params) in enumerate(_layer_params(model, cfg)):
-            for name, value in names.dsv4_to_hf(params, dims, layout):
-                shards.add(name, _cast(_logical_of(name, layout), value, dtype))
-            if on_progress:
-                on_progress({"layer": k, "layers": cfg.num_layers + 2, "bytes": shards.total})
-        shards.close()
+        weight_map, total, shard, writer, last = {}, 0, -1, None, 0
+        for k, name, value, out in _tensors(model, cfg, layout, dtype):
+            if writer is None or writer.next == len(plan[shard]):
+                if writer is not None:
+                    writer.close()
+                shard += 1
+                writer = st.StreamedFile(tmp / files[shard], plan[shard], metadata={"format": "pt"})
+            writer.write(name, value.astype(out, copy=False))
+            weight_map[name], total = files[shard], total + value.size * out.itemsize
+            if on_progress and k != last:
+                on_progress({"layer": last, "layers": cfg.num_layers + 2, "bytes": total})
+                last = k
+        writer.close()
+        if on_progress:
+            on_progress({"layer": last, "layers": cfg.num_layers + 2, "bytes": total})
+        st.write_index(tmp / "model.safetensors.index.json", weight_map, total)
         (tmp / "config.json").write_text(json.dumps(to_hf_config(cfg, dtype), indent=2) + "\n")
         if output.exists():
             output.rmdir()
@@ -115,39 +148,7 @@ def export_checkpoint(run: str | Path, output: str | Path, *, step: int | None =
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportSummary(str(run), meta["step"], str(output), layout, dtype, shards.count, len(shards.files), shards.total)
-
-
-class _Shards:
-    """Whole tensors packed into safetensors files of at most `limit` bytes, then named and indexed."""
-
-    def __init__(self, root: Path, limit: int):
-        self.root, self.limit = root, limit
-        self.files, self.weight_map, self.pending, self.pending_bytes = [], {}, {}, 0
-        self.total = self.count = 0
-
-    def add(self, name: str, value: np.ndarray) -> None:
-        if self.pending_bytes and self.pending_bytes + value.nbytes > self.limit:
-            self._flush()
-        self.pending[name] = value
-        self.pending_bytes += value.nbytes
-        self.total, self.count = self.total + value.nbytes, self.count + 1
-
-    def _flush(self) -> None:
-        if self.pending:
-            self.files.append(f"shard-{len(self.files):05d}.tmp")
-            st.write_file(self.root / self.files[-1], self.pending, metadata={"format": "pt"})
-            self.weight_map.update({n: self.files[-1] for n in self.pending})
-        self.pending, self.pending_bytes = {}, 0
-
-    def close(self) -> None:
-        """Write the last shard, rename all to model-0000i-of-0000n.safetensors, write the index."""
-        self._flush()
-        final = {f: f"model-{i + 1:05d}-of-{len(self.files):05d}.safetensors" for i, f in enumerate(self.files)}
-        for f, new in final.items():
-            os.replace(self.root / f, self.root / new)
-        st.write_index(self.root / "model.safetensors.index.json",
-                       {n: final[f] for n, f in self.weight_map.items()}, self.total)
+    return ExportSummary(str(run), meta["step"], str(output), layout, dtype, len(weight_map), len(files), total)
 
 
 def _logical_of(name: str, layout: str) -> str:

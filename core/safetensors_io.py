@@ -4,8 +4,9 @@ safetensors' NumPy backend cannot build float8 arrays (it asks NumPy itself for 
 safetensors issue #682), so tensors are read here from the file format directly: an 8-byte
 little-endian header length N, N bytes of JSON `{name: {dtype, shape, data_offsets: [b, e]}}`,
 then the data; tensor bytes live at file offset 8 + N + b. Each tensor is a read-only memory map
-viewed with the ml_dtypes type, so reading one tensor touches only its bytes. Writing goes through
-the `safetensors` package (it writes every dtype used here).
+viewed with the ml_dtypes type, so reading one tensor touches only its bytes. Writing a dict of
+arrays goes through the `safetensors` package; `StreamedFile` writes a file tensor by tensor
+(the exporter: one tensor in memory at a time).
 
 Encodings (official `inference/model.py` Linear, `convert.py`, `kernel.py`; notes/checkpoint-format.md):
   FP8 weight w [O, I] float8_e4m3fn with scale s [ceil(O/128), ceil(I/128)] float8_e8m0fnu (2^(b-127)):
@@ -149,6 +150,45 @@ def write_file(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[
     from safetensors.numpy import save_file
 
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.fspath(path), metadata=metadata)
+
+
+_CODES = {v: k for k, v in DTYPES.items()}
+
+
+class StreamedFile:
+    """One safetensors file written tensor by tensor: the header first, from the planned
+    (name, dtype, shape) list, then each tensor's bytes in that order. Holds no tensor itself.
+
+    Args:
+      path: the file to create.
+      plan: [(name, NumPy dtype, shape)] in file order.
+      metadata: the header's `__metadata__` strings.
+    """
+
+    def __init__(self, path: str | Path, plan: list[tuple[str, np.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        header, offset = {"__metadata__": dict(metadata)} if metadata else {}, 0
+        for name, dtype, shape in plan:
+            n = math.prod(shape) * np.dtype(dtype).itemsize
+            header[name] = {"dtype": _CODES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format pads the header with spaces to 8 bytes
+        self.plan, self.next, self.file = plan, 0, open(path, "wb")
+        self.file.write(struct.pack("<Q", len(raw)) + raw)
+
+    def write(self, name: str, value: np.ndarray) -> None:
+        """Append the next planned tensor (its name, dtype and shape must be the planned ones)."""
+        want = self.plan[self.next]
+        if (name, np.dtype(value.dtype), tuple(value.shape)) != (want[0], np.dtype(want[1]), tuple(want[2])):
+            raise ValueError(f"tensor {name} {value.dtype} {list(value.shape)} is not the planned {want}")
+        np.ascontiguousarray(value).reshape(-1).view(np.uint8).tofile(self.file)
+        self.next += 1
+
+    def close(self) -> None:
+        self.file.close()
+        if self.next != len(self.plan):
+            raise ValueError(f"{len(self.plan) - self.next} planned tensors were never written")
 
 
 def write_index(path: str | Path, weight_map: dict[str, str], total_size: int) -> None:

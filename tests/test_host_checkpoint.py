@@ -67,23 +67,35 @@ def test_host_save_must_be_synchronous(tmp_path):
         ckpt.RunCheckpointer(tmp_path, max_to_keep=1, async_save=True, host_model=True)
 
 
-def _traced_import(src, run):
+WIDE = {**SMALL, "vocab_size": 65536}  # 37 MB of float32 parameters; the largest tensor the 17 MB embedding
+
+
+def _traced(fn, *args, **kwargs):
+    """(fn's result, peak bytes tracemalloc saw above the start while it ran)."""
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
-        summary = import_checkpoint(str(src), run, dtype="float32")
-        return summary, tracemalloc.get_traced_memory()[1] - base
+        out = fn(*args, **kwargs)
+        return out, tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
 
 
-def test_import_peak_is_the_output_plus_less_than_one_tensor(tmp_path, monkeypatch):
-    """A wide-vocabulary SMALL (37 MB of float32 output, the largest tensor the 17 MB embedding):
-    peak NumPy + Python allocations of the whole import <= output + largest tensor. The same import
-    through Orbax's default save peaks above output + largest tensor (it copies every leaf)."""
-    c = {**SMALL, "vocab_size": 65536}
-    src = tmp_path / "wide"
-    write_official(src, c, seed=5, keep_values=False)
+def _traced_import(src, run):
+    return _traced(import_checkpoint, str(src), run, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    src = tmp_path_factory.mktemp("wide") / "DeepSeek-V4-Wide"
+    write_official(src, WIDE, seed=5, keep_values=False)
+    return src
+
+
+def test_import_peak_is_the_output_plus_less_than_one_tensor(wide, tmp_path, monkeypatch):
+    """Peak NumPy + Python allocations of the whole import <= output + largest tensor. The same
+    import through Orbax's default save peaks above that (it copies every leaf)."""
+    c, src = WIDE, wide
     default = ckpt.RunCheckpointer.__init__
     with monkeypatch.context() as m:  # first, so that the measured import below runs warm
         m.setattr(ckpt.RunCheckpointer, "__init__", lambda self, *a, host_model=False, **k: default(self, *a, **k))
@@ -94,3 +106,17 @@ def test_import_peak_is_the_output_plus_less_than_one_tensor(tmp_path, monkeypat
     assert output > 2 * largest
     assert peak <= output + largest, (peak, output, largest)
     assert peak_default > output + largest, (peak_default, output, largest)
+
+
+def test_export_peak_is_about_one_tensor(wide, tmp_path):
+    """export-hf converts and writes tensor by tensor: its NumPy + Python allocations peak at a few
+    converted tensors (the restored model itself is jax arrays, outside this measure), not a shard."""
+    from core.hf_export import export_checkpoint
+
+    run = tmp_path / "run"
+    import_checkpoint(str(wide), run, dtype="float32")
+    export_checkpoint(run, tmp_path / "warm", dtype="float32")  # compile and import everything once
+    summary, peak = _traced(export_checkpoint, run, tmp_path / "out", dtype="float32")
+    largest = WIDE["vocab_size"] * WIDE["hidden_size"] * 4
+    assert summary.shards == 1 and summary.bytes > 2 * largest
+    assert peak <= 2 * largest, (peak, largest, summary.bytes)
