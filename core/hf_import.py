@@ -8,9 +8,11 @@ DESIGN.md, "Real checkpoints". The source is a directory with config.json and *.
      (scanned segments of core.model.layer_plan stacked on their leading axis);
   3. shard by shard, tensor by tensor: map the name (core.hf_names), dequantise FP8 / FP4 to
      float32, convert the layout, write the slice into its buffer;
-  4. every parameter complete -> config.yml + checkpoints/0 through core.checkpoint, written in a
-     temporary directory renamed to the output at the end.
-Peak host memory: the output parameters plus about one float32 copy of the largest tensor.
+  4. every parameter complete -> config.yml + checkpoints/0 through core.checkpoint, the buffers
+     written in place in bounded chunks (core.host_checkpoint), in a temporary directory renamed
+     to the output at the end.
+Peak host memory: the output parameters plus about one float32 copy of the largest tensor (the
+save adds a bounded number of 16 MiB chunks, not a copy; docs/benchmarks.md).
 Output dtype: --dtype, else bfloat16 above 1e9 parameters and float32 below. dsv4 stores every
 parameter in one weight_dtype, so bfloat16 also rounds the float32 tensors (mHC, ape, sinks).
 """
