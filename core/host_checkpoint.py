@@ -50,6 +50,9 @@ class HostTreeHandler(ocp.StandardCheckpointHandler):
         # The standard handler delegates to a PyTree handler; this one carries the no-copy registry.
         self._impl = ocp.PyTreeCheckpointHandler(type_handler_registry=_registry())
         self.chunk_bytes = chunk_bytes or CHUNK_BYTES
+        # The step's metadata names the standard handler, as a normal save's does (readers use it);
+        # the class keeps its own name in Orbax's registry of handlers for HostTreeSave.
+        self.typestr = ocp.StandardCheckpointHandler.typestr
 
     async def async_save(self, directory, item: Any = None, save_args: Any = None, args: Any = None):
         """Start writing `args.item` (a `HostTreeSave`)."""

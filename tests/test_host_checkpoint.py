@@ -40,7 +40,8 @@ def _save(run, tree, host_model):
 def _layout(run):
     step = run / "checkpoints" / "0"
     meta = json.loads((step / "model" / "_METADATA").read_text())["tree_metadata"]
-    return sorted(p.name for p in step.iterdir()), sorted(p.name for p in (step / "model").iterdir()), meta
+    handlers = json.loads((step / "_CHECKPOINT_METADATA").read_text())["item_handlers"]
+    return sorted(p.name for p in step.iterdir()), sorted(p.name for p in (step / "model").iterdir()), meta, handlers
 
 
 def test_host_save_is_the_standard_layout_bitwise(tmp_path, monkeypatch):
