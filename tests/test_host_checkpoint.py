@@ -93,30 +93,35 @@ def wide(tmp_path_factory):
     return src
 
 
-def test_import_peak_is_the_output_plus_less_than_one_tensor(wide, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def wide_imports(wide, tmp_path_factory):
+    """{"default": peak of an import through Orbax's default save, "run", "summary", "peak": the
+    import's own}; the default one runs first, so that the measured import runs warm."""
+    out = tmp_path_factory.mktemp("wide-runs")
+    default = ckpt.RunCheckpointer.__init__
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ckpt.RunCheckpointer, "__init__", lambda self, *a, host_model=False, **k: default(self, *a, **k))
+        _, peak_default = _traced_import(wide, out / "run-default")
+    summary, peak = _traced_import(wide, out / "run")
+    return {"default": peak_default, "run": out / "run", "summary": summary, "peak": peak}
+
+
+def test_import_peak_is_the_output_plus_less_than_one_tensor(wide_imports):
     """Peak NumPy + Python allocations of the whole import <= output + largest tensor. The same
     import through Orbax's default save peaks above that (it copies every leaf)."""
-    c, src = WIDE, wide
-    default = ckpt.RunCheckpointer.__init__
-    with monkeypatch.context() as m:  # first, so that the measured import below runs warm
-        m.setattr(ckpt.RunCheckpointer, "__init__", lambda self, *a, host_model=False, **k: default(self, *a, **k))
-        _, peak_default = _traced_import(src, tmp_path / "run-default")
-    summary, peak = _traced_import(src, tmp_path / "run")
-    output = summary.params * 4
-    largest = c["vocab_size"] * c["hidden_size"] * 4
+    output = wide_imports["summary"].params * 4
+    largest = WIDE["vocab_size"] * WIDE["hidden_size"] * 4
     assert output > 2 * largest
-    assert peak <= output + largest, (peak, output, largest)
-    assert peak_default > output + largest, (peak_default, output, largest)
+    assert wide_imports["peak"] <= output + largest, (wide_imports["peak"], output, largest)
+    assert wide_imports["default"] > output + largest, (wide_imports["default"], output, largest)
 
 
-def test_export_peak_is_about_one_tensor(wide, tmp_path):
+def test_export_peak_is_about_one_tensor(wide_imports, tmp_path):
     """export-hf converts and writes tensor by tensor: its NumPy + Python allocations peak at a few
     converted tensors (the restored model itself is jax arrays, outside this measure), not a shard."""
     from core.hf_export import export_checkpoint
 
-    run = tmp_path / "run"
-    import_checkpoint(str(wide), run, dtype="float32")
-    export_checkpoint(run, tmp_path / "warm", dtype="float32")  # compile and import everything once
+    run = wide_imports["run"]
     summary, peak = _traced(export_checkpoint, run, tmp_path / "out", dtype="float32")
     largest = WIDE["vocab_size"] * WIDE["hidden_size"] * 4
     assert summary.shards == 1 and summary.bytes > 2 * largest
