@@ -124,8 +124,13 @@ def test_interrupted_and_resumed_run_matches_the_straight_one(warm, sparse, tmp_
     assert first.exit_code == 130, first.output
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [3, 5]
     monkeypatch.setattr(display.TrainDisplay, "row", original)
+    reads = []
+    read_metrics = ckpt.read_metrics
+    monkeypatch.setattr(ckpt, "read_metrics", lambda *a, **k: reads.append(a) or read_metrics(*a, **k))
     second = _invoke(*args)
     assert second.exit_code == 0, second.output
+    assert len(reads) == 2, reads  # metrics.jsonl read once to resume, once for the summary
+    monkeypatch.setattr(ckpt, "read_metrics", read_metrics)
     assert "resuming from checkpoint step 5" in second.output
     straight, resumed = ckpt.read_metrics(sparse[0]), ckpt.read_metrics(run)
     assert [r["step"] for r in resumed] == list(range(SPARSE_STEPS))
