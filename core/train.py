@@ -1,284 +1,44 @@
-"""Training: the jitted step, AdamW with the trainable mask, router-bias updates, the run loop.
+"""Training runs: the run directory, resume, init-from, metrics, TensorBoard, Ctrl-C.
 
-DESIGN.md's stage table decides what a step computes (the model routes by the config):
-total_loss = lm_loss + indexer_loss + moe_lb_loss, where lm_loss is the mean next-token
-cross-entropy over `loss_mask` and exactly 0.0 (not computed) when the model skips its head in
-the dense warm-up.
-
-Optimizer: AdamW (decoupled weight decay) on a linear warm-up then cosine schedule, after
-global-norm clipping, inside `optax.multi_transform({"train": ..., "frozen": set_to_zero()})`
-keyed by `trainable_parameters_mask` (regexes fully matching '/'-joined parameter paths such as
-`layers/3/attn/indexer/wq_b`; empty = everything) minus `frozen_parameters_mask` (the same kind of
-regexes; dsv4 pretrain freezes '.*indexer.*'). Frozen parameters hold no optimizer state.
-Gradients are only taken with respect to trainable parameters, so XLA never builds the frozen
-part of the backward pass (in the warm-up only the indexer's own small backward runs); frozen
-parameters get an explicit zero gradient for the optimizer's tree and stay bitwise unchanged.
-
-Router biases are not trained by gradients: after each step every learned-routing layer's
-`RouterBias` moves by `routed_bias_update_rate` towards balance, unless that router is frozen
-(neither its weight nor its bias matches the mask: the warm-up's '.*indexer.*' freezes them all).
+A `Trainer` drives the jitted step of core/train_step.py (losses, optimizer, trainable mask,
+router biases; its docstring holds that maths) over one run directory (DESIGN.md, "Run layout"):
+fresh, resumed from its latest checkpoint (model, optimizer and data position), or initialised
+from another run's weights (with a fresh indexer when that run has none, core/stages.py).
 
 Run safety (core/run_guard.py): a step whose total loss, gradient norm or updated parameters are
 non-finite is not applied and stops the run (abort_on_nan_loss / abort_on_inf_loss); one process
 at a time holds a run directory; write failures become one RunWriteError.
 
-Deviation from MaxText's schedule: the linear warm-up starts at peak / warmup_steps instead of 0,
-so step 0 already trains.
+The step's names (`make_train_step`, `build`, `Setup`, ...) are re-exported here, where callers
+have always imported them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import re
+import json
 import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from core import checkpoint as ckpt
 from core import run_guard
 from core.data import train_batches
-from core.errors import CheckpointError, ConfigError
+from core.errors import CheckpointError
 from core.lm_loss import lm_loss, lm_loss_from_hidden  # noqa: F401  (lm_loss: the direct formula, re-exported)
 from core.model import Transformer
-from core.moe import RouterBias
-from core.params import count_parameters
-from core.stages import is_indexer, source_lacks_indexer, topk_warning, without_indexer
-from core.sharding import (abstract_state, create_sharded, describe_mesh, make_mesh, shard_batch, shard_state,
-                           state_shardings)
+from core.sharding import describe_mesh, shard_batch
+from core.stages import is_indexer, source_lacks_indexer, topk_warning
 from core.tensorboard import EventWriter
-
-METRIC_KEYS = ("total_loss", "lm_loss", "indexer_loss", "moe_lb_loss", "grad_norm", "learning_rate")
-
-
-# ----------------------------------------------------------------------------- losses and schedule
-
-
-def learning_rate_schedule(cfg) -> Callable[[Any], Any]:
-    """lr(step): linear from peak/W to peak over W = round(warmup_steps_fraction * N) steps, then
-    cosine from peak to peak * cosine_learning_rate_final_fraction at step N - 1, constant after;
-    N = learning_rate_schedule_steps, or steps when that is -1."""
-    peak, final = cfg.learning_rate, cfg.learning_rate * cfg.cosine_learning_rate_final_fraction
-    n = run_guard.schedule_steps(cfg)
-    warm = int(round(cfg.warmup_steps_fraction * n))
-    decay = max(n - 1 - warm, 1)
-
-    def lr(step):
-        step = jnp.asarray(step, jnp.float32)
-        warm_lr = peak * (step + 1) / max(warm, 1)
-        frac = jnp.clip((step - warm) / decay, 0.0, 1.0)
-        cos_lr = final + 0.5 * (peak - final) * (1 + jnp.cos(jnp.pi * frac))
-        return jnp.where(step < warm, warm_lr, cos_lr)
-
-    return lr
-
-
-# ----------------------------------------------------------------------------- trainable mask
-
-
-def _path(path: Sequence[Any]) -> str:
-    """'/'-joined parameter path from nnx (str/int) or pytree (DictKey, SequenceKey, .value) keys."""
-    names = []
-    for k in path:
-        name = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
-        if not (hasattr(k, "name") and name == "value"):  # a Variable's own value attribute
-            names.append(str(name))
-    return "/".join(names)
-
-
-def path_matcher(patterns: Sequence[str], frozen: Sequence[str] = ()) -> Callable[[Sequence[Any]], bool]:
-    """path -> True if it is trainable: (empty patterns, or one fully matches the '/'-joined path)
-    and no `frozen` pattern fully matches it."""
-    compiled, never = [re.compile(p) for p in patterns], [re.compile(p) for p in frozen]
-
-    def trainable(path):
-        name = _path(path)
-        return (not compiled or any(c.fullmatch(name) for c in compiled)) and not any(c.fullmatch(name) for c in never)
-
-    return trainable
-
-
-def config_matcher(cfg) -> Callable[[Sequence[Any]], bool]:
-    """The config's trainable rule: trainable_parameters_mask minus frozen_parameters_mask."""
-    return path_matcher(cfg.trainable_parameters_mask, cfg.frozen_parameters_mask)
-
-
-def trainable_labels(model: nnx.Module, patterns: Sequence[str], frozen: Sequence[str] = ()) -> dict[str, bool]:
-    """{parameter path: trainable?}; ConfigError if the masks leave nothing to train."""
-    trainable = path_matcher(patterns, frozen)
-    paths = list(ckpt.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
-    labels = {p: trainable(p.split("/")) for p in paths}
-    if not any(labels.values()):
-        outside = f" outside frozen_parameters_mask={list(frozen)}" if frozen else ""
-        raise ConfigError(f"trainable_parameters_mask={list(patterns)} matches no parameter{outside}: paths look like "
-                          f"{paths[0]!r}; write e.g. '.*indexer.*'.")
-    return labels
-
-
-# Config keys a compiled step does not depend on (data source, run directory, checkpointing).
-_RUN_ONLY_KEYS = frozenset({
-    "dataset_type", "hf_path", "hf_name", "hf_data_files", "hf_split", "hf_eval_split", "hf_text_column",
-    "hf_streaming", "tokenizer_path", "eval_holdout_fraction", "data_shuffle_seed", "checkpoint_period",
-    "max_checkpoints", "async_checkpointing", "base_output_directory", "run_name", "allow_data_change",
-    "enable_tensorboard"})
-# Per process, keyed by the compile-relevant config: the optax transformation (it is part of the
-# optimizer's graphdef, so reusing it makes equal configs give equal graphdefs) and the jitted
-# step, so a resumed or repeated run in the same process does not compile again.
-_TX_CACHE: dict[Any, optax.GradientTransformation] = {}
-_STEP_CACHE: dict[Any, Callable] = {}
-
-
-def _compile_key(cfg) -> tuple:
-    # steps only shapes the step through the schedule's length, unless learning_rate_schedule_steps fixes it
-    skip = _RUN_ONLY_KEYS | ({"steps"} if cfg.learning_rate_schedule_steps > 0 else set())
-    return tuple((f, v) for f, v in vars(cfg).items() if f not in skip)
-
-
-def make_optimizer(cfg) -> optax.GradientTransformation:
-    """clip -> AdamW(schedule) for trainable leaves, set_to_zero (no state) for frozen ones."""
-    key = _compile_key(cfg)
-    if key not in _TX_CACHE:
-        _TX_CACHE[key] = _make_optimizer(cfg)
-    return _TX_CACHE[key]
-
-
-def _make_optimizer(cfg) -> optax.GradientTransformation:
-    trainable = config_matcher(cfg)
-    train = [optax.clip_by_global_norm(cfg.gradient_clipping_threshold)] if cfg.gradient_clipping_threshold > 0 else []
-    train.append(optax.adamw(learning_rate_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
-                             weight_decay=cfg.adam_weight_decay))
-
-    def labels(params):
-        return jax.tree_util.tree_map_with_path(lambda p, _: "train" if trainable(p) else "frozen", params)
-
-    return optax.multi_transform({"train": optax.chain(*train), "frozen": optax.set_to_zero()}, labels)
-
-
-# ----------------------------------------------------------------------------- the step
-
-
-def make_train_step(cfg, graphdef, state, mesh):
-    """A jitted `(state, batch) -> (state, metrics)` over the split (model, optimizer) `state`.
-
-    The output state keeps the input's rule-given shardings (so step 1 reuses step 0's program);
-    one compiled step is shared by every Trainer of an equal (cfg, graphdef, mesh) in a process.
-    """
-    key = (_compile_key(cfg), graphdef, mesh)
-    if key not in _STEP_CACHE:
-        _STEP_CACHE[key] = jax.jit(_step_fn(cfg, graphdef), donate_argnums=0,
-                                   out_shardings=(state_shardings(state, mesh), None))
-    return _STEP_CACHE[key]
-
-
-def _step_fn(cfg, graphdef):
-    trainable = config_matcher(cfg)
-    grad_filter = nnx.All(nnx.Param, lambda path, _: trainable(path))
-    frozen_filter = nnx.All(nnx.Param, nnx.Not(grad_filter))
-    # A router bias moves unless its router is frozen: neither it nor the router weight is trainable.
-    fixed_bias = nnx.All(RouterBias, lambda path, _: not (trainable(path) or trainable((*path[:-1], "weight"))))
-    schedule, rate = learning_rate_schedule(cfg), cfg.routed_bias_update_rate
-    guard = cfg.abort_on_nan_loss or cfg.abort_on_inf_loss
-
-    def step(state, batch):
-        # a snapshot (new Variables) of the input: the update below changes some of them in place
-        old_state = jax.tree.map(lambda v: v, state) if guard else None
-        model, optimizer = nnx.merge(graphdef, state)
-
-        def loss_fn(model):
-            h, aux = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], mode="train")
-            lm = (jnp.zeros((), jnp.float32) if h is None else lm_loss_from_hidden(
-                h, model.head[...], batch["targets"], batch["loss_mask"], chunk=cfg.lm_loss_chunk_size))
-            return lm + aux["indexer_loss"] + aux["moe_lb_loss"], (lm, aux)
-
-        grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, grad_filter), has_aux=True)
-        (total, (lm, aux)), grads = grad_fn(model)
-        zeros = jax.tree.map(jnp.zeros_like, nnx.state(model, frozen_filter))
-        metrics = {"total_loss": total, "lm_loss": lm, "indexer_loss": aux["indexer_loss"],
-                   "moe_lb_loss": aux["moe_lb_loss"], "grad_norm": optax.tree.norm(grads),
-                   "learning_rate": schedule(optimizer.step[...])}
-        optimizer.update(model, nnx.merge_state(grads, zeros))
-        # a snapshot (new Variables): update_router_biases changes the model's Variables in place
-        fixed = jax.tree.map(lambda v: v, nnx.state(model, fixed_bias))
-        model.update_router_biases(aux["expert_load"], rate)
-        nnx.update(model, fixed)  # frozen routers keep their biases
-        new_state = nnx.state((model, optimizer))
-        if guard:  # a non-finite step is not applied (the host sees the same metrics and stops)
-            ok, metrics["params_finite"] = run_guard.step_ok(
-                total, metrics["grad_norm"], nnx.state(model, grad_filter),
-                abort_on_nan=cfg.abort_on_nan_loss, abort_on_inf=cfg.abort_on_inf_loss)
-            new_state = run_guard.keep_if_ok(ok, new_state, old_state)
-        return new_state, metrics
-
-    return step
-
-
-# ----------------------------------------------------------------------------- building
-
-
-@dataclasses.dataclass
-class Setup:
-    """Everything a training loop needs, built from a config."""
-
-    cfg: Any
-    mesh: Any
-    model: Transformer
-    optimizer: nnx.Optimizer
-    batch_size: int      # global rows per step
-    params_total: int    # core.params.count_parameters: nnx.Params + router biases
-    params_trainable: int
-
-
-def build(cfg) -> Setup:
-    """Model and optimizer on the config's mesh, with their rule-given shardings.
-
-    On a single CPU process they are built eagerly and then placed (`shard_state`): compiling the
-    initialiser of a 43-layer model as one XLA program takes minutes on a CPU, op-by-op creation
-    seconds. Elsewhere `create_sharded` builds them directly into their shards.
-    """
-    mesh = make_mesh(cfg)
-    make_model = lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))  # noqa: E731
-    make_opt = lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param)  # noqa: E731
-    if jax.process_count() == 1 and jax.default_backend() == "cpu":
-        model = shard_state(make_model(), mesh)
-        optimizer = shard_state(make_opt(model), mesh)
-    else:
-        model = create_sharded(make_model, mesh)
-        optimizer = create_sharded(make_opt, mesh, model)
-    labels = trainable_labels(model, cfg.trainable_parameters_mask, cfg.frozen_parameters_mask)
-    if cfg.dense_pretraining and any(v for p, v in labels.items() if "/indexer/" in f"/{p}/"):
-        raise ConfigError("dense_pretraining=true leaves the indexer idle, yet the masks train its parameters "
-                          "(weight decay alone would move them): add '.*indexer.*' to frozen_parameters_mask.")
-    counts = count_parameters(ckpt.shapes(nnx.to_pure_dict(nnx.state(model))), lambda p: labels.get(p, False))
-    return Setup(cfg, mesh, model, optimizer, cfg.per_device_batch_size * mesh.size,
-                 counts["parameters"], counts["trainable"])
-
-
-def _abstract_pure(obj, mesh):
-    return nnx.to_pure_dict(abstract_state(obj, mesh))
-
-
-def load_init_weights(setup: Setup, path: str | Path, fresh_indexer: bool = False) -> int:
-    """Overwrite the model's variables (params, router biases) with a checkpoint's; returns its step.
-
-    With `fresh_indexer` the checkpoint holds no indexer (`source_lacks_indexer`): the indexer
-    keeps its fresh initialisation and everything else is loaded (core.stages).
-    """
-    target = _abstract_pure(setup.model, setup.mesh)
-    if fresh_indexer:
-        target = without_indexer(target)
-    values, step = ckpt.restore_model_state(path, target)
-    state = nnx.state(setup.model)
-    nnx.replace_by_pure_dict(state, values)
-    nnx.update(setup.model, state)
-    return step
+from core.train_step import (METRIC_KEYS, Setup, _abstract_pure, _step_fn, build, config_matcher,  # noqa: F401
+                             learning_rate_schedule, load_init_weights, make_optimizer, make_train_step,
+                             path_matcher, trainable_labels)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -314,6 +74,11 @@ def _version() -> str:
         return "unknown"
 
 
+def _write_metrics(run_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """Replace metrics.jsonl by `rows` (the format of `ckpt.append_metrics`)."""
+    (run_dir / ckpt.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 class Trainer:
     """One run directory: fresh, resumed from its latest checkpoint, or initialised from another run.
 
@@ -333,21 +98,16 @@ class Trainer:
                                          async_save=cfg.async_checkpointing)
         self.start_step, self.resumed_from, self.init_step = 0, self.ckpt.latest_step(), None
         # Cheap checks first (stage, data, shapes from metadata): building and compiling take a while.
+        logged: list[dict[str, Any]] = []
+        metrics_notices: list[str] = []
         if self.resumed_from is not None:
             self._check_stage(self.resumed_from)
-            ckpt.read_metrics(self.run_dir)  # a corrupt metrics.jsonl stops the resume before anything is written
+            # read once, here: a corrupt metrics.jsonl stops the resume before anything is written
+            logged = ckpt.read_metrics(self.run_dir, metrics_notices)
         self.data = train_batches(cfg, cfg.per_device_batch_size * jax.device_count())
-        data_notices = ([] if self.resumed_from is None  # changed data stops a resume before the model is built
-                        else self.data.check(ckpt.read_data_state(self.ckpt.dir, self.resumed_from)))
-        fresh_indexer = False
-        if self.resumed_from is not None or init_from is not None:
-            abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
-            source = self.ckpt.dir if self.resumed_from is not None else init_from
-            expected = ckpt.shapes(nnx.to_pure_dict(nnx.state(abstract)))
-            fresh_indexer = self.resumed_from is None and source_lacks_indexer(init_from, list(expected))
-            if fresh_indexer:
-                expected = {p: s for p, s in expected.items() if not is_indexer(p)}
-            ckpt.check_model_shapes(source, expected, self.resumed_from)
+        notices = ([] if self.resumed_from is None  # changed data stops a resume before the model is built
+                   else self.data.check(ckpt.read_data_state(self.ckpt.dir, self.resumed_from)))
+        fresh_indexer = self._check_sources(init_from)
         self.setup = setup = build(cfg)
         if self.resumed_from is not None:
             self._resume(self.resumed_from)
@@ -360,15 +120,39 @@ class Trainer:
         with self.guard.writing("config", self.run_dir / ckpt.CONFIG_FILE):
             ckpt.write_config(self.run_dir, cfg)
         with self.guard.writing("metrics", self.run_dir / ckpt.METRICS_FILE):
-            notices = [*data_notices, *ckpt.truncate_metrics(self.run_dir, self.start_step - 1)]
+            # steps logged after the checkpoint the run resumes from are dropped (all of them when fresh)
+            _write_metrics(self.run_dir, [r for r in logged if r.get("step", -1) < self.start_step])
+        notices += metrics_notices
         notice = run_guard.schedule_notice(self.saved_config, cfg) if self.saved_config else None
         notices += [notice] if notice else []
         self.events = EventWriter(self.run_dir, self.start_step) if cfg.enable_tensorboard else None
         self._step_fn = make_train_step(cfg, self.graphdef, self.state, setup.mesh)
         self.last_saved = self.resumed_from
-        devices = jax.devices()
-        self.info = {
-            "model_name": cfg.model_name, "stage": stage, "run_dir": str(self.run_dir),
+        self.info = self._describe(init_from, fresh_indexer, notices)
+
+    def _check_sources(self, init_from: str | Path | None) -> bool:
+        """Check the resumed or init-from checkpoint's shapes against the config (from metadata, nothing
+        built); returns whether `init_from` lacks an indexer, which then starts fresh."""
+        if self.resumed_from is None and init_from is None:
+            return False
+        cfg = self.cfg
+        abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
+        source = self.ckpt.dir if self.resumed_from is not None else init_from
+        expected = ckpt.shapes(nnx.to_pure_dict(nnx.state(abstract)))
+        fresh_indexer = self.resumed_from is None and source_lacks_indexer(init_from, list(expected))
+        if fresh_indexer:
+            expected = {p: s for p, s in expected.items() if not is_indexer(p)}
+        ckpt.check_model_shapes(source, expected, self.resumed_from)
+        return fresh_indexer
+
+    def _describe(self, init_from: str | Path | None, fresh_indexer: bool, notices: list[str]) -> dict[str, Any]:
+        """The `info` dict: what the run is, before its first step."""
+        cfg, setup, devices = self.cfg, self.setup, jax.devices()
+        if fresh_indexer:
+            notices = [*notices, f"indexer initialised fresh (init_weights_seed={cfg.init_weights_seed}): "
+                                 f"{init_from} has no indexer parameters; everything else comes from it"]
+        return {
+            "model_name": cfg.model_name, "stage": self.stage, "run_dir": str(self.run_dir),
             "params_total": setup.params_total, "params_trainable": setup.params_trainable,
             "batch_size": setup.batch_size, "max_target_length": cfg.max_target_length,
             "tokens_per_step": setup.batch_size * cfg.max_target_length,
@@ -379,10 +163,8 @@ class Trainer:
             "data": self.data.fingerprint["source"],
             "notices": notices,  # one-line messages for the user before the first step
             "init_fresh_indexer": fresh_indexer,
+            "warnings": [w for w in (topk_warning(cfg),) if w],
         }
-        self.info["notices"] += [f"indexer initialised fresh (init_weights_seed={cfg.init_weights_seed}): {init_from} "
-                                "has no indexer parameters; everything else comes from it"] if fresh_indexer else []
-        self.info["warnings"] = [w for w in (topk_warning(cfg),) if w]
 
     def _check_stage(self, step: int) -> None:
         meta = ckpt.read_metadata(self.ckpt.dir, step)

@@ -65,8 +65,9 @@ def packed(lengths, t):
 
 
 # The stage chain pretrain -> warmup -> sparse through the CLI (issue 11), shared by the tests
-# that need it. The warm-up and sparse steps and checkpoint period equal tests/test_train.py's,
-# so a full session compiles each of those steps once.
+# that need it (tests/test_stages.py, and tests/test_train.py's sparse and resume tests, whose
+# fresh warm-up takes CHAIN_STEPS["warmup"] steps too), so a full session compiles each step once
+# and runs each stage once.
 CHAIN_STEPS = {"pretrain": 30, "warmup": 6, "sparse": 30}
 
 

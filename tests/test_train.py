@@ -1,8 +1,10 @@
 """Training end to end through the CLI (`dsv4 warmup`, `dsv4 sparse`) on a shrunken deepseek4-tiny,
 plus float64 references for the LM loss and the learning-rate schedule.
 
-The runs are module fixtures shared by several tests: one warm-up (6 steps) and one sparse run
-initialised from it (30 steps); the interrupted + resumed sparse run reuses the compiled step.
+The runs are shared by several tests: a fresh warm-up (6 steps, a module fixture) and the session's
+stage chain (conftest.stage_chain: pretrain, then a warm-up and a sparse run with the same steps and
+checkpoint period, so one compiled step each); the interrupted + resumed sparse run restarts the
+chain's sparse run from the chain's warm-up and must match it row for row.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 from flax import nnx
 from typer.testing import CliRunner
 
-from conftest import TINY_OVERRIDES, tiny_config
+from conftest import CHAIN_STEPS, TINY_OVERRIDES, tiny_config
 from core import checkpoint as ckpt
 from core import train
 from core.errors import ConfigError
@@ -27,7 +29,7 @@ from dsv4cli.main import app
 
 runner = CliRunner()
 LOSS_KEYS = ("total_loss", "lm_loss", "indexer_loss", "moe_lb_loss", "grad_norm", "learning_rate")
-WARMUP_STEPS, SPARSE_STEPS = 6, 30
+WARMUP_STEPS, SPARSE_STEPS = CHAIN_STEPS["warmup"], CHAIN_STEPS["sparse"]
 
 
 def _invoke(*args):
@@ -47,11 +49,15 @@ def warm(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sparse(warm, tmp_path_factory):
-    run = tmp_path_factory.mktemp("runs") / "sparse"
-    result = _invoke("sparse", "--steps", str(SPARSE_STEPS), "--output", str(run), "--init-from", str(warm[0]))
-    assert result.exit_code == 0, result.output
-    return run, result.output
+def chain_warm(stage_chain):
+    """(run dir, CLI output) of the chain's warm-up: WARMUP_STEPS steps --init-from its pretrain run."""
+    return stage_chain["warmup"]
+
+
+@pytest.fixture(scope="module")
+def sparse(stage_chain):
+    """(run dir, CLI output) of the chain's sparse run: SPARSE_STEPS steps --init-from `chain_warm`."""
+    return stage_chain["sparse"]
 
 
 # ----------------------------------------------------------------------------- the warm-up
@@ -89,8 +95,8 @@ def test_warmup_trains_only_the_indexer(warm):
 # ----------------------------------------------------------------------------- sparse
 
 
-def test_sparse_from_warmup_trains_everything(warm, sparse):
-    run, output = sparse
+def test_sparse_from_warmup_trains_everything(chain_warm, sparse):
+    warm, (run, output) = chain_warm, sparse
     assert f"initialised from {warm[0]} (step {WARMUP_STEPS - 1})" in output.replace("\n", "")
     rows = ckpt.read_metrics(run)
     assert len(rows) == SPARSE_STEPS and all(r["lm_loss"] > 0 and r["indexer_loss"] > 0 for r in rows)
@@ -109,7 +115,7 @@ def test_sparse_from_warmup_trains_everything(warm, sparse):
     assert any(p.endswith("/mu/embed") for p in opt_paths) and any("/mu/" in p and "indexer" in p for p in opt_paths)
 
 
-def test_interrupted_and_resumed_run_matches_the_straight_one(warm, sparse, tmp_path, monkeypatch):
+def test_interrupted_and_resumed_run_matches_the_straight_one(chain_warm, sparse, tmp_path, monkeypatch):
     run = tmp_path / "resumed"
     original = display.TrainDisplay.row
 
@@ -119,13 +125,18 @@ def test_interrupted_and_resumed_run_matches_the_straight_one(warm, sparse, tmp_
             os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(display.TrainDisplay, "row", row_then_ctrl_c)
-    args = ("sparse", "--steps", str(SPARSE_STEPS), "--output", str(run), "--init-from", str(warm[0]))
+    args = ("sparse", "--steps", str(SPARSE_STEPS), "--output", str(run), "--init-from", str(chain_warm[0]))
     first = _invoke(*args)
     assert first.exit_code == 130, first.output
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [3, 5]
     monkeypatch.setattr(display.TrainDisplay, "row", original)
+    reads = []
+    read_metrics = ckpt.read_metrics
+    monkeypatch.setattr(ckpt, "read_metrics", lambda *a, **k: reads.append(a) or read_metrics(*a, **k))
     second = _invoke(*args)
     assert second.exit_code == 0, second.output
+    assert len(reads) == 2, reads  # metrics.jsonl read once to resume, once for the summary
+    monkeypatch.setattr(ckpt, "read_metrics", read_metrics)
     assert "resuming from checkpoint step 5" in second.output
     straight, resumed = ckpt.read_metrics(sparse[0]), ckpt.read_metrics(run)
     assert [r["step"] for r in resumed] == list(range(SPARSE_STEPS))
