@@ -72,6 +72,7 @@ class Config:
     csa_query_chunk_size: int         # query positions per scan step, 0 = off
     attention: str                    # chunked (banded window, gathered top-k) | masked (dense reference)
     attention_query_chunk_size: int   # query positions per chunk of the chunked attention and top-k
+    jax_cache_dir: str                # persistent compilation cache: "" off, "default" = ~/.cache/dsv4/jax, or a path
     # mixture of experts
     num_experts: int
     num_experts_per_tok: int

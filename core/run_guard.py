@@ -134,11 +134,16 @@ def step_ok(total, grad_norm, params, *, abort_on_nan: bool, abort_on_inf: bool)
 
 
 def keep_if_ok(ok, new_state, old_state):
-    """Jit-safe: `new_state` where `ok`, else `old_state` (same tree)."""
-    import jax
-    import jax.numpy as jnp
+    """Jit-safe: `new_state` where `ok`, else `old_state` (same tree).
 
-    return jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, old_state)
+    One `lax.cond` over the whole state, not a `where` per leaf: the same values, but a per-leaf
+    select makes every updated array wait on the all-parameter finiteness test, which more than
+    doubled XLA's compile of the deepseek4-tiny train step (102 -> 48 CPU s, docs/benchmarks.md,
+    "Time to step 0"); the compiled temp memory is unchanged.
+    """
+    import jax
+
+    return jax.lax.cond(ok, lambda new, old: new, lambda new, old: old, new_state, old_state)
 
 
 def check_finite(step: int, metrics: Mapping[str, float], cfg, last_checkpoint: int | None) -> None:

@@ -55,6 +55,9 @@ def _train(stage: str, *, overrides, steps, output, model, config, init_from=Non
     from core.sharding import initialize_distributed, is_main_process  # imports jax, starts no backend
 
     initialize_distributed(*hosts)  # before any JAX work; a no-op for a plain single process
+    from core.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache(cfg.jax_cache_dir)  # before the step compiles: a rerun of this shape reads it back
     from core.train import Trainer
 
     display = TrainDisplay(None if is_main_process() else Console(quiet=True))
