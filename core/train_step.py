@@ -119,7 +119,7 @@ _RUN_ONLY_KEYS = frozenset({
     "dataset_type", "hf_path", "hf_name", "hf_data_files", "hf_split", "hf_eval_split", "hf_text_column",
     "hf_streaming", "tokenizer_path", "eval_holdout_fraction", "data_shuffle_seed", "checkpoint_period",
     "max_checkpoints", "async_checkpointing", "base_output_directory", "run_name", "allow_data_change",
-    "enable_tensorboard"})
+    "enable_tensorboard", "jax_cache_dir"})
 # Per process, keyed by the compile-relevant config: the optax transformation (it is part of the
 # optimizer's graphdef, so reusing it makes equal configs give equal graphdefs) and the jitted
 # step, so a resumed or repeated run in the same process does not compile again.

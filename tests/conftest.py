@@ -17,6 +17,8 @@ _HF_HOME = tempfile.mkdtemp(prefix="dsv4-test-hf-")
 os.environ["HF_HOME"] = _HF_HOME
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
+# the CLI's persistent compilation cache (jax_cache_dir: default) lands here, not in ~/.cache
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="dsv4-test-cache-")
 
 # Five layers (SWA, then CSA/HCA twice: the hash-routed first layer stays unrolled, the repeating
 # CSA/HCA pair is scanned), 128-token rows (HCA needs a multiple of 128), two rows per step: every
