@@ -34,7 +34,8 @@ from typing import Any, Callable, Sequence
 COMPONENTS = ("attention", "compressor", "indexer", "MoE", "mHC", "head", "optimizer", "other")
 # project module -> component; modules not listed are helpers attributed to their caller
 _OWNERS = {"attention": "attention", "compressor": "compressor", "indexer": "indexer",
-           "indexer_loss": "indexer", "moe": "MoE", "mhc": "mHC", "lm_loss": "head"}
+           "indexer_loss": "indexer", "moe": "MoE", "moe_dispatch": "MoE", "mhc": "mHC",
+           "lm_loss": "head"}
 _HELPERS = {"layers", "rope", "masks", "sharding"}
 _CORE = str(Path(__file__).resolve().parent)
 _SIZES = "__SIZES__"  # marker of the subprocess's one JSON line
