@@ -73,7 +73,16 @@ def test_cli_train_sweep_json():
     assert row["tokens_per_step"] == 32 and row["last"]["lm_loss"] > 0
 
 
-def test_profile_counts_the_head_exactly():
+@pytest.fixture(scope="module")
+def timed_profile():
+    """`dsv4 bench --train --profile` at 2 x 32 (FLOPs, one timed and one traced step), as JSON."""
+    result = CliRunner().invoke(app, ["bench", "--train", "--profile", "--seq", "32", "--batch", "2",
+                                      "--train-steps", "1", "--json", *TRAIN_TINY])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_profile_counts_the_head_exactly(timed_profile):
     """FLOPs per component from the step's jaxpr: the chunked head's matmuls are 3 x 2NMV
     (logits, d hidden, d head, all in the forward scan) over N tokens padded to whole chunks, and the
     components add up to the total."""
@@ -81,11 +90,8 @@ def test_profile_counts_the_head_exactly():
 
     from dsv4cli.bench_train import render_profile
 
-    result = CliRunner().invoke(app, ["bench", "--train", "--profile", "--no-time", "--seq", "32", "--batch", "2",
-                                      "--json", *TRAIN_TINY])
-    assert result.exit_code == 0, result.output
-    out = json.loads(result.stdout)
-    assert (out["stage"], out["seq"], out["batch"]) == ("sparse", 32, 2) and "measured" not in out
+    out = timed_profile
+    assert (out["stage"], out["seq"], out["batch"]) == ("sparse", 32, 2)
     n, m, v = 72, 64, 512  # 2 x 32 = 64 tokens in chunks of 24: 3 chunks
     comps = out["components"]
     assert comps["head"]["matmul_flops"] == 3 * 2 * n * m * v, comps["head"]
@@ -124,7 +130,7 @@ def test_loss_shapes_come_from_the_model_configs(name):
     assert shape.heads % shape.default_head_chunk == 0
 
 
-def test_profile_times_every_component_from_a_trace():
+def test_profile_times_every_component_from_a_trace(timed_profile):
     """The measured time per component (jax.profiler trace of the compiled step): the components cover
     the traced ops exactly, every component that runs gets time and those the model lacks get none."""
     from rich.console import Console
@@ -132,10 +138,8 @@ def test_profile_times_every_component_from_a_trace():
     from core.bench_train import COMPONENTS
     from dsv4cli.bench_train import render_profile
 
-    result = CliRunner().invoke(app, ["bench", "--train", "--profile", "--seq", "32", "--batch", "1",
-                                      "--train-steps", "1", "--json", *TRAIN_TINY])
-    assert result.exit_code == 0, result.output
-    out = json.loads(result.stdout)
+    out = timed_profile
+    assert out["measured"]["tokens_per_step"] == 64 and out["matmul_gflops"] > 0
     timed = out["measured"]["time"]
     assert list(timed["components"]) == list(COMPONENTS) and timed["steps"] == 1
     assert sum(timed["components"].values()) == pytest.approx(timed["op_s"], rel=1e-9)

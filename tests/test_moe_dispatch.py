@@ -46,8 +46,7 @@ def _flat(grads):
     return {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
 
 
-@pytest.mark.parametrize("hash_routed", [False, True])
-@pytest.mark.parametrize("tile", [1, 5, 64])
+@pytest.mark.parametrize("hash_routed, tile", [(False, 1), (True, 5), (False, 64)])
 def test_tiled_equals_dense_value_and_gradient_f64(x64, hash_routed, tile):
     """float64: the tiled path equals the dense one and the loop reference, gradients included, with padding."""
     dense = _moe(hash_routed, dtype=jnp.float64)
