@@ -22,7 +22,7 @@ Expert computation (`impl`, IMPLS):
 - "tiled" (default): the B*T*k (token, expert) slots sorted by expert into whole tiles of
   `tile_size` rows, batched einsums over tiles, summed back per token (core/moe_dispatch.py):
   drop-free, about the slots' own FLOPs plus padding. tile_size 0 picks `auto_tile`. At
-  deepseek4-tiny's size one layer's forward+backward ran 4-6x faster than "dense" on the 2-core
+  deepseek4-tiny's size one layer's forward+backward ran 4-7x faster than "dense" on the 2-core
   CPU (docs/benchmarks.md, "Time per component").
 - "dense" runs every expert on every token and combines with a [B, T, E] weight matrix: E/k times
   the FLOPs, plain einsums that shard over an `experts` mesh axis without token permutations.
