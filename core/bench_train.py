@@ -34,7 +34,8 @@ from typing import Any, Callable, Sequence
 COMPONENTS = ("attention", "compressor", "indexer", "MoE", "mHC", "head", "optimizer", "other")
 # project module -> component; modules not listed are helpers attributed to their caller
 _OWNERS = {"attention": "attention", "compressor": "compressor", "indexer": "indexer",
-           "indexer_loss": "indexer", "moe": "MoE", "mhc": "mHC", "lm_loss": "head"}
+           "indexer_loss": "indexer", "moe": "MoE", "moe_dispatch": "MoE", "mhc": "mHC",
+           "lm_loss": "head"}
 _HELPERS = {"layers", "rope", "masks", "sharding"}
 _CORE = str(Path(__file__).resolve().parent)
 _SIZES = "__SIZES__"  # marker of the subprocess's one JSON line
@@ -94,9 +95,12 @@ def _xla_flops(compiled) -> float:
 
 def _component(traceback) -> str:
     """Component of an equation: its innermost non-helper project frame (optax's frames: optimizer)."""
-    frames = traceback.frames if traceback is not None else ()
-    for frame in frames:  # innermost first
-        name = frame.file_name
+    return component_of_files([f.file_name for f in traceback.frames] if traceback is not None else [])
+
+
+def component_of_files(file_names: Sequence[str]) -> str:
+    """Component of a call stack given as source file names, innermost first (`_component`'s rule)."""
+    for name in file_names:
         if "/optax/" in name:
             return "optimizer"
         if not name.startswith(_CORE):
@@ -183,13 +187,15 @@ def component_flops(cfg, *, compile: bool = True) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- speed over shapes
 
 
-def measure_shape(cfg, steps: int) -> dict[str, Any]:
+def measure_shape(cfg, steps: int, trace_steps: int = 0) -> dict[str, Any]:
     """Build, compile (timed, memory analysed) and run `steps` + 1 train steps of `cfg` in this process.
+
+    With `trace_steps`, that many more steps then run under jax.profiler (core/bench_time.py).
 
     Returns:
       {"compile_s" (lower + compile), "first_step_s", "step_time_s" (median of the timed steps),
        "tokens_per_step", "tokens_per_s", "temp_bytes", "peak_rss_bytes" (this process's max RSS),
-       "last": the last step's metrics}.
+       "last": the last step's metrics, and with trace_steps "time": bench_time.trace_step's dict}.
     """
     import jax
     import numpy as np
@@ -202,7 +208,8 @@ def measure_shape(cfg, steps: int) -> dict[str, Any]:
     setup = build(cfg)
     graphdef, state = nnx.split((setup.model, setup.optimizer))
     data = train_batches(cfg, setup.batch_size)
-    batches = [shard_batch(next(data), setup.mesh) for _ in range(steps + 1)]
+    batches = [shard_batch(next(data), setup.mesh) for _ in range(steps + 1 + trace_steps)]
+    batches, traced = batches[:steps + 1], batches[steps + 1:]
     start = time.perf_counter()
     step_fn = make_train_step(cfg, graphdef, state, setup.mesh).lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - start
@@ -215,7 +222,12 @@ def measure_shape(cfg, steps: int) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
     tokens = setup.batch_size * cfg.max_target_length
     step_time = float(np.median(times[1:])) if steps else times[0]
-    return {"compile_s": compile_s, "first_step_s": times[0], "step_time_s": step_time, "tokens_per_step": tokens,
+    extra = {}
+    if traced:
+        from core.bench_time import trace_step
+
+        state, extra["time"] = trace_step(step_fn, state, traced)
+    return {**extra, "compile_s": compile_s, "first_step_s": times[0], "step_time_s": step_time, "tokens_per_step": tokens,
             "tokens_per_s": tokens / step_time, "temp_bytes": temp, "peak_rss_bytes": peak_rss_bytes(),
             "last": {k: float(v) for k, v in metrics.items()}}
 
@@ -258,8 +270,9 @@ def run_train_sweep(stages: Sequence[str], seqs: Sequence[int], batches: Sequenc
     return {"model": model, "steps": steps, "rows": rows}
 
 
-def _run_point(stage, seq, batch, steps, overrides, model, timeout_s) -> dict[str, Any]:
-    args = [sys.executable, "-m", "core.bench_train", json.dumps([stage, seq, batch, steps, list(overrides), model])]
+def _run_point(stage, seq, batch, steps, overrides, model, timeout_s, trace_steps: int = 0) -> dict[str, Any]:
+    point = [stage, seq, batch, steps, list(overrides), model, trace_steps]
+    args = [sys.executable, "-m", "core.bench_train", json.dumps(point)]
     try:
         proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ))
     except subprocess.TimeoutExpired:
@@ -298,12 +311,12 @@ def profile_step(stage: str = "sparse", seq: int = 256, batch: int = 1, *, steps
     out = component_flops(sweep_config(stage, seq, batch, overrides, model))
     out.update(model=model, stage=stage, seq=seq, batch=batch)
     if timed:
-        out["measured"] = _run_point(stage, seq, batch, steps, overrides, model, None)
+        out["measured"] = _run_point(stage, seq, batch, steps, overrides, model, None, trace_steps=steps)
         out["matmul_gflops"] = matmul_gflops()
     return out
 
 
-if __name__ == "__main__":  # one sweep point: python -m core.bench_train '[stage, seq, batch, steps, overrides, model]'
-    _stage, _seq, _batch, _steps, _overrides, _model = json.loads(sys.argv[1])
-    _out = measure_shape(sweep_config(_stage, _seq, _batch, _overrides, _model), _steps)
+if __name__ == "__main__":  # one point: python -m core.bench_train '[stage, seq, batch, steps, overrides, model, trace]'
+    _stage, _seq, _batch, _steps, _overrides, _model, _trace = json.loads(sys.argv[1])
+    _out = measure_shape(sweep_config(_stage, _seq, _batch, _overrides, _model), _steps, _trace)
     print(_SIZES + json.dumps(_out), flush=True)

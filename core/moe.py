@@ -18,13 +18,17 @@ Semantics follow the official DeepSeek-V4 inference code (`inference/model.py`, 
   (per batch row f_e and P_e, then the mean over rows), padding excluded:
   lb = weight * E * sum_e f_e * P_e, = weight * k at perfect balance.
 
-Expert computation. `impl="dense"` (default) runs every expert on every token and combines with a
-[B, T, E] weight matrix: E/k times the FLOPs of a sparse dispatch, but plain einsums that XLA
-compiles fast and that shard over an `experts` mesh axis without token permutations; at
-deepseek4-tiny's size (16 experts, width 64, B=4, T=256) one layer's forward+backward ran about
-2x faster than the ragged path on the 2-core CPU. `impl="ragged"` sorts the
-B*T*k (token, expert) slots by expert and uses `jax.lax.ragged_dot`: the FLOP-optimal path for
-the full-size configs on accelerators. Both agree to float32 rounding (tests/test_moe.py).
+Expert computation (`impl`, IMPLS):
+- "tiled" (default): the B*T*k (token, expert) slots sorted by expert into whole tiles of
+  `tile_size` rows, batched einsums over tiles, summed back per token (core/moe_dispatch.py):
+  drop-free, about the slots' own FLOPs plus padding. tile_size 0 picks `auto_tile`. At
+  deepseek4-tiny's size one layer's forward+backward ran 4-7x faster than "dense" on the 2-core
+  CPU (docs/benchmarks.md, "Time per component").
+- "dense" runs every expert on every token and combines with a [B, T, E] weight matrix: E/k times
+  the FLOPs, plain einsums that shard over an `experts` mesh axis without token permutations.
+- "ragged" sorts the slots by expert and uses `jax.lax.ragged_dot`: the FLOP-optimal path on
+  accelerators with a grouped-matmul kernel (XLA CPU lowers it densely: slowest there).
+All three agree to float32 rounding in value and gradient (tests/test_moe.py, test_moe_dispatch.py).
 
 Parameter layout is [in, out] (JAX convention; the official Linear stores [out, in]):
 gate.weight [M, E], gate.bias [E], gate.tid2eid [V, k], experts.w1/w3 [E, M, F], experts.w2
@@ -38,6 +42,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from core.layers import dense_init, param, upcast
+from core.moe_dispatch import tiled_experts
+
+
+IMPLS = ("dense", "tiled", "ragged")  # expert computation (module docstring)
 
 
 class RouterBias(nnx.Variable):
@@ -183,6 +191,12 @@ def dense_experts(x_btm, combine_bte, w1_emf, w2_efm, w3_emf, limit: float):
                       preferred_element_type=_acc(x_btm))
 
 
+def auto_tile(tokens: int, num_experts: int, k: int) -> int:
+    """Rows per tile for the tiled path: half the mean slots per expert, a power of two in [8, 128]."""
+    half_mean = max(tokens * k // (2 * num_experts), 1)
+    return int(min(128, max(8, 1 << (half_mean - 1).bit_length())))
+
+
 def ragged_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: float):
     """The same sum over the k chosen experts only, grouped by expert with `lax.ragged_dot`."""
     b, t, m = x_btm.shape
@@ -262,9 +276,12 @@ class MoE(nnx.Module):
     def __init__(self, emb, moe_mlp_dim, num_experts, experts_per_tok, shared_experts, *,
                  hash_routed: bool, vocab_size, routed_scaling_factor, norm_topk_prob, use_bias,
                  swiglu_limit, seed_for_hash_table: int, rngs, param_dtype=jnp.float32,
-                 dtype=jnp.float32, impl: str = "dense", load_balance_loss_weight: float = 1.0):
-        if impl not in ("dense", "ragged"):
-            raise ValueError(f"MoE impl must be 'dense' or 'ragged', got {impl!r}")
+                 dtype=jnp.float32, impl: str = "tiled", load_balance_loss_weight: float = 1.0,
+                 tile_size: int = 0):
+        if impl not in IMPLS:
+            raise ValueError(f"MoE impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+        if tile_size < 0:
+            raise ValueError(f"MoE tile_size must be >= 0 (0 = auto), got {tile_size}")
         if not 1 <= experts_per_tok <= num_experts:
             raise ValueError(f"experts_per_tok={experts_per_tok} must be in [1, {num_experts}]")
         self.num_experts = num_experts
@@ -275,6 +292,7 @@ class MoE(nnx.Module):
         self.limit = float(swiglu_limit)
         self.dtype = dtype
         self.impl = impl
+        self.tile = int(tile_size)
         self.lb_weight = float(load_balance_loss_weight)
         self.gate = Router(emb, num_experts, experts_per_tok, hash_routed=hash_routed,
                            vocab_size=vocab_size, use_bias=use_bias,
@@ -303,6 +321,10 @@ class MoE(nnx.Module):
             combine_bte = jnp.einsum("btk,btke->bte", weights_btk,
                                      jax.nn.one_hot(idx_btk, self.num_experts, dtype=jnp.float32))
             y_btm = dense_experts(x_c, combine_bte, w1, w2, w3, self.limit)
+        elif self.impl == "tiled":
+            tile = self.tile or auto_tile(x_c.shape[0] * x_c.shape[1], self.num_experts, self.k)
+            y_btm = tiled_experts(x_c, idx_btk, weights_btk, w1, w2, w3, self.limit, tile,
+                                  hidden=swiglu_hidden, acc=_acc(x_c))
         else:
             y_btm = ragged_experts(x_c, idx_btk, weights_btk, w1, w2, w3, self.limit)
         if self.shared_experts is not None:

@@ -25,8 +25,8 @@ Train = Annotated[bool, typer.Option("--train", help="Instead: the deepseek4-tin
 TrainSteps = Annotated[int, typer.Option("--train-steps", min=1, help="Timed training steps per shape with --train (after one untimed first step).")]
 Batches = Annotated[Optional[str], typer.Option("--batch", help="With --train: comma-separated batch sizes (default: the config's, 4).", show_default=False)]
 Stages = Annotated[str, typer.Option("--stage", help="With --train: comma-separated stages (pretrain, warmup, sparse).")]
-Profile = Annotated[bool, typer.Option("--profile", help="With --train: FLOPs of the step per component (attention, compressor, indexer, MoE, mHC, head, optimizer) for one stage and shape (default sparse 1 x 256), and its measured step time.")]
-NoTime = Annotated[bool, typer.Option("--no-time", help="With --profile: count FLOPs only; do not run the step.")]
+Profile = Annotated[bool, typer.Option("--profile", help="With --train: FLOPs of the step per component (attention, compressor, indexer, MoE, mHC, head, optimizer) for one stage and shape (default sparse 1 x 256), its measured step time and each component's measured time (jax.profiler trace of --train-steps steps).")]
+NoTime = Annotated[bool, typer.Option("--no-time", help="With --profile: count FLOPs only; do not run or trace the step.")]
 
 GIB = 2**30
 STAGE_DEFAULT = "warmup,sparse"

@@ -63,18 +63,28 @@ def render_profile(console, r: dict[str, Any]) -> None:
     from rich.table import Table
 
     measured, ceiling = r.get("measured") or {}, r.get("matmul_gflops")
-    total = r["total_flops"]
+    total, timed = r["total_flops"], (r.get("measured") or {}).get("time")
     console.print(f"[bold]{r['model']} {r['stage']} step, {r['batch']} x {r['seq']}: FLOPs per component[/bold]  "
                   f"(counted from the step's jaxpr, backward and remat included)")
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for title in ("component", "matmul GFLOP", "other GFLOP", "share", "MFLOP/token", "at ceiling"):
+    titles = ("component", "matmul GFLOP", "other GFLOP", "share", "MFLOP/token", "at ceiling")
+    for title in titles + (("time", "time share", "GFLOP/s") if timed else ()):
         table.add_column(title, justify="left" if title == "component" else "right")
     for name, c in r["components"].items():
         flops = c["matmul_flops"] + c["other_flops"]
-        table.add_row(name, f"{c['matmul_flops'] / 1e9:.3f}", f"{c['other_flops'] / 1e9:.3f}",
-                      f"{100 * flops / total:.1f}%", f"{flops / r['tokens_per_step'] / 1e6:.1f}",
-                      _fmt(None if not ceiling else c["matmul_flops"] / ceiling / 1e9, ".3f") + ("s" if ceiling else ""))
+        cells = [name, f"{c['matmul_flops'] / 1e9:.3f}", f"{c['other_flops'] / 1e9:.3f}",
+                 f"{100 * flops / total:.1f}%", f"{flops / r['tokens_per_step'] / 1e6:.1f}",
+                 _fmt(None if not ceiling else c["matmul_flops"] / ceiling / 1e9, ".3f") + ("s" if ceiling else "")]
+        if timed:
+            seconds = timed["components"][name]
+            cells += [f"{seconds:.3f}s", f"{100 * seconds / max(timed['op_s'], 1e-12):.1f}%",
+                      _fmt(flops / seconds / 1e9 if seconds > 0 else None, ".1f")]
+        table.add_row(*cells)
     console.print(table)
+    if timed:
+        console.print(f"time: exclusive time of the step's XLA ops per component from a jax.profiler trace of "
+                      f"{timed['steps']} steps, {timed['op_s']:.3f}s of ops per step against {timed['traced_step_s']:.3f}s "
+                      f"traced wall time ({timed['unmatched_s']:.3f}s of ops without a source frame, in other)")
     console.print(f"total {total / 1e9:.2f} GFLOP ({total / r['tokens_per_step'] / 1e6:.1f} MFLOP/token); XLA cost "
                   f"analysis of the compiled step: {r['xla_flops'] / 1e9:.2f} GFLOP; XLA temp {_bytes(r['temp_bytes'])}")
     if "error" in measured:

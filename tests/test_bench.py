@@ -73,7 +73,16 @@ def test_cli_train_sweep_json():
     assert row["tokens_per_step"] == 32 and row["last"]["lm_loss"] > 0
 
 
-def test_profile_counts_the_head_exactly():
+@pytest.fixture(scope="module")
+def timed_profile():
+    """`dsv4 bench --train --profile` at 2 x 32 (FLOPs, one timed and one traced step), as JSON."""
+    result = CliRunner().invoke(app, ["bench", "--train", "--profile", "--seq", "32", "--batch", "2",
+                                      "--train-steps", "1", "--json", *TRAIN_TINY])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_profile_counts_the_head_exactly(timed_profile):
     """FLOPs per component from the step's jaxpr: the chunked head's matmuls are 3 x 2NMV
     (logits, d hidden, d head, all in the forward scan) over N tokens padded to whole chunks, and the
     components add up to the total."""
@@ -81,11 +90,8 @@ def test_profile_counts_the_head_exactly():
 
     from dsv4cli.bench_train import render_profile
 
-    result = CliRunner().invoke(app, ["bench", "--train", "--profile", "--no-time", "--seq", "32", "--batch", "2",
-                                      "--json", *TRAIN_TINY])
-    assert result.exit_code == 0, result.output
-    out = json.loads(result.stdout)
-    assert (out["stage"], out["seq"], out["batch"]) == ("sparse", 32, 2) and "measured" not in out
+    out = timed_profile
+    assert (out["stage"], out["seq"], out["batch"]) == ("sparse", 32, 2)
     n, m, v = 72, 64, 512  # 2 x 32 = 64 tokens in chunks of 24: 3 chunks
     comps = out["components"]
     assert comps["head"]["matmul_flops"] == 3 * 2 * n * m * v, comps["head"]
@@ -122,3 +128,42 @@ def test_loss_shapes_come_from_the_model_configs(name):
         assert (shape.heads, shape.head_dim, shape.indexer_heads, shape.indexer_head_dim, shape.topk) == (64, 512, 64, 128, 512)
         assert shape.default_head_chunk == 8
     assert shape.heads % shape.default_head_chunk == 0
+
+
+def test_profile_times_every_component_from_a_trace(timed_profile):
+    """The measured time per component (jax.profiler trace of the compiled step): the components cover
+    the traced ops exactly, every component that runs gets time and those the model lacks get none."""
+    from rich.console import Console
+
+    from core.bench_train import COMPONENTS
+    from dsv4cli.bench_train import render_profile
+
+    out = timed_profile
+    assert out["measured"]["tokens_per_step"] == 64 and out["matmul_gflops"] > 0
+    timed = out["measured"]["time"]
+    assert list(timed["components"]) == list(COMPONENTS) and timed["steps"] == 1
+    assert sum(timed["components"].values()) == pytest.approx(timed["op_s"], rel=1e-9)
+    for name in ("attention", "MoE", "mHC", "head", "optimizer"):
+        assert timed["components"][name] > 0, (name, timed)
+    assert timed["components"]["indexer"] == timed["components"]["compressor"] == 0  # no CSA/HCA layer
+    assert 0 <= timed["unmatched_s"] <= timed["components"]["other"] and timed["traced_step_s"] > 0
+    assert all(row[1] in COMPONENTS and row[2] > 0 for row in timed["top_ops"]), timed["top_ops"]
+    console = Console(record=True, width=250)
+    render_profile(console, out)
+    assert "time share" in console.export_text()
+
+
+def test_hlo_stack_frames_name_the_component():
+    """Every instruction of a compiled fwd+bwd of mHC's Sinkhorn and MoE's SwiGLU maps to one of the two."""
+    import jax
+    import jax.numpy as jnp
+
+    from core import bench_time, mhc, moe
+
+    def f(x):
+        return jnp.sum(mhc.sinkhorn(x, 3, 1e-6)) + jnp.sum(moe.swiglu_hidden(x, 2.0 * x, 1.5))
+
+    hlo = jax.jit(jax.grad(f)).lower(jnp.ones((4, 3, 3))).compile().as_text()
+    owners = {component for component, _ in bench_time.hlo_components(hlo).values()}
+    assert {"mHC", "MoE"} <= owners <= {"mHC", "MoE", "other"}, owners
+    assert bench_time.module_name(hlo).startswith("jit_")

@@ -184,7 +184,8 @@ def _inputs(dtype, seed=11):
     return x, tokens, np.ones((2, 6), bool)
 
 
-@pytest.mark.parametrize("hash_routed, impl", [(False, "dense"), (True, "dense"), (False, "ragged")])
+@pytest.mark.parametrize("hash_routed, impl", [(False, "dense"), (True, "dense"), (False, "ragged"),
+                                               (False, "tiled"), (True, "tiled")])
 def test_moe_module_matches_reference_f64(x64, hash_routed, impl):
     m = _moe(hash_routed, dtype=jnp.float64, impl=impl)   # random (float32) bias when learned
     x, tokens, valid = _inputs(jnp.float64)
@@ -193,7 +194,7 @@ def test_moe_module_matches_reference_f64(x64, hash_routed, impl):
     assert aux["load"].shape == (8,)
 
 
-@pytest.mark.parametrize("impl", ["dense", "ragged"])
+@pytest.mark.parametrize("impl", ["dense", "ragged", "tiled"])
 def test_moe_module_matches_reference_f32(impl):
     m = _moe(False, impl=impl, shared=2)
     x, tokens, valid = _inputs(jnp.float32)
