@@ -86,6 +86,8 @@ class Config:
     routed_bias_update_rate: float
     first_num_hash_layers: int
     load_balance_loss_weight: float
+    moe_impl: str                     # tiled | dense | ragged (expert computation, core/moe.py)
+    moe_tile_size: int                # rows per tile of the tiled path, 0 = auto
     # manifold-constrained hyper-connections
     mhc_expansion_rate: int
     hc_sinkhorn_iters: int
@@ -193,7 +195,7 @@ _POSITIVE = {
     "compressed_rope_max_timescale", "rope_factor", "adam_eps",
 }
 _NON_NEGATIVE = {
-    "lm_loss_chunk_size",
+    "lm_loss_chunk_size", "moe_tile_size",
     "qk_rope_head_dim", "indexer_loss_scaling_factor", "csa_qk_head_chunk_size",
     "csa_query_chunk_size", "shared_experts", "mlp_activations_limit", "routed_scaling_factor",
     "routed_bias_update_rate", "first_num_hash_layers", "load_balance_loss_weight",
@@ -205,6 +207,7 @@ _CHOICES = {
     "dtype": ("float32", "bfloat16"),
     "weight_dtype": ("float32", "bfloat16"),
     "remat_policy": ("none", "minimal", "full"),
+    "moe_impl": ("tiled", "dense", "ragged"),
     "rope_type": ("default", "yarn"),
     "indexer_teacher": ("compressed", "joint"),
     "attention": ("chunked", "masked"),

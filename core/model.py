@@ -93,7 +93,8 @@ class BlockSpec:
             hash_routed=layer < cfg.first_num_hash_layers, vocab_size=cfg.vocab_size,
             routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob,
             use_bias=cfg.routed_bias, swiglu_limit=cfg.mlp_activations_limit,
-            load_balance_loss_weight=cfg.load_balance_loss_weight)
+            load_balance_loss_weight=cfg.load_balance_loss_weight, impl=cfg.moe_impl,
+            tile_size=cfg.moe_tile_size)
         return cls(AttentionSpec.from_config(cfg, layer), cfg.emb, cfg.normalization_layer_epsilon,
                    cfg.mhc_expansion_rate, cfg.hc_sinkhorn_iters, cfg.hc_eps, tuple(sorted(moe.items())))
 

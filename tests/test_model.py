@@ -357,3 +357,17 @@ def test_router_bias_update_reaches_every_learned_layer():
     for old, new in zip(before, biases(model)):
         np.testing.assert_allclose(new[:, 0] - old[:, 0], -0.01, atol=1e-7)
         np.testing.assert_allclose(new[:, 1:] - old[:, 1:], 0.01, atol=1e-7)
+
+
+def test_moe_impl_key_reaches_every_block_and_paths_agree():
+    """`moe_impl` picks every layer's expert computation; tiled and dense give the same logits."""
+    cfg, tiled = model_b()
+    dense_cfg = cfg.replace(moe_impl="dense")
+    dense = with_params(dense_cfg, tiled)
+    impls = lambda m: {x.impl for _, x in nnx.iter_graph(m) if type(x).__name__ == "MoE"}  # noqa: E731
+    assert impls(tiled) == {"tiled"} and impls(dense) == {"dense"}
+    tokens = tokens_for(3, (2, 32))
+    pos, seg = rows_of([32], [20, 12], t=32)
+    logits_t, _ = eval_fwd(tiled, tokens, pos, seg)
+    logits_d, _ = eval_fwd(dense, tokens, pos, seg)
+    np.testing.assert_allclose(logits_t, logits_d, atol=1e-5, rtol=1e-5)
