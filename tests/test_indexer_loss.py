@@ -322,3 +322,64 @@ def test_property_kl_nonnegative_and_chunk_parity(seed, t, density):
     assert abs(float(loss) - float(direct)) <= 1e-5 * float(direct) + 1e-7
     scale = max(float(jnp.max(jnp.abs(direct_grads[0]))), 1e-6)
     assert np.max(np.abs(np.asarray(grads[0]) - np.asarray(direct_grads[0]))) <= 1e-5 * scale
+
+
+# ----------------------------------------------------------------------------- zero-initialised indexer weights
+
+
+def _value(v):
+    return np.asarray(v.get_value() if hasattr(v, "get_value") else v)
+
+
+def _indexer_pair(seed=3):
+    from flax import nnx
+
+    from core.indexer import Indexer
+    from core.rope import RopeSpec
+
+    make = lambda init: Indexer(16, 8, 4, 8, RopeSpec(4, 50.0), 1e-6, rngs=nnx.Rngs(seed), weights_init=init)  # noqa: E731
+    return make("fan_in"), make("zeros")
+
+
+def test_zero_weights_init_is_a_uniform_student_and_changes_nothing_else(x64):
+    """weights_init="zeros": weights_proj = 0, every other parameter as with "fan_in" (same keys); the
+    scores are 0, so the loss is KL(P || uniform) of the float64 reference; at that point the
+    gradient reaches weights_proj only (q and k are multiplied by the zero weights)."""
+    from flax import nnx
+
+    fan_in, zeros = _indexer_pair()
+    a, b = (dict(nnx.to_flat_state(nnx.state(m, nnx.Param))) for m in (fan_in, zeros))
+    assert a.keys() == b.keys()
+    for k in a:
+        same = np.array_equal(_value(a[k]), _value(b[k]))
+        assert same == (k != ("weights_proj",)), k
+    assert not np.any(np.asarray(zeros.weights_proj[...])) and np.any(np.asarray(fan_in.weights_proj[...]))
+
+    rng = np.random.default_rng(0)
+    bsz, t, h, d = 2, 16, 4, 8
+    pos, seg = (np.stack(z) for z in zip(*[packed([t], t)] * bsz))
+    x, c_q = rng.normal(size=(bsz, t, 16)), rng.normal(size=(bsz, t, 8))
+    q, kv = rng.normal(size=(bsz, t, h, d)) * d**-0.5 * 3, rng.normal(size=(bsz, t // RATIO, d))
+    vis = ref.visible(pos, seg, RATIO)
+
+    def loss(model):
+        scores = model(jnp.asarray(x), jnp.asarray(c_q), jnp.asarray(pos), jnp.asarray(vis))
+        return csa_indexer_loss(scores, jnp.asarray(q), jnp.asarray(kv), jnp.asarray(vis)), scores
+
+    (value, scores), grads = nnx.value_and_grad(loss, has_aux=True)(zeros)
+    assert not np.any(np.asarray(scores)[vis])
+    uniform = ref.indexer_kl_loss(np.zeros((bsz, t, t // RATIO)), q, kv, vis)[0]
+    np.testing.assert_allclose(float(value), uniform, rtol=1e-12)
+    flat = dict(nnx.to_flat_state(grads))
+    for k, g in flat.items():
+        assert np.any(_value(g)) == (k == ("weights_proj",)), k
+
+
+def test_unknown_weights_init_raises():
+    from flax import nnx
+
+    from core.indexer import Indexer
+    from core.rope import RopeSpec
+
+    with pytest.raises(ValueError, match="weights_init='normal' is unknown"):
+        Indexer(16, 8, 4, 8, RopeSpec(4, 50.0), 1e-6, rngs=nnx.Rngs(0), weights_init="normal")
