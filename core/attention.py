@@ -129,6 +129,7 @@ class AttentionSpec:
     indexer_topk: int = 0
     loss_scale: float = 0.0    # indexer_loss_scaling_factor
     teacher: str = "compressed"
+    indexer_weights_init: str = "fan_in"  # how the indexer's weights_proj starts (core.indexer.WEIGHTS_INITS)
     head_chunk: int = 0
     query_chunk: int = 0
     attention: str = "chunked"  # "chunked" (core.sparse_attention) | "masked" (dense reference)
@@ -146,6 +147,7 @@ class AttentionSpec:
             indexer_head_dim=cfg.indexer_head_dim if indexed else 0,
             indexer_topk=cfg.indexer_topk if indexed else 0,
             loss_scale=cfg.indexer_loss_scaling_factor, teacher=cfg.indexer_teacher,
+            indexer_weights_init=cfg.indexer_weights_init,
             head_chunk=cfg.csa_qk_head_chunk_size, query_chunk=cfg.csa_query_chunk_size,
             attention=cfg.attention, attention_chunk=cfg.attention_query_chunk_size)
 
@@ -179,7 +181,8 @@ class Attention(nnx.Module):
                                          param_dtype=param_dtype, dtype=dtype)
         if s.indexer_heads:
             self.indexer = Indexer(s.emb, s.q_lora_rank, s.indexer_heads, s.indexer_head_dim, s.rope,
-                                   s.eps, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+                                   s.eps, rngs=rngs, param_dtype=param_dtype, dtype=dtype,
+                                   weights_init=s.indexer_weights_init)
 
     def _queries(self, x_btm, positions_bt):
         """(c_q_btr, q_bthd): low-rank queries, per-head weightless RMS norm, RoPE, * D^-1/2."""

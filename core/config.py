@@ -68,6 +68,7 @@ class Config:
     indexer_sparse_training: bool
     dense_pretraining: bool           # stage 1: CSA over every visible block, indexer idle
     indexer_teacher: str
+    indexer_weights_init: str         # fan_in | zeros: how the indexer's weights_proj starts
     csa_qk_head_chunk_size: int       # heads per scan step, 0 = off
     csa_query_chunk_size: int         # query positions per scan step, 0 = off
     attention: str                    # chunked (banded window, gathered top-k) | masked (dense reference)
@@ -210,6 +211,7 @@ _CHOICES = {
     "moe_impl": ("tiled", "dense", "ragged"),
     "rope_type": ("default", "yarn"),
     "indexer_teacher": ("compressed", "joint"),
+    "indexer_weights_init": ("fan_in", "zeros"),
     "attention": ("chunked", "masked"),
     "routed_score_func": ("sqrtsoftplus",),
     "dataset_type": ("hf", "synthetic"),

@@ -13,8 +13,9 @@ from dsv4cli.errors import handle_errors
 PRETRAIN_HELP = (
     "Dense pre-training (stage 1): the LM trains with every visible compressed block, the indexer idle "
     "(no indexer loss; its parameters exist but get no gradient and no optimizer state). "
-    "Stage defaults: dense_pretraining=true indexer_loss_scaling_factor=0 indexer_sparse_training=false "
-    "frozen_parameters_mask=['.*indexer.*'] learning_rate=1e-3 per_device_batch_size=1. "
+    "Stage defaults: dense_pretraining=true use_indexer=true indexer_loss_scaling_factor=0 indexer_sparse_training=false "
+    "trainable_parameters_mask=[] "
+    "frozen_parameters_mask=['.*indexer.*'] indexer_weights_init=zeros learning_rate=1e-3 per_device_batch_size=1. "
     "Then: dsv4 warmup --init-from this run. Rerun on the same --output to resume; --steps is the run's total."
 )
 PRETRAIN_EPILOG = "Example: dsv4 pretrain --steps 300    |    dsv4 pretrain --steps 20 --output runs/p2 learning_rate=3e-3"
@@ -22,7 +23,7 @@ WARMUP_HELP = (
     "Dense indexer warm-up: the indexer distills the main attention by a KL loss, everything else frozen. "
     "Stage defaults: use_indexer=true indexer_loss_scaling_factor=0.01 indexer_sparse_training=false "
     "trainable_parameters_mask=['.*indexer.*'] learning_rate=1e-2 cosine_learning_rate_final_fraction=1 "
-    "adam_weight_decay=0 adam_eps=1e-12 (AdamW, linear warm-up, then constant). "
+    "adam_weight_decay=0 adam_eps=1e-12 indexer_weights_init=zeros (AdamW, linear warm-up, then constant). "
     "--init-from starts from a run's weights and router biases (a model without an indexer gets a fresh one). "
     "Rerun on the same --output to resume from its latest checkpoint; --steps is the run's total."
 )

@@ -172,12 +172,17 @@ def _train_loss(model, chunk, via_logits=False):
 
 
 def _assert_same(a, b, rtol):
+    """Loss to `rtol`; gradients to `rtol` of the gradient's own magnitude (its largest entry over all
+    parameters): a leaf whose entries are small sums of large cancelling terms (hc_head.base) carries
+    the rounding of those terms, not of its tiny result (the MoE's and the loss's sums are ordered
+    differently in the two programs)."""
     (va, ga, _), (vb, gb, _) = a, b
     np.testing.assert_allclose(va, vb, rtol=rtol)
     assert ga.keys() == gb.keys()
+    scale = max(float(np.abs(g).max()) for g in gb.values())
     for k in ga:
-        diff, scale = np.abs(ga[k] - gb[k]).max(), np.abs(gb[k]).max()
-        assert diff <= rtol * scale + 1e-9, f"{k}: max diff {diff} (scale {scale})"
+        diff = float(np.abs(ga[k] - gb[k]).max())
+        assert diff <= rtol * scale, f"{k}: max diff {diff} (largest gradient entry {scale})"
 
 
 def test_model_hidden_path_equals_logits_path():
@@ -185,7 +190,7 @@ def test_model_hidden_path_equals_logits_path():
     (head, final norm, hc_head and every layer)."""
     want = _policy_loss("none", 0, via_logits=True)
     assert np.any(want[1]["head"] != 0) and np.any(want[1]["norm.weight"] != 0)
-    _assert_same(_policy_loss("none", 7), want, 1e-4)  # 64 tokens, chunk 7: a partial last chunk
+    _assert_same(_policy_loss("none", 7), want, 1e-6)  # 64 tokens, chunk 7: a partial last chunk
 
 
 @pytest.mark.parametrize("policy", sorted(set(REMAT_POLICIES) - {"none"}))

@@ -175,20 +175,28 @@ def test_pretrain_bad_inputs_exit_2_with_one_line(tmp_path, override, needle):
 
 def test_warmup_preset_is_constant_lr_without_decay_and_its_help_lists_it():
     """The warm-up recipe chosen in docs/benchmarks.md (issue 11): lr 1e-2 constant after the linear
-    warm-up, no weight decay, adam_eps below the warm-up's gradients; `dsv4 warmup --help` says so."""
-    import re
-
-    import yaml
-
-    from core.config import load_config, stage_presets
+    warm-up, no weight decay, adam_eps below the warm-up's gradients; `dsv4 warmup --help` (and
+    `dsv4 pretrain --help`) list every preset key."""
+    from core.config import load_config
     from core.train import learning_rate_schedule
 
     cfg = load_config("deepseek4-tiny", (), stage="warmup", options={"steps": 100})
     assert (cfg.learning_rate, cfg.adam_weight_decay, cfg.adam_eps) == (1e-2, 0.0, 1e-12)
     lr = [float(learning_rate_schedule(cfg)(s)) for s in (4, 50, 99)]
     assert lr == pytest.approx([1e-2] * 3, rel=1e-6)
-    preset = stage_presets("warmup")
-    text = " ".join(runner.invoke(app, ["warmup", "--help"], terminal_width=400).output.split())
+    for stage in ("warmup", "pretrain"):
+        _help_lists_preset(stage)
+
+
+def _help_lists_preset(stage):
+    import re
+
+    import yaml
+
+    from core.config import stage_presets
+
+    preset = stage_presets(stage)
+    text = " ".join(runner.invoke(app, [stage, "--help"], terminal_width=400).output.split())
     for key, value in preset.items():
         shown = re.search(rf"(?<!\w){key}=(\S+)", text)
         assert shown, key
