@@ -21,9 +21,9 @@ Semantics follow the official DeepSeek-V4 inference code (`inference/model.py`, 
 Expert computation (`impl`, IMPLS):
 - "tiled" (default): the B*T*k (token, expert) slots sorted by expert into whole tiles of
   `tile_size` rows, batched einsums over tiles, summed back per token (core/moe_dispatch.py):
-  drop-free, about the slots' own FLOPs plus padding. tile_size 0 picks `auto_tile`. At
-  deepseek4-tiny's size one layer's forward+backward ran 4-7x faster than "dense" on the 2-core
-  CPU (docs/benchmarks.md, "Time per component").
+  drop-free, about the slots' own FLOPs plus padding. tile_size 0 picks `auto_tile`. The
+  deepseek4-tiny 1 x 256 sparse step ran 1.33x faster than with "dense" on the idle 2-core CPU
+  (docs/benchmarks.md, "Side by side with MaxText, idle, after the tiled MoE").
 - "dense" runs every expert on every token and combines with a [B, T, E] weight matrix: E/k times
   the FLOPs, plain einsums that shard over an `experts` mesh axis without token permutations.
 - "ragged" sorts the slots by expert and uses `jax.lax.ragged_dot`: the FLOP-optimal path on

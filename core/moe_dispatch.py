@@ -53,8 +53,8 @@ def tile_layout(idx_sk, num_experts: int, tile: int):
     return dest_s, jnp.minimum(expert_g, num_experts - 1), tiles
 
 
-def tiled_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: float, tile: int,
-                  hidden=None, acc=None):
+def tiled_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: float, tile: int, *,
+                  hidden, acc):
     """sum_j weights[b,t,j] * expert_{idx[b,t,j]}(x[b,t]) over whole row tiles (module docstring).
 
     Args:

@@ -202,3 +202,16 @@ def _help_lists_preset(stage):
         assert shown, key
         parsed = yaml.safe_load(shown.group(1))
         assert (float(parsed) if isinstance(value, float) else parsed) == value, (key, shown.group(1), value)
+
+
+@pytest.mark.parametrize("stage, zero", [("pretrain", True), ("warmup", True), ("sparse", False)])
+def test_indexer_weights_init_reaches_the_indexer(stage, zero):
+    """`indexer_weights_init` (zeros in the pretrain and warm-up presets) is how a CSA layer's
+    indexer weights_proj starts; the sparse preset keeps the random fan-in init."""
+    from core.attention import Attention, AttentionSpec
+
+    cfg = tiny_config(stage)
+    layer = cfg.compress_ratios.index(4)
+    attn = Attention(AttentionSpec.from_config(cfg, layer), rngs=nnx.Rngs(0))
+    assert cfg.indexer_weights_init == ("zeros" if zero else "fan_in")
+    assert np.any(np.asarray(attn.indexer.weights_proj[...])) != zero
