@@ -35,12 +35,14 @@ class Spec(NamedTuple):
 
 
 def resolve_chunk(chunk: int, size: int, name: str, what: str) -> int:
+    """The chunk size to scan with: `size` for 0 (off), else `chunk`, which must divide `size`."""
     if chunk < 0 or (chunk and size % chunk):
         raise ValueError(f"{name}={chunk} must be 0 (off) or divide the {size} {what}")
     return chunk or size
 
 
 def check_teacher(teacher: str, raw_kv, sink, third, third_name: str) -> bool:
+    """Whether `teacher` is the joint one; ValueError for an unknown teacher or missing joint inputs."""
     if teacher not in TEACHERS:
         raise ValueError(f"teacher={teacher!r} is unknown: use one of {', '.join(TEACHERS)}")
     joint = teacher == "joint"
@@ -135,6 +137,7 @@ def kl_rows(scores_btw, psum_btw, allowed_btw, with_grad: bool):
 
 
 def per_valid_row(n_valid, dtype):
+    """1 / max(#valid rows, 1): the mean's factor, finite when no row is valid."""
     return 1.0 / jnp.maximum(n_valid, 1).astype(dtype)
 
 
@@ -144,4 +147,5 @@ def compute_dtype(*arrays):
 
 
 def teacher_input(x, dtype):
+    """A teacher input (array or pytree, or None) in the compute dtype, detached."""
     return None if x is None else jax.tree.map(lambda a: jax.lax.stop_gradient(jnp.asarray(a, dtype)), x)
