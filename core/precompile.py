@@ -24,15 +24,18 @@ from core import train_step as ts
 
 
 class StepPrecompile:
-    """The train step of `cfg`, compiled in a daemon thread from abstract state.
+    """The train step of `cfg`, compiled in a background thread from abstract state.
 
     Errors in the thread (a config the model rejects) are kept, not raised: `build` then raises
-    the same error in the main thread, or `step` falls back to the jitted step.
+    the same error in the main thread, or `step` falls back to the jitted step. The thread is not
+    a daemon: a process that fails while it compiles (a bad mask found by `build`, a checkpoint
+    that does not restore) prints its error at once and exits when the compile ends; a daemon
+    thread still inside XLA at interpreter exit aborts the process (exit 134 instead of 2).
     """
 
     def __init__(self, cfg):
         self.cfg, self.key, self.error = cfg, None, None
-        self._thread = threading.Thread(target=self._compile, name="dsv4-precompile", daemon=True)
+        self._thread = threading.Thread(target=self._compile, name="dsv4-precompile", daemon=False)
         self._thread.start()
 
     def _compile(self) -> None:
