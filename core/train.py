@@ -37,7 +37,7 @@ from core.precompile import StepPrecompile, ahead_or_jitted_step, has_step
 from core.sharding import describe_mesh, shard_batch
 from core.stages import is_indexer, source_lacks_indexer, topk_warning
 from core.tensorboard import EventWriter
-from core.train_step import (METRIC_KEYS, Setup, _abstract_pure, _step_fn, build, config_matcher,  # noqa: F401
+from core.train_step import (METRIC_KEYS, Setup, _abstract_pure, _step_fn, build, check_masks, config_matcher,  # noqa: F401
                              learning_rate_schedule, load_init_weights, make_optimizer, make_train_step,
                              path_matcher, trainable_labels)
 
@@ -110,7 +110,12 @@ class Trainer:
                    else self.data.check(ckpt.read_data_state(self.ckpt.dir, self.resumed_from)))
         fresh_indexer = self._check_sources(init_from)
         # the step needs only shapes: compile it while the model builds (unless this process already has)
-        ahead = StepPrecompile(cfg) if cfg.compile_ahead and not has_step(cfg) else None
+        ahead = None
+        if cfg.compile_ahead and not has_step(cfg):
+            if cfg.dense_pretraining or cfg.trainable_parameters_mask:  # masks that can be wrong: check them
+                # first, from shapes (a compile under way would hold the error's exit until it ends)
+                check_masks(cfg, nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))))
+            ahead = StepPrecompile(cfg)
         self.setup = setup = build(cfg)
         if self.resumed_from is not None:
             self._resume(self.resumed_from)

@@ -277,13 +277,20 @@ def build(cfg) -> Setup:
     else:
         model = create_sharded(make_model, mesh)
         optimizer = create_sharded(make_opt, mesh, model)
+    labels = check_masks(cfg, model)
+    counts = count_parameters(ckpt.shapes(nnx.to_pure_dict(nnx.state(model))), lambda p: labels.get(p, False))
+    return Setup(cfg, mesh, model, optimizer, cfg.per_device_batch_size * mesh.size,
+                 counts["parameters"], counts["trainable"])
+
+
+def check_masks(cfg, model) -> dict[str, bool]:
+    """`trainable_labels` of `model` (concrete or `nnx.eval_shape`), and ConfigError when the masks
+    train the indexer of a dense pre-training run, which leaves it idle."""
     labels = trainable_labels(model, cfg.trainable_parameters_mask, cfg.frozen_parameters_mask)
     if cfg.dense_pretraining and any(v for p, v in labels.items() if "/indexer/" in f"/{p}/"):
         raise ConfigError("dense_pretraining=true leaves the indexer idle, yet the masks train its parameters "
                           "(weight decay alone would move them): add '.*indexer.*' to frozen_parameters_mask.")
-    counts = count_parameters(ckpt.shapes(nnx.to_pure_dict(nnx.state(model))), lambda p: labels.get(p, False))
-    return Setup(cfg, mesh, model, optimizer, cfg.per_device_batch_size * mesh.size,
-                 counts["parameters"], counts["trainable"])
+    return labels
 
 
 def _abstract_pure(obj, mesh):
