@@ -79,6 +79,7 @@ class Config:
     attention: str                    # chunked (banded window, gathered top-k) | masked (dense reference)
     attention_query_chunk_size: int   # query positions per chunk of the chunked attention and top-k
     jax_cache_dir: str                # persistent compilation cache: "" off, "default" = ~/.cache/dsv4/jax, or a path
+    compile_ahead: bool               # training runs compile the step from abstract state while the model builds
     # mixture of experts
     num_experts: int
     num_experts_per_tok: int

@@ -33,10 +33,11 @@ from core.data import train_batches
 from core.errors import CheckpointError
 from core.lm_loss import lm_loss, lm_loss_from_hidden  # noqa: F401  (lm_loss: the direct formula, re-exported)
 from core.model import Transformer
+from core.precompile import StepPrecompile, ahead_or_jitted_step, has_step
 from core.sharding import describe_mesh, shard_batch
 from core.stages import is_indexer, source_lacks_indexer, topk_warning
 from core.tensorboard import EventWriter
-from core.train_step import (METRIC_KEYS, Setup, _abstract_pure, _step_fn, build, config_matcher,  # noqa: F401
+from core.train_step import (METRIC_KEYS, Setup, _abstract_pure, _step_fn, build, check_masks, config_matcher,  # noqa: F401
                              learning_rate_schedule, load_init_weights, make_optimizer, make_train_step,
                              path_matcher, trainable_labels)
 
@@ -108,6 +109,13 @@ class Trainer:
         notices = ([] if self.resumed_from is None  # changed data stops a resume before the model is built
                    else self.data.check(ckpt.read_data_state(self.ckpt.dir, self.resumed_from)))
         fresh_indexer = self._check_sources(init_from)
+        # the step needs only shapes: compile it while the model builds (unless this process already has)
+        ahead = None
+        if cfg.compile_ahead and not has_step(cfg):
+            if cfg.dense_pretraining or cfg.trainable_parameters_mask:  # masks that can be wrong: check them
+                # first, from shapes (a compile under way would hold the error's exit until it ends)
+                check_masks(cfg, nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))))
+            ahead = StepPrecompile(cfg)
         self.setup = setup = build(cfg)
         if self.resumed_from is not None:
             self._resume(self.resumed_from)
@@ -126,7 +134,8 @@ class Trainer:
         notice = run_guard.schedule_notice(self.saved_config, cfg) if self.saved_config else None
         notices += [notice] if notice else []
         self.events = EventWriter(self.run_dir, self.start_step) if cfg.enable_tensorboard else None
-        self._step_fn = make_train_step(cfg, self.graphdef, self.state, setup.mesh)
+        self._step_fn = (ahead.step(self.graphdef, self.state, setup.mesh) if ahead is not None
+                         else ahead_or_jitted_step(cfg, self.graphdef, self.state, setup.mesh))
         self.last_saved = self.resumed_from
         self.info = self._describe(init_from, fresh_indexer, notices)
 

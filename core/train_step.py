@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -119,12 +120,14 @@ _RUN_ONLY_KEYS = frozenset({
     "dataset_type", "hf_path", "hf_name", "hf_data_files", "hf_split", "hf_eval_split", "hf_text_column",
     "hf_streaming", "tokenizer_path", "eval_holdout_fraction", "data_shuffle_seed", "checkpoint_period",
     "max_checkpoints", "async_checkpointing", "base_output_directory", "run_name", "allow_data_change",
-    "enable_tensorboard", "jax_cache_dir"})
+    "enable_tensorboard", "jax_cache_dir", "compile_ahead"})
 # Per process, keyed by the compile-relevant config: the optax transformation (it is part of the
 # optimizer's graphdef, so reusing it makes equal configs give equal graphdefs) and the jitted
 # step, so a resumed or repeated run in the same process does not compile again.
 _TX_CACHE: dict[Any, optax.GradientTransformation] = {}
 _STEP_CACHE: dict[Any, Callable] = {}
+_COMPILED: dict[Any, Any] = {}  # the same keys -> the step compiled ahead of time (core/precompile.py)
+_CACHE_LOCK = threading.RLock()
 
 
 def _compile_key(cfg) -> tuple:
@@ -136,9 +139,10 @@ def _compile_key(cfg) -> tuple:
 def make_optimizer(cfg) -> optax.GradientTransformation:
     """clip -> AdamW(schedule) for trainable leaves, set_to_zero (no state) for frozen ones."""
     key = _compile_key(cfg)
-    if key not in _TX_CACHE:
-        _TX_CACHE[key] = _make_optimizer(cfg)
-    return _TX_CACHE[key]
+    with _CACHE_LOCK:  # one object per key, also when core/precompile.py's thread asks first
+        if key not in _TX_CACHE:
+            _TX_CACHE[key] = _make_optimizer(cfg)
+        return _TX_CACHE[key]
 
 
 def _make_optimizer(cfg) -> optax.GradientTransformation:
@@ -162,11 +166,41 @@ def make_train_step(cfg, graphdef, state, mesh):
     The output state keeps the input's rule-given shardings (so step 1 reuses step 0's program);
     one compiled step is shared by every Trainer of an equal (cfg, graphdef, mesh) in a process.
     """
-    key = (_compile_key(cfg), graphdef, mesh)
-    if key not in _STEP_CACHE:
-        _STEP_CACHE[key] = jax.jit(_step_fn(cfg, graphdef), donate_argnums=0,
-                                   out_shardings=(state_shardings(state, mesh), None))
-    return _STEP_CACHE[key]
+    key = step_key(cfg, graphdef, mesh)
+    with _CACHE_LOCK:  # core/precompile.py calls this from its thread too
+        if key not in _STEP_CACHE:
+            _STEP_CACHE[key] = jax.jit(_step_fn(cfg, graphdef), donate_argnums=0,
+                                       out_shardings=(state_shardings(state, mesh), None))
+        return _STEP_CACHE[key]
+
+
+def step_key(cfg, graphdef, mesh) -> tuple:
+    """The step caches' key: equal for configs, graphdefs and meshes that give the same program."""
+    return (_compile_key(cfg), graphdef, mesh)
+
+
+def compiled_step(cfg, graphdef, state, batch, mesh):
+    """`make_train_step`'s step compiled ahead of time for (abstract) `state` and `batch`, once
+    per key and process (`jax.stages.Compiled`; core/precompile.py)."""
+    key = step_key(cfg, graphdef, mesh)
+    if key not in _COMPILED:
+        compiled = make_train_step(cfg, graphdef, state, mesh).lower(state, batch).compile()
+        with _CACHE_LOCK:
+            _COMPILED.setdefault(key, compiled)
+    return _COMPILED[key]
+
+
+def has_config(cfg) -> bool:
+    """Whether either step cache holds a step of `cfg`'s compile-relevant config (any graphdef, mesh)."""
+    ck = _compile_key(cfg)
+    with _CACHE_LOCK:
+        return any(k[0] == ck for k in (*_STEP_CACHE, *_COMPILED))
+
+
+def cached_compiled(key):
+    """The ahead-of-time executable of `key` (`step_key`), or None."""
+    with _CACHE_LOCK:
+        return _COMPILED.get(key)
 
 
 def _step_fn(cfg, graphdef):
@@ -243,13 +277,20 @@ def build(cfg) -> Setup:
     else:
         model = create_sharded(make_model, mesh)
         optimizer = create_sharded(make_opt, mesh, model)
+    labels = check_masks(cfg, model)
+    counts = count_parameters(ckpt.shapes(nnx.to_pure_dict(nnx.state(model))), lambda p: labels.get(p, False))
+    return Setup(cfg, mesh, model, optimizer, cfg.per_device_batch_size * mesh.size,
+                 counts["parameters"], counts["trainable"])
+
+
+def check_masks(cfg, model) -> dict[str, bool]:
+    """`trainable_labels` of `model` (concrete or `nnx.eval_shape`), and ConfigError when the masks
+    train the indexer of a dense pre-training run, which leaves it idle."""
     labels = trainable_labels(model, cfg.trainable_parameters_mask, cfg.frozen_parameters_mask)
     if cfg.dense_pretraining and any(v for p, v in labels.items() if "/indexer/" in f"/{p}/"):
         raise ConfigError("dense_pretraining=true leaves the indexer idle, yet the masks train its parameters "
                           "(weight decay alone would move them): add '.*indexer.*' to frozen_parameters_mask.")
-    counts = count_parameters(ckpt.shapes(nnx.to_pure_dict(nnx.state(model))), lambda p: labels.get(p, False))
-    return Setup(cfg, mesh, model, optimizer, cfg.per_device_batch_size * mesh.size,
-                 counts["parameters"], counts["trainable"])
+    return labels
 
 
 def _abstract_pure(obj, mesh):

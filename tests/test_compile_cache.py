@@ -71,3 +71,13 @@ def _compile_twice(tmp_path, events):
     assert "/jax/compilation_cache/cache_hits" in events
     assert sorted(p.name for p in path.iterdir()) == entries  # read back, nothing new written
     assert jnp.array_equal(got, want)
+
+
+def test_default_writes_the_small_initialisers(restore_cache, tmp_path):
+    """A model's eager initialisers compile fast (well under JAX's usual 1 s threshold): by default
+    they are written too, so a rerun's model build reads them back."""
+    compilation_cache.reset_cache()
+    path = enable_compilation_cache(str(tmp_path / "cache"))
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+    jax.random.truncated_normal(jax.random.key(3), -2.0, 2.0, (5, 7)).block_until_ready()
+    assert any(p.name.startswith("jit__truncated_normal") for p in path.iterdir()), sorted(path.iterdir())
