@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from core.layers import dense_init, param, rms_normalize, upcast
+from core.layers import dense_init, param, upcast
 
 SCALE_INIT = 0.01
 
@@ -45,7 +45,7 @@ def sum_copies(x, axis: int):
 
     XLA CPU runs a reduce over a size-4 axis as its own tiny thunk; a sum of slices is
     elementwise, so a whole normalisation fuses into one loop (equal to float32 rounding). The
-    hyper-connection mixes stay einsums: as slice sums they measured slower (docs/benchmarks.md).
+    hyper-connection mixes stay einsums: as slice sums they measured slower on XLA CPU.
     """
     return functools.reduce(operator.add, [jax.lax.index_in_dim(x, k, axis, keepdims=False)
                                            for k in range(x.shape[axis])])
@@ -144,11 +144,16 @@ def sinkhorn(logits_bnn, iters: int, eps: float):
 
 
 def hc_mixes(x_btnm, fn_nmj, norm_eps: float):
-    """float32 [B, T, J]: the RMS-normalised flattened copies projected by fn (no bias)."""
+    """float32 [B, T, J]: the flattened copies projected by fn, times their rsqrt(mean square + eps).
+
+    The official order (project, then scale the J outputs): fewer elementwise passes than
+    normalising the n*M inputs first, in the forward and the backward.
+    """
     x_btnm = upcast(x_btnm)
     b, t, n, m = x_btnm.shape
-    x_flat = rms_normalize(x_btnm.reshape(b, t, n * m), norm_eps).reshape(b, t, n, m)
-    return jnp.einsum("btnm,nmj->btj", x_flat, upcast(fn_nmj))
+    ms_bt = jnp.mean(jnp.square(x_btnm.reshape(b, t, n * m)), axis=-1)
+    mixes_btj = jnp.einsum("btnm,nmj->btj", x_btnm, upcast(fn_nmj))
+    return mixes_btj * jax.lax.rsqrt(ms_bt + norm_eps)[..., None]
 
 
 def hc_split(mixes_btj, scale_3, base_j, n: int, iters: int, eps: float):
@@ -213,7 +218,9 @@ class HyperConnection(nnx.Module):
         """X'[i] = post_i F(y) + sum_j comb[j, i] X[j], in float32; returns x's dtype [B,T,n,M]."""
         mixed_btnm = jnp.einsum("btji,btjm->btim", upcast(comb_btnn),
                                 upcast(x_btnm))
-        new_btnm = upcast(post_btn)[..., None] * upcast(out_btm)[:, :, None, :]
+        # an outer product as einsum, not a broadcast: its transpose is then a dot, not a reduce
+        # over n (a slow library thunk on XLA CPU)
+        new_btnm = jnp.einsum("btn,btm->btnm", upcast(post_btn), upcast(out_btm))
         return (new_btnm + mixed_btnm).astype(x_btnm.dtype)
 
 
