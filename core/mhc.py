@@ -16,6 +16,13 @@ sigmoid(mixes * scale + base) + eps from its own fn [n*M, n] (one scale). All mi
 float32 whatever the compute dtype; the sublayer's RMSNorm (attn_norm/ffn_norm) comes after
 `pre`, outside these modules.
 
+Implementation (XLA CPU runs this op-count bound: ~80 call sites of [B, T, 4, 4] maths per step):
+Sinkhorn runs on the token-minor layout [n, n, B*T], its row / column sums as adds of n slices,
+so one iteration is one elementwise fusion, with a custom VJP (the analytic backward of each
+normalisation in one reverse loop); the mixes are scaled after the projection, and the post's
+outer product is an einsum. Values and gradients equal the plain formulation to float32 rounding
+(tests/test_mhc.py).
+
 Parameter layout (per HyperConnection): fn [n, M, (2+n)n] (the official [(2+n)n, n*M] with its
 input axis unflattened copy-major: official[j, i*M + m] = ours[i, m, j]), base [(2+n)n],
 scale [3]; HeadCollapse: fn [n, M, n], base [n], scale [1].
