@@ -16,6 +16,13 @@ sigmoid(mixes * scale + base) + eps from its own fn [n*M, n] (one scale). All mi
 float32 whatever the compute dtype; the sublayer's RMSNorm (attn_norm/ffn_norm) comes after
 `pre`, outside these modules.
 
+Implementation (XLA CPU runs this op-count bound: ~80 call sites of [B, T, 4, 4] maths per step):
+Sinkhorn runs on the token-minor layout [n, n, B*T], its row / column sums as adds of n slices,
+so one iteration is one elementwise fusion, with a custom VJP (the analytic backward of each
+normalisation in one reverse loop); the mixes are scaled after the projection, and the post's
+outer product is an einsum. Values and gradients equal the plain formulation to float32 rounding
+(tests/test_mhc.py).
+
 Parameter layout (per HyperConnection): fn [n, M, (2+n)n] (the official [(2+n)n, n*M] with its
 input axis unflattened copy-major: official[j, i*M + m] = ours[i, m, j]), base [(2+n)n],
 scale [3]; HeadCollapse: fn [n, M, n], base [n], scale [1].
@@ -27,19 +34,102 @@ post = 1 and a uniform comb, so at init each sublayer adds about F(mean X) to ev
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from core.layers import dense_init, param, rms_normalize, upcast
+from core.layers import dense_init, param, upcast
 
 SCALE_INIT = 0.01
 
 
+def sum_copies(x, axis: int):
+    """Sum over a small axis (n copies) as adds of its slices (Sinkhorn's row / column sums).
+
+    XLA CPU runs a reduce over a size-4 axis as its own tiny thunk; a sum of slices is
+    elementwise, so a whole normalisation fuses into one loop (equal to float32 rounding). The
+    hyper-connection mixes stay einsums: as slice sums they measured slower on XLA CPU.
+    """
+    return functools.reduce(operator.add, [jax.lax.index_in_dim(x, k, axis, keepdims=False)
+                                           for k in range(x.shape[axis])])
+
+
+def _softmax_rows(z_ijt):
+    """Softmax over j of [n, n, N] (token axis minor), max subtracted without a gradient."""
+    e_ijt = jnp.exp(z_ijt - jax.lax.stop_gradient(_max_copies(z_ijt, 1))[:, None])
+    return e_ijt / sum_copies(e_ijt, 1)[:, None]
+
+
+def _max_copies(x, axis: int):
+    return functools.reduce(jnp.maximum, [jax.lax.index_in_dim(x, k, axis, keepdims=False)
+                                          for k in range(x.shape[axis])])
+
+
+def _normalize(c_ijt, axis: int, eps: float):
+    """c / (sum over `axis` + eps) of [n, n, N]: (result, the normaliser sum + eps)."""
+    s = jnp.expand_dims(sum_copies(c_ijt, axis), axis) + eps
+    return c_ijt / s, s
+
+
+def _pair(c_ijt, eps: float):
+    """One (row, column) normalisation pair: (result, its intermediate, both normalisers)."""
+    mid_ijt, s_row = _normalize(c_ijt, 1, eps)
+    out_ijt, s_col = _normalize(mid_ijt, 0, eps)
+    return out_ijt, mid_ijt, s_row, s_col
+
+
+def _normalize_vjp(g_ijt, out_ijt, s, axis: int):
+    """Cotangent of c through out = c / (sum_axis c + eps), given out and the normaliser s."""
+    return (g_ijt - jnp.expand_dims(sum_copies(g_ijt * out_ijt, axis), axis)) / s
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _sinkhorn_ijt(z_ijt, iters: int, eps: float):
+    """sinkhorn on [n, n, N] logits (row i, column j, token axis minor); see `sinkhorn`."""
+    comb_ijt, _ = _normalize(_softmax_rows(z_ijt) + eps, 0, eps)
+    return jax.lax.fori_loop(0, iters - 1, lambda _, c: _pair(c, eps)[0], comb_ijt)
+
+
+def _sinkhorn_fwd(z_ijt, iters, eps):
+    soft_ijt = _softmax_rows(z_ijt)
+    comb_ijt, _ = _normalize(soft_ijt + eps, 0, eps)
+
+    def step(c_ijt, _):
+        return _pair(c_ijt, eps)[0], c_ijt
+
+    out_ijt, ins_kijt = jax.lax.scan(step, comb_ijt, None, length=iters - 1)
+    return out_ijt, (soft_ijt, ins_kijt)
+
+
+def _sinkhorn_bwd(iters, eps, res, g_ijt):
+    """The analytic VJP in reverse: each pair recomputed from its stored input (elementwise)."""
+    soft_ijt, ins_kijt = res
+
+    def step(g, c_ijt):
+        out_ijt, mid_ijt, s_row, s_col = _pair(c_ijt, eps)
+        g_mid = _normalize_vjp(g, out_ijt, s_col, 0)
+        return _normalize_vjp(g_mid, mid_ijt, s_row, 1), None
+
+    g_ijt, _ = jax.lax.scan(step, g_ijt, ins_kijt, reverse=True)
+    comb_ijt, s_col = _normalize(soft_ijt + eps, 0, eps)
+    g_soft = _normalize_vjp(g_ijt, comb_ijt, s_col, 0)
+    return (soft_ijt * (g_soft - sum_copies(g_soft * soft_ijt, 1)[:, None]),)
+
+
+_sinkhorn_ijt.defvjp(_sinkhorn_fwd, _sinkhorn_bwd)
+
+
 def sinkhorn(logits_bnn, iters: int, eps: float):
     """Row softmax + eps, then `iters` column normalisations interleaved with iters-1 row ones.
+
+    Runs on the token-minor layout [n, n, N] (N = all leading axes), where every row / column
+    sum is an add of n slices, so one iteration is one elementwise fusion; a custom VJP runs the
+    analytic backward of each normalisation in one reverse loop over the stored pair inputs
+    (equal to autodiff of the plain loop to float32 rounding; tests/test_mhc.py).
 
     Args:
       logits_bnn: [..., n, n] comb logits (row i = source copy, column j = destination copy).
@@ -47,22 +137,30 @@ def sinkhorn(logits_bnn, iters: int, eps: float):
       eps: hc_eps, added after the softmax and to every normaliser.
     Returns:
       float32 [..., n, n]: columns sum to 1 (up to eps), rows close to 1.
-    """
-    def normalize(comb, axis):
-        return comb / (jnp.sum(comb, axis=axis, keepdims=True) + eps)
 
-    comb = normalize(jax.nn.softmax(upcast(logits_bnn), axis=-1) + eps, -2)
-    # A loop, not a Python unroll: one small body to compile per call site instead of 2*iters
-    # (static trip count, so reverse-mode differentiation works).
-    return jax.lax.fori_loop(0, iters - 1, lambda _, c: normalize(normalize(c, -1), -2), comb)
+    Shapes:
+      1. z_ijt = logits as [n, n, N]
+      2. comb_ijt = col_norm(softmax_j(z) + eps), then iters - 1 times col_norm(row_norm(comb))
+      3. back to [..., n, n]
+    """
+    logits_bnn = upcast(logits_bnn)
+    *lead, n, _ = logits_bnn.shape
+    z_ijt = jnp.moveaxis(logits_bnn.reshape(-1, n, n), 0, -1)
+    comb_ijt = _sinkhorn_ijt(z_ijt, int(iters), float(eps))
+    return jnp.moveaxis(comb_ijt, -1, 0).reshape(*lead, n, n)
 
 
 def hc_mixes(x_btnm, fn_nmj, norm_eps: float):
-    """float32 [B, T, J]: the RMS-normalised flattened copies projected by fn (no bias)."""
+    """float32 [B, T, J]: the flattened copies projected by fn, times their rsqrt(mean square + eps).
+
+    The official order (project, then scale the J outputs): fewer elementwise passes than
+    normalising the n*M inputs first, in the forward and the backward.
+    """
     x_btnm = upcast(x_btnm)
     b, t, n, m = x_btnm.shape
-    x_flat = rms_normalize(x_btnm.reshape(b, t, n * m), norm_eps).reshape(b, t, n, m)
-    return jnp.einsum("btnm,nmj->btj", x_flat, upcast(fn_nmj))
+    ms_bt = jnp.mean(jnp.square(x_btnm.reshape(b, t, n * m)), axis=-1)
+    mixes_btj = jnp.einsum("btnm,nmj->btj", x_btnm, upcast(fn_nmj))
+    return mixes_btj * jax.lax.rsqrt(ms_bt + norm_eps)[..., None]
 
 
 def hc_split(mixes_btj, scale_3, base_j, n: int, iters: int, eps: float):
@@ -127,7 +225,9 @@ class HyperConnection(nnx.Module):
         """X'[i] = post_i F(y) + sum_j comb[j, i] X[j], in float32; returns x's dtype [B,T,n,M]."""
         mixed_btnm = jnp.einsum("btji,btjm->btim", upcast(comb_btnn),
                                 upcast(x_btnm))
-        new_btnm = upcast(post_btn)[..., None] * upcast(out_btm)[:, :, None, :]
+        # an outer product as einsum, not a broadcast: its transpose is then a dot, not a reduce
+        # over n (a slow library thunk on XLA CPU)
+        new_btnm = jnp.einsum("btn,btm->btnm", upcast(post_btn), upcast(out_btm))
         return (new_btnm + mixed_btnm).astype(x_btnm.dtype)
 
 

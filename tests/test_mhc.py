@@ -88,6 +88,33 @@ def test_sinkhorn_gradients(x64):
     check_grads(jax.jit(lambda z: mhc.sinkhorn(z, 5, EPS)), (logits,), order=1, modes=("rev",))
 
 
+def _sinkhorn_autodiff(logits, iters, eps):
+    """The plain formulation on [..., n, n] (reduces over the copy axes, a fori_loop, autodiff)."""
+    def normalize(comb, axis):
+        return comb / (jnp.sum(comb, axis=axis, keepdims=True) + eps)
+
+    comb = normalize(jax.nn.softmax(logits, axis=-1) + eps, -2)
+    return jax.lax.fori_loop(0, iters - 1, lambda _, c: normalize(normalize(c, -1), -2), comb)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float64, 1e-12), (jnp.float32, 2e-6)])
+@pytest.mark.parametrize("iters, lead", [(1, (5,)), (20, (2, 3))])
+def test_sinkhorn_custom_vjp_equals_autodiff(request, dtype, tol, iters, lead):
+    # The token-minor layout and its analytic backward against autodiff of the plain loop.
+    if dtype == jnp.float64:
+        request.getfixturevalue("x64")
+    logits = _normal(9 + iters, (*lead, N, N), dtype, 3.0)
+    weights = _normal(10 + iters, (*lead, N, N), dtype)
+
+    def loss(fn):
+        return jax.jit(jax.value_and_grad(lambda z: jnp.sum(fn(z, iters, EPS) * weights)))(logits)
+
+    (value, grad), (r_value, r_grad) = loss(mhc.sinkhorn), loss(_sinkhorn_autodiff)
+    _close(sinkhorn(logits, iters, EPS), _sinkhorn_autodiff(logits, iters, EPS), tol, "comb")
+    _close(value, r_value, tol * 10, "loss")
+    _close(grad, r_grad, tol, "gradient")
+
+
 # ----------------------------------------------------------------------------- modules
 
 
