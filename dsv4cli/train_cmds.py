@@ -23,7 +23,7 @@ WARMUP_HELP = (
     "Dense indexer warm-up: the indexer distills the main attention by a KL loss, everything else frozen. "
     "Stage defaults: use_indexer=true indexer_loss_scaling_factor=0.01 indexer_sparse_training=false "
     "trainable_parameters_mask=['.*indexer.*'] learning_rate=1e-2 cosine_learning_rate_final_fraction=1 "
-    "adam_weight_decay=0 adam_eps=1e-12 indexer_weights_init=zeros (AdamW, linear warm-up, then constant). "
+    "adam_b1=0.7 adam_weight_decay=0 adam_eps=1e-12 indexer_weights_init=zeros (AdamW, linear warm-up, then constant). "
     "--init-from starts from a run's weights and router biases (a model without an indexer gets a fresh one). "
     "Rerun on the same --output to resume from its latest checkpoint; --steps is the run's total."
 )
