@@ -15,36 +15,35 @@ every 10 steps; OUTPUT is an ordinary warm-up run (dsv4 eval-indexer OUTPUT).
 Figures: docs/benchmarks.md, issue 11 (kl_captured sweep).
 """
 import sys
-from pathlib import Path
+
 import jax.numpy as jnp
 from flax import nnx
-from core.config import load_config
-from core.train import Trainer
+
+from warmup_probe import run_edited_warmup
 
 init_from, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rest = sys.argv[4:]
 parts = rest.pop(0) if rest and rest[0] in ("all", "keys", "queries") else "all"
-cfg = load_config("deepseek4-tiny", rest, stage="warmup", options={"steps": steps})
-tr = Trainer(cfg, stage="warmup", run_dir=Path(out), init_from=init_from)
-model, opt = nnx.merge(tr.graphdef, tr.state)
-n = 0
-for path, node in nnx.iter_graph(model):
-    if path and path[-1] == "indexer":
-        continue
-    idx = getattr(node, "indexer", None)
-    if idx is None or not hasattr(node, "compressor") or not hasattr(node, "wq_b"):
-        continue
-    if idx.wq_b[...].shape != node.wq_b[...].shape or idx.compressor.wkv[...].shape != node.compressor.wkv[...].shape:
-        raise SystemExit("teacher init needs indexer_n_heads == heads and indexer_head_dim == head_dim")
-    if parts in ("all", "queries"):  # copies: a shared buffer cannot be donated twice
-        idx.wq_b[...] = jnp.copy(node.wq_b[...])
-    if parts in ("all", "keys"):
-        for name in ("wkv", "wgate", "ape"):
-            getattr(idx.compressor, name)[...] = jnp.copy(getattr(node.compressor, name)[...])
-        idx.compressor.norm.weight[...] = jnp.copy(node.compressor.norm.weight[...])
-    n += 1
-print("teacher-initialised", parts, "of", n, "indexer modules (a scanned segment is one)", flush=True)
-tr.graphdef, tr.state = nnx.split((model, opt))
-for row in tr.run():
-    if row["step"] % 10 == 0 or row["step"] == steps - 1:
-        print(row["step"], f"{row['indexer_loss']:.7f}", f"{row.get('grad_norm', 0):.3e}", flush=True)
+
+
+def teacher_init(model):
+    n = 0
+    for path, node in nnx.iter_graph(model):
+        if path and path[-1] == "indexer":
+            continue
+        idx = getattr(node, "indexer", None)
+        if idx is None or not hasattr(node, "compressor") or not hasattr(node, "wq_b"):
+            continue
+        if idx.wq_b[...].shape != node.wq_b[...].shape or idx.compressor.wkv[...].shape != node.compressor.wkv[...].shape:
+            raise SystemExit("teacher init needs indexer_n_heads == heads and indexer_head_dim == head_dim")
+        if parts in ("all", "queries"):  # copies: a shared buffer cannot be donated twice
+            idx.wq_b[...] = jnp.copy(node.wq_b[...])
+        if parts in ("all", "keys"):
+            for name in ("wkv", "wgate", "ape"):
+                getattr(idx.compressor, name)[...] = jnp.copy(getattr(node.compressor, name)[...])
+            idx.compressor.norm.weight[...] = jnp.copy(node.compressor.norm.weight[...])
+        n += 1
+    return f"teacher-initialised {parts} of {n} indexer modules (a scanned segment is one)"
+
+
+run_edited_warmup(init_from, out, steps, rest, teacher_init)
