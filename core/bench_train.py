@@ -45,17 +45,11 @@ def _abstract(cfg):
     """(graphdef, abstract state, batch specs) of cfg's (model, optimizer), nothing allocated."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     from core.data import BATCH_KEYS
-    from core.model import Transformer
-    from core.train import make_optimizer
+    from core.precompile import abstract_model_and_optimizer
 
-    def make():
-        model = Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))
-        return model, nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
-
-    graphdef, state = nnx.split(nnx.eval_shape(make))
+    graphdef, state = abstract_model_and_optimizer(cfg)
     spec = jax.ShapeDtypeStruct((cfg.per_device_batch_size * jax.device_count(), cfg.max_target_length), jnp.int32)
     return graphdef, state, {k: spec for k in BATCH_KEYS}
 

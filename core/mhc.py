@@ -47,6 +47,12 @@ from core.layers import dense_init, param, upcast
 SCALE_INIT = 0.01
 
 
+def _fold_copies(op, x, axis: int):
+    """op folded over the slices of a small axis (n copies): elementwise, no reduce thunk."""
+    return functools.reduce(op, [jax.lax.index_in_dim(x, k, axis, keepdims=False)
+                                 for k in range(x.shape[axis])])
+
+
 def sum_copies(x, axis: int):
     """Sum over a small axis (n copies) as adds of its slices (Sinkhorn's row / column sums).
 
@@ -54,19 +60,13 @@ def sum_copies(x, axis: int):
     elementwise, so a whole normalisation fuses into one loop (equal to float32 rounding). The
     hyper-connection mixes stay einsums: as slice sums they measured slower on XLA CPU.
     """
-    return functools.reduce(operator.add, [jax.lax.index_in_dim(x, k, axis, keepdims=False)
-                                           for k in range(x.shape[axis])])
+    return _fold_copies(operator.add, x, axis)
 
 
 def _softmax_rows(z_ijt):
     """Softmax over j of [n, n, N] (token axis minor), max subtracted without a gradient."""
-    e_ijt = jnp.exp(z_ijt - jax.lax.stop_gradient(_max_copies(z_ijt, 1))[:, None])
+    e_ijt = jnp.exp(z_ijt - jax.lax.stop_gradient(_fold_copies(jnp.maximum, z_ijt, 1))[:, None])
     return e_ijt / sum_copies(e_ijt, 1)[:, None]
-
-
-def _max_copies(x, axis: int):
-    return functools.reduce(jnp.maximum, [jax.lax.index_in_dim(x, k, axis, keepdims=False)
-                                          for k in range(x.shape[axis])])
 
 
 def _normalize(c_ijt, axis: int, eps: float):
@@ -82,6 +82,11 @@ def _pair(c_ijt, eps: float):
     return out_ijt, mid_ijt, s_row, s_col
 
 
+def _first(soft_ijt, eps: float):
+    """Sinkhorn's first column normalisation of the row softmax + eps: (comb, its normaliser)."""
+    return _normalize(soft_ijt + eps, 0, eps)
+
+
 def _normalize_vjp(g_ijt, out_ijt, s, axis: int):
     """Cotangent of c through out = c / (sum_axis c + eps), given out and the normaliser s."""
     return (g_ijt - jnp.expand_dims(sum_copies(g_ijt * out_ijt, axis), axis)) / s
@@ -90,13 +95,13 @@ def _normalize_vjp(g_ijt, out_ijt, s, axis: int):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _sinkhorn_ijt(z_ijt, iters: int, eps: float):
     """sinkhorn on [n, n, N] logits (row i, column j, token axis minor); see `sinkhorn`."""
-    comb_ijt, _ = _normalize(_softmax_rows(z_ijt) + eps, 0, eps)
+    comb_ijt, _ = _first(_softmax_rows(z_ijt), eps)
     return jax.lax.fori_loop(0, iters - 1, lambda _, c: _pair(c, eps)[0], comb_ijt)
 
 
 def _sinkhorn_fwd(z_ijt, iters, eps):
     soft_ijt = _softmax_rows(z_ijt)
-    comb_ijt, _ = _normalize(soft_ijt + eps, 0, eps)
+    comb_ijt, _ = _first(soft_ijt, eps)
 
     def step(c_ijt, _):
         return _pair(c_ijt, eps)[0], c_ijt
@@ -115,7 +120,7 @@ def _sinkhorn_bwd(iters, eps, res, g_ijt):
         return _normalize_vjp(g_mid, mid_ijt, s_row, 1), None
 
     g_ijt, _ = jax.lax.scan(step, g_ijt, ins_kijt, reverse=True)
-    comb_ijt, s_col = _normalize(soft_ijt + eps, 0, eps)
+    comb_ijt, s_col = _first(soft_ijt, eps)
     g_soft = _normalize_vjp(g_ijt, comb_ijt, s_col, 0)
     return (soft_ijt * (g_soft - sum_copies(g_soft * soft_ijt, 1)[:, None]),)
 

@@ -59,11 +59,6 @@ class StepPrecompile:
         return ahead_or_jitted_step(self.cfg, graphdef, state, mesh)
 
 
-def has_step(cfg) -> bool:
-    """Whether this process already holds a step (jitted or compiled ahead) of `cfg`'s config."""
-    return ts.has_config(cfg)
-
-
 def ahead_or_jitted_step(cfg, graphdef, state, mesh) -> Callable:
     """The compiled-ahead step of this (config, graphdef, mesh) if the process has one, else the
     jitted step of `make_train_step` (which compiles on its first call, or already has)."""
@@ -87,24 +82,31 @@ class AheadStep:
         return self.jitted(state, batch)
 
 
-def abstract_inputs(cfg) -> tuple[Any, Any, dict[str, Any], Any]:
-    """(graphdef, state, batch, mesh) of `cfg`'s train step: ShapeDtypeStructs that carry the
-    shardings `build` and `shard_batch` give the real arrays; nothing is allocated."""
-    import jax
-    import jax.numpy as jnp
+def abstract_model_and_optimizer(cfg) -> tuple[Any, Any]:
+    """(graphdef, state) of `nnx.split((model, optimizer))` for `cfg`, from `nnx.eval_shape`:
+    ShapeDtypeStructs without shardings, nothing allocated (also core/bench_train.py's)."""
     from flax import nnx
 
-    from core.data import BATCH_KEYS
     from core.model import Transformer
-    from core.sharding import abstract_state, batch_sharding, make_mesh
-
-    mesh = make_mesh(cfg)
 
     def make():
         model = Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))
         return model, nnx.Optimizer(model, ts.make_optimizer(cfg), wrt=nnx.Param)
 
-    graphdef, state = nnx.split(nnx.eval_shape(make))
+    return nnx.split(nnx.eval_shape(make))
+
+
+def abstract_inputs(cfg) -> tuple[Any, Any, dict[str, Any], Any]:
+    """(graphdef, state, batch, mesh) of `cfg`'s train step: ShapeDtypeStructs that carry the
+    shardings `build` and `shard_batch` give the real arrays; nothing is allocated."""
+    import jax
+    import jax.numpy as jnp
+
+    from core.data import BATCH_KEYS
+    from core.sharding import abstract_state, batch_sharding, make_mesh
+
+    mesh = make_mesh(cfg)
+    graphdef, state = abstract_model_and_optimizer(cfg)
     spec = jax.ShapeDtypeStruct((cfg.per_device_batch_size * mesh.size, cfg.max_target_length), jnp.int32,
                                 sharding=batch_sharding(mesh))
     return graphdef, abstract_state(state, mesh), {k: spec for k in BATCH_KEYS}, mesh

@@ -33,11 +33,11 @@ from core.data import train_batches
 from core.errors import CheckpointError
 from core.lm_loss import lm_loss, lm_loss_from_hidden  # noqa: F401  (lm_loss: the direct formula, re-exported)
 from core.model import Transformer
-from core.precompile import StepPrecompile, ahead_or_jitted_step, has_step
+from core.precompile import StepPrecompile, ahead_or_jitted_step
 from core.sharding import describe_mesh, shard_batch
 from core.stages import is_indexer, source_lacks_indexer, topk_warning
 from core.tensorboard import EventWriter
-from core.train_step import (METRIC_KEYS, Setup, _abstract_pure, _step_fn, build, check_masks, config_matcher,  # noqa: F401
+from core.train_step import (METRIC_KEYS, Setup, _abstract_pure, _step_fn, build, check_masks, config_matcher, has_config,  # noqa: F401
                              learning_rate_schedule, load_init_weights, make_optimizer, make_train_step,
                              path_matcher, trainable_labels)
 
@@ -111,10 +111,10 @@ class Trainer:
         fresh_indexer = self._check_sources(init_from)
         # the step needs only shapes: compile it while the model builds (unless this process already has)
         ahead = None
-        if cfg.compile_ahead and not has_step(cfg):
+        if cfg.compile_ahead and not has_config(cfg):
             if cfg.dense_pretraining or cfg.trainable_parameters_mask:  # masks that can be wrong: check them
                 # first, from shapes (a compile under way would hold the error's exit until it ends)
-                check_masks(cfg, nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))))
+                check_masks(cfg, self._abstract_model())
             ahead = StepPrecompile(cfg)
         self.setup = setup = build(cfg)
         if self.resumed_from is not None:
@@ -139,13 +139,19 @@ class Trainer:
         self.last_saved = self.resumed_from
         self.info = self._describe(init_from, fresh_indexer, notices)
 
+    def _abstract_model(self):
+        """The config's model from `nnx.eval_shape` (shapes only), traced once per Trainer."""
+        if getattr(self, "_abstract", None) is None:
+            cfg = self.cfg
+            self._abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
+        return self._abstract
+
     def _check_sources(self, init_from: str | Path | None) -> bool:
         """Check the resumed or init-from checkpoint's shapes against the config (from metadata, nothing
         built); returns whether `init_from` lacks an indexer, which then starts fresh."""
         if self.resumed_from is None and init_from is None:
             return False
-        cfg = self.cfg
-        abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
+        abstract = self._abstract_model()
         source = self.ckpt.dir if self.resumed_from is not None else init_from
         expected = ckpt.shapes(nnx.to_pure_dict(nnx.state(abstract)))
         fresh_indexer = self.resumed_from is None and source_lacks_indexer(init_from, list(expected))

@@ -40,7 +40,7 @@ def _jitted_rows(cfg) -> list[dict[str, float]]:
 
 def test_ahead_step_matches_the_jitted_step_and_is_shared(tmp_path):
     cfg = tiny_config("warmup", *OVERRIDES, steps=STEPS)
-    assert cfg.compile_ahead and not precompile.has_step(cfg)
+    assert cfg.compile_ahead and not ts.has_config(cfg)
     trainer = Trainer(cfg, stage="warmup", run_dir=tmp_path / "a")
     rows = list(trainer.run())
     step = trainer._step_fn
