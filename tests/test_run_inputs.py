@@ -88,7 +88,7 @@ def test_unusable_output_is_one_line_before_building(tmp_path, monkeypatch, case
             needle = "Read-only file system" if os.geteuid() == 0 else "Permission denied"
         else:  # where no read-only mount is possible: os.access as a non-writable directory answers
             real = os.access
-            monkeypatch.setattr(ckpt.os, "access", lambda p, mode: False if Path(p) == tmp_path else real(p, mode))
+            monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == tmp_path else real(p, mode))
             output, needle = tmp_path / "run", "is not writable (Permission denied)"
         result = runner.invoke(app, ["warmup", "--output", str(output), *OVERRIDES])
         line = _one_error_line(result)
