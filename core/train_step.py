@@ -41,6 +41,7 @@ from flax import nnx
 from core import checkpoint as ckpt
 from core import run_guard
 from core.errors import ConfigError
+from core.init_draws import bucketed_draws
 from core.lm_loss import lm_loss_from_hidden
 from core.model import Transformer
 from core.moe import RouterBias
@@ -272,7 +273,8 @@ def build(cfg) -> Setup:
     make_model = lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))  # noqa: E731
     make_opt = lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param)  # noqa: E731
     if jax.process_count() == 1 and jax.default_backend() == "cpu":
-        model = shard_state(make_model(), mesh)
+        with bucketed_draws():  # a few shared jax.random programs, the same values (core/init_draws.py)
+            model = shard_state(make_model(), mesh)
         optimizer = shard_state(make_opt(model), mesh)
     else:
         model = create_sharded(make_model, mesh)
