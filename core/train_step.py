@@ -28,6 +28,7 @@ so step 0 already trains.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import threading
 from pathlib import Path
@@ -171,8 +172,19 @@ def make_train_step(cfg, graphdef, state, mesh):
     with _CACHE_LOCK:  # core/precompile.py calls this from its thread too
         if key not in _STEP_CACHE:
             _STEP_CACHE[key] = jax.jit(_step_fn(cfg, graphdef), donate_argnums=0,
-                                       out_shardings=(state_shardings(state, mesh), None))
+                                       out_shardings=(state_shardings(state, mesh), None),
+                                       compiler_options=step_compiler_options(cfg) or None)
         return _STEP_CACHE[key]
+
+
+def step_compiler_options(cfg) -> dict[str, Any]:
+    """XLA options of the train step's compile (the jitted and the ahead-of-time step alike; JAX's
+    persistent cache keys on them): `xla_backend_optimization_level`, unless it is -1 (XLA's
+    default) or XLA_FLAGS sets --xla_backend_optimization_level itself, which then wins."""
+    level = cfg.xla_backend_optimization_level
+    if level < 0 or "--xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
+        return {}
+    return {"xla_backend_optimization_level": level}
 
 
 def step_key(cfg, graphdef, mesh) -> tuple:
