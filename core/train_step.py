@@ -192,12 +192,16 @@ def step_key(cfg, graphdef, mesh) -> tuple:
     return (_compile_key(cfg), graphdef, mesh)
 
 
-def compiled_step(cfg, graphdef, state, batch, mesh):
+def compiled_step(cfg, graphdef, state, batch, mesh, on_lowered: Callable[[], None] | None = None):
     """`make_train_step`'s step compiled ahead of time for (abstract) `state` and `batch`, once
-    per key and process (`jax.stages.Compiled`; core/precompile.py)."""
+    per key and process (`jax.stages.Compiled`; core/precompile.py); `on_lowered()` is called
+    between tracing (Python, holds the GIL) and XLA's compile (releases it)."""
     key = step_key(cfg, graphdef, mesh)
     if key not in _COMPILED:
-        compiled = make_train_step(cfg, graphdef, state, mesh).lower(state, batch).compile()
+        lowered = make_train_step(cfg, graphdef, state, mesh).lower(state, batch)
+        if on_lowered is not None:
+            on_lowered()
+        compiled = lowered.compile()
         with _CACHE_LOCK:
             _COMPILED.setdefault(key, compiled)
     return _COMPILED[key]
