@@ -12,8 +12,9 @@ every parameter. The scale by the standard deviation is the same float32 multipl
 `variance_scaling`. tests/test_init_draws.py proves the built model bitwise equal to the per-shape
 draws, parameter by parameter.
 
-Outside the context (the default, every traced build, `create_sharded`) or above `MAX_BUCKETED`
-elements the initialiser is JAX's `variance_scaling(1, "fan_in", "truncated_normal")` itself.
+Outside the context (the default, every traced build, `create_sharded`), above `MAX_BUCKETED`
+elements, or for a shape of rank < 2, the initialiser is JAX's
+`variance_scaling(1, "fan_in", "truncated_normal")` itself.
 The context is per thread (a contextvar): core/precompile.py's thread traces its abstract model
 without it.
 """
@@ -84,7 +85,8 @@ class FanInTruncatedNormal:
         """Shapes: key [] (or batched under vmap) -> `shape` in `dtype`."""
         shape = tuple(int(s) for s in shape)
         n = math.prod(shape)
-        if not _BUCKETED.get() or n > MAX_BUCKETED or not jax.config.jax_threefry_partitionable:
+        if (not _BUCKETED.get() or n > MAX_BUCKETED or len(shape) < 2
+                or not jax.config.jax_threefry_partitionable):
             return self.reference(key, shape, dtype)
         variance = jnp.array(1.0 / fan_in(shape, *self.axes), dtype=dtype)
         stddev = jnp.sqrt(variance) / jnp.array(TRUNC_STD, dtype)
