@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from core.init_draws import FanInTruncatedNormal
+
 Initializer = Callable[..., jax.Array]
 
 
@@ -30,11 +32,11 @@ def dense_init(in_axis: int | Sequence[int] = -2, out_axis: int | Sequence[int] 
       out_axis: the output-feature axis or axes.
       batch_axis: axes that index independent matrices (e.g. experts), excluded from fan-in.
     Returns:
-      an initializer `init(key, shape, dtype)`.
+      an initializer `init(key, shape, dtype)`: JAX's `variance_scaling(1, "fan_in",
+      "truncated_normal")`, drawn from shared flat programs inside `bucketed_draws()`
+      (core/init_draws.py; bitwise the same values).
     """
-    return jax.nn.initializers.variance_scaling(
-        1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis,
-        batch_axis=tuple(batch_axis))
+    return FanInTruncatedNormal(in_axis, out_axis, batch_axis)
 
 
 def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequence[str | None],

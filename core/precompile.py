@@ -1,10 +1,11 @@
 """Compile the train step ahead of time, beside the model build (DESIGN.md's "time to step 0").
 
 On a CPU the first step of a run is mostly two serial waits: building the model and optimizer
-eagerly (about a hundred small XLA programs of jax.random) and compiling the train step (one
+eagerly (a few dozen small XLA programs, core/init_draws.py) and compiling the train step (one
 large one). The step does not need the values, only their shapes, dtypes and shardings, so
-`StepPrecompile(cfg)` traces, lowers and compiles the step from `nnx.eval_shape` state in a
-background thread while the main thread builds (XLA releases the GIL while it compiles), and
+`StepPrecompile(cfg)` traces and lowers the step from `nnx.eval_shape` state in a background
+thread (the constructor waits for that: tracing is Python and would share the GIL with the
+build), then XLA compiles it there while the main thread builds (XLA releases the GIL), and
 `step(graphdef, state, mesh)` hands the Trainer the compiled executable.
 
 The result goes through the per-process step cache of core/train_step.py (`compiled_step`,
@@ -35,16 +36,23 @@ class StepPrecompile:
 
     def __init__(self, cfg):
         self.cfg, self.key, self.error = cfg, None, None
+        self._lowered = threading.Event()
         self._thread = threading.Thread(target=self._compile, name="dsv4-precompile", daemon=False)
         self._thread.start()
+        # Tracing is Python: beside the (Python-heavy) model build the two share the GIL and the
+        # trace, the head of the critical path, took twice as long. Wait for it; XLA's compile then
+        # runs beside the build.
+        self._lowered.wait()
 
     def _compile(self) -> None:
         try:
             graphdef, state, batch, mesh = abstract_inputs(self.cfg)
             self.key = ts.step_key(self.cfg, graphdef, mesh)
-            ts.compiled_step(self.cfg, graphdef, state, batch, mesh)
+            ts.compiled_step(self.cfg, graphdef, state, batch, mesh, on_lowered=self._lowered.set)
         except Exception as e:  # noqa: BLE001  (reported through `step`'s fallback)
             self.error = e
+        finally:
+            self._lowered.set()
 
     def step(self, graphdef, state, mesh) -> Callable:
         """The step for the real `state`: the ahead-of-time executable, or the jitted step.

@@ -28,6 +28,7 @@ so step 0 already trains.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import threading
 from pathlib import Path
@@ -41,6 +42,7 @@ from flax import nnx
 from core import checkpoint as ckpt
 from core import run_guard
 from core.errors import ConfigError
+from core.init_draws import bucketed_draws
 from core.lm_loss import lm_loss_from_hidden
 from core.model import Transformer
 from core.moe import RouterBias
@@ -170,8 +172,19 @@ def make_train_step(cfg, graphdef, state, mesh):
     with _CACHE_LOCK:  # core/precompile.py calls this from its thread too
         if key not in _STEP_CACHE:
             _STEP_CACHE[key] = jax.jit(_step_fn(cfg, graphdef), donate_argnums=0,
-                                       out_shardings=(state_shardings(state, mesh), None))
+                                       out_shardings=(state_shardings(state, mesh), None),
+                                       compiler_options=step_compiler_options(cfg) or None)
         return _STEP_CACHE[key]
+
+
+def step_compiler_options(cfg) -> dict[str, Any]:
+    """XLA options of the train step's compile (the jitted and the ahead-of-time step alike; JAX's
+    persistent cache keys on them): `xla_backend_optimization_level`, unless it is -1 (XLA's
+    default) or XLA_FLAGS sets --xla_backend_optimization_level itself, which then wins."""
+    level = cfg.xla_backend_optimization_level
+    if level < 0 or "--xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
+        return {}
+    return {"xla_backend_optimization_level": level}
 
 
 def step_key(cfg, graphdef, mesh) -> tuple:
@@ -179,12 +192,16 @@ def step_key(cfg, graphdef, mesh) -> tuple:
     return (_compile_key(cfg), graphdef, mesh)
 
 
-def compiled_step(cfg, graphdef, state, batch, mesh):
+def compiled_step(cfg, graphdef, state, batch, mesh, on_lowered: Callable[[], None] | None = None):
     """`make_train_step`'s step compiled ahead of time for (abstract) `state` and `batch`, once
-    per key and process (`jax.stages.Compiled`; core/precompile.py)."""
+    per key and process (`jax.stages.Compiled`; core/precompile.py); `on_lowered()` is called
+    between tracing (Python, holds the GIL) and XLA's compile (releases it)."""
     key = step_key(cfg, graphdef, mesh)
     if key not in _COMPILED:
-        compiled = make_train_step(cfg, graphdef, state, mesh).lower(state, batch).compile()
+        lowered = make_train_step(cfg, graphdef, state, mesh).lower(state, batch)
+        if on_lowered is not None:
+            on_lowered()
+        compiled = lowered.compile()
         with _CACHE_LOCK:
             _COMPILED.setdefault(key, compiled)
     return _COMPILED[key]
@@ -272,7 +289,8 @@ def build(cfg) -> Setup:
     make_model = lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))  # noqa: E731
     make_opt = lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param)  # noqa: E731
     if jax.process_count() == 1 and jax.default_backend() == "cpu":
-        model = shard_state(make_model(), mesh)
+        with bucketed_draws():  # a few shared jax.random programs, the same values (core/init_draws.py)
+            model = shard_state(make_model(), mesh)
         optimizer = shard_state(make_opt(model), mesh)
     else:
         model = create_sharded(make_model, mesh)

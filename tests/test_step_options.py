@@ -1,0 +1,24 @@
+"""The train step's XLA options (`xla_backend_optimization_level`): the config's level, none for -1
+(XLA's default) or when XLA_FLAGS sets the level (the test suite's 0), and the config's range check."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import tiny_config
+from core import train_step as ts
+from core.errors import ConfigError
+
+
+def test_options_follow_the_config_and_xla_flags(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
+    assert ts.step_compiler_options(tiny_config()) == {}  # the default: XLA's own level
+    assert ts.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=1")) == {
+        "xla_backend_optimization_level": 1}
+    assert ts.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=2")) == {
+        "xla_backend_optimization_level": 2}
+    assert ts.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=-1")) == {}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")  # the environment wins
+    assert ts.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=1")) == {}
+    with pytest.raises(ConfigError, match="xla_backend_optimization_level=4"):
+        tiny_config(None, "xla_backend_optimization_level=4")
