@@ -80,7 +80,7 @@ class Config:
     attention_query_chunk_size: int   # query positions per chunk of the chunked attention and top-k
     jax_cache_dir: str                # persistent compilation cache: "" off, "default" = ~/.cache/dsv4/jax, or a path
     compile_ahead: bool               # training runs compile the step from abstract state while the model builds
-    xla_backend_optimization_level: int  # LLVM level of the train step's compile: 0-3, -1 = XLA's default (3)
+    xla_backend_optimization_level: int  # LLVM level of the train step's compile: 0-3, -1 = 1 on CPU, XLA's default elsewhere
     # mixture of experts
     num_experts: int
     num_experts_per_tok: int

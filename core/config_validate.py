@@ -90,7 +90,7 @@ def _check_ranges(cfg: Config) -> None:
         _check(v in choices, f"{key}={v!r} is not supported: use one of {', '.join(choices)}.")
     _check(cfg.xla_backend_optimization_level in (-1, 0, 1, 2, 3),
            f"xla_backend_optimization_level={cfg.xla_backend_optimization_level} is not supported: use 0-3, "
-           "or -1 for XLA's default.")
+           "or -1 (1 on CPU, XLA's default elsewhere).")
     _check(cfg.learning_rate_schedule_steps == -1 or cfg.learning_rate_schedule_steps >= 1,
            f"learning_rate_schedule_steps={cfg.learning_rate_schedule_steps} must be >= 1, or -1 to follow steps.")
 

@@ -1,5 +1,6 @@
-"""The train step's XLA options (`xla_backend_optimization_level`): the config's level, none for -1
-(XLA's default) or when XLA_FLAGS sets the level (the test suite's 0), and the config's range check."""
+"""The train step's XLA options (`xla_backend_optimization_level`): the config's level, for -1 the
+CPU level on CPU and none elsewhere, none when XLA_FLAGS sets the level (the test suite's 0), and
+the config's range check."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from core.errors import ConfigError
 
 def test_options_follow_the_config_and_xla_flags(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
-    assert ts.step_compiler_options(tiny_config()) == {}  # the default: XLA's own level
+    auto = tiny_config()  # the default -1: AUTO_CPU_LEVEL on CPU, XLA's own level elsewhere
+    assert ts.step_compiler_options(auto, "cpu") == {"xla_backend_optimization_level": ts.AUTO_CPU_LEVEL}
+    assert ts.step_compiler_options(auto, "gpu") == {} and ts.step_compiler_options(auto, "tpu") == {}
+    assert ts.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=2"), "gpu") == {
+        "xla_backend_optimization_level": 2}
     assert ts.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=1")) == {
         "xla_backend_optimization_level": 1}
     assert ts.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=2")) == {
         "xla_backend_optimization_level": 2}
-    assert ts.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=-1")) == {}
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")  # the environment wins
     assert ts.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=1")) == {}
     with pytest.raises(ConfigError, match="xla_backend_optimization_level=4"):
