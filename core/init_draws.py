@@ -7,8 +7,8 @@ time to step 0 (docs/benchmarks.md, session 5). With the partitionable threefry
 function of the key and of i, the element's row-major flat index, alone; uniform -> erf_inv ->
 clip is elementwise. So the draw of `shape` equals the first prod(shape) elements of a flat draw of
 any larger size, reshaped: inside `bucketed_draws()` a parameter of n elements is cut from a flat
-draw of `bucket(n)` elements (a power of two, at least 2**16), and a handful of programs serve
-every parameter. The scale by the standard deviation is the same float32 multiply as JAX's
+draw of `bucket(n)` elements (a power of two, at least 2**16): a handful of draw programs serve
+every parameter, and one small cut-and-scale program per distinct shape remains. The scale by the standard deviation is the same float32 multiply as JAX's
 `variance_scaling`. tests/test_init_draws.py proves the built model bitwise equal to the per-shape
 draws, parameter by parameter.
 
@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 MIN_BUCKET = 1 << 16
-MAX_BUCKETED = 1 << 24  # larger parameters keep their own program (no 2x transient draw)
+MAX_BUCKETED = 1 << 24  # larger parameters (per layer) keep their own program: the transient draw
+# is at most 2x a parameter's elements (times the layers of a scanned segment, under nnx.vmap)
 TRUNC_STD = .87962566103423978  # stddev of a standard normal truncated to (-2, 2), JAX's constant
 _BUCKETED: contextvars.ContextVar[bool] = contextvars.ContextVar("dsv4_bucketed_draws", default=False)
 
@@ -68,6 +69,14 @@ def _cut(flat: jax.Array, stddev: jax.Array, shape: tuple[int, ...]) -> jax.Arra
     return flat[:math.prod(shape)].reshape(shape) * stddev
 
 
+def _is_threefry(key: jax.Array) -> bool:
+    """Whether `key` (typed, or a raw uint32 key of the default implementation) is threefry2x32:
+    the prefix property above is threefry's; rbg keys draw differently."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return str(jax.random.key_impl(key)) == "threefry2x32"
+    return jax.config.jax_default_prng_impl == "threefry2x32"
+
+
 class FanInTruncatedNormal:
     """`init(key, shape, dtype)`: truncated normal on (-2, 2) scaled to variance 1 / fan_in.
 
@@ -86,7 +95,7 @@ class FanInTruncatedNormal:
         shape = tuple(int(s) for s in shape)
         n = math.prod(shape)
         if (not _BUCKETED.get() or n > MAX_BUCKETED or len(shape) < 2
-                or not jax.config.jax_threefry_partitionable):
+                or not jax.config.jax_threefry_partitionable or not _is_threefry(key)):
             return self.reference(key, shape, dtype)
         variance = jnp.array(1.0 / fan_in(shape, *self.axes), dtype=dtype)
         stddev = jnp.sqrt(variance) / jnp.array(TRUNC_STD, dtype)

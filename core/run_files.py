@@ -18,7 +18,6 @@ CONFIG_FILE = "config.yml"
 METRICS_FILE = "metrics.jsonl"
 
 
-
 def check_output_dir(path: str | Path, option: str = "--output") -> Path:
     """The output directory `path`, expanded, if it is or can be made a writable directory.
 

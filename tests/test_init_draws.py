@@ -8,9 +8,10 @@ import numpy as np
 from flax import nnx
 
 from core import checkpoint as ckpt
+from core import init_draws
 from core.init_draws import MIN_BUCKET, FanInTruncatedNormal, bucket, bucketed_draws
 from core.model import Transformer
-from tests.conftest import tiny_config
+from conftest import tiny_config
 
 
 def _weights(cfg) -> dict[str, np.ndarray]:
@@ -23,13 +24,16 @@ def test_bucket_sizes():
     assert bucket(MIN_BUCKET + 1) == 2 * MIN_BUCKET and bucket(129280 * 64) == 1 << 23
 
 
-def test_real_model_initial_weights_are_bitwise_the_per_shape_draws():
+def test_real_model_initial_weights_are_bitwise_the_per_shape_draws(monkeypatch):
     """Every variable of the shrunken deepseek4-tiny (hash, SWA and the scanned CSA/HCA pair:
     plain and vmapped keys), bucketed vs JAX's own per-shape initialisers."""
     cfg = tiny_config()
     reference = _weights(cfg)
+    cuts, cut = [], init_draws._cut
+    monkeypatch.setattr(init_draws, "_cut", lambda flat, std, shape: cuts.append(shape) or cut(flat, std, shape))
     with bucketed_draws():
         bucketed = _weights(cfg)
+    assert len(cuts) > 20  # the bucketed path served the model's weight matrices
     assert reference.keys() == bucketed.keys() and len(reference) > 50
     for path, value in reference.items():
         assert bucketed[path].dtype == value.dtype, path
@@ -48,3 +52,13 @@ def test_large_odd_shapes_and_batched_keys_match_variance_scaling():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected), strict=True)
     np.testing.assert_array_equal(np.asarray(single, np.float32),
                                   np.asarray(init.reference(keys[0], shape, jnp.bfloat16), np.float32))
+
+
+def test_rbg_keys_fall_back_to_the_per_shape_draw():
+    """The prefix property is threefry's: rbg keys keep JAX's own draw (which bucketing would change)."""
+    init = FanInTruncatedNormal(in_axis=1, out_axis=2, batch_axis=(0,))
+    shape, keys = (3, 129, 1000), jax.random.split(jax.random.key(3, impl="rbg"), 2)
+    expected = jax.vmap(lambda k: init.reference(k, shape, jnp.float32))(keys)
+    with bucketed_draws():
+        got = jax.vmap(lambda k: init(k, shape, jnp.float32))(keys)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected), strict=True)

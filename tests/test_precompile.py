@@ -30,7 +30,8 @@ def _jitted_rows(cfg) -> list[dict[str, float]]:
     graphdef, state = nnx.split((setup.model, setup.optimizer))
     # make_train_step's jit before core/precompile.py, as a new function: its own compile
     step = jax.jit(ts._step_fn(cfg, graphdef), donate_argnums=0,
-                   out_shardings=(state_shardings(state, setup.mesh), None))
+                   out_shardings=(state_shardings(state, setup.mesh), None),
+                   compiler_options=ts.step_compiler_options(cfg) or None)
     data, rows = train_batches(cfg, setup.batch_size), []
     for _ in range(STEPS):
         state, metrics = step(state, shard_batch(next(data), setup.mesh))
