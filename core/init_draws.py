@@ -9,8 +9,9 @@ clip is elementwise. So the draw of `shape` equals the first prod(shape) element
 any larger size, reshaped: inside `bucketed_draws()` a parameter of n elements is cut from a flat
 draw of `bucket(n)` elements (a power of two, at least 2**16): a handful of draw programs serve
 every parameter, and one small cut-and-scale program per distinct shape remains. The scale by the
-standard deviation is the same float32 multiply as JAX's `variance_scaling`. tests/test_init_draws.py proves the built model bitwise equal to the per-shape
-draws, parameter by parameter.
+standard deviation is the same float32 multiply as JAX's `variance_scaling`.
+tests/test_init_draws.py proves the built model bitwise equal to the per-shape draws, parameter by
+parameter.
 
 Outside the context (the default, every traced build, `create_sharded`), above `MAX_BUCKETED`
 elements, or for a shape of rank < 2, the initialiser is JAX's
