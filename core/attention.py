@@ -45,7 +45,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from core.compressor import Compressor
 from core.indexer import Indexer, select_topk, select_topk_chunked, selection_mask
@@ -135,7 +134,6 @@ class AttentionSpec:
     query_chunk: int = 0
     attention: str = "chunked"  # "chunked" (core.sparse_attention) | "masked" (dense reference)
     attention_chunk: int = 128  # query positions per chunk of the chunked path
-    chunk_remat: bool = True   # checkpoint each attention chunk; the decoder sets False under layer remat
 
     @classmethod
     def from_config(cls, cfg, layer: int) -> "AttentionSpec":
@@ -269,8 +267,8 @@ class Attention(nnx.Module):
         y = chunked_attention(c_q, kv, positions_bt, segment_ids_bt, sink_h, window=s.window,
                               chunk=s.attention_chunk, ckv_bwd=ckv, ratio=s.ratio,
                               topk_idx_btk=sel[0], topk_valid_btk=sel[1],
-                              q_fn=self._queries_from, o_fn=self._output, remat=s.chunk_remat)
-        return checkpoint_name(y, "attention_out"), aux
+                              q_fn=self._queries_from, o_fn=self._output)
+        return y, aux
 
     def _index_chunked(self, x_btm, c_q, kv, ckv, sink_h, positions_bt, segment_ids_bt, *,
                        dense: bool, loss: bool, collect: bool):

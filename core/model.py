@@ -34,12 +34,13 @@ from the forward and what it recomputes:
            forward of the layers, least memory).
 Both remat policies also keep SAVED_NAMES, values tagged with `checkpoint_name` where they are
 made: the CSA top-k selection (int [B, T, k] + bool), the streamed indexer loss's closed-form
-gradients (per token: [B, T, R + HI], its keys [B, W, DI], its query weight), the attention
-sublayer's output [B, T, M] and the MoE's routing (int: chosen experts, slot rows, tile experts).
-The backward then runs no indexer scoring, top-k, indexer loss, attention chunk forward nor
-routing sort again: a few bytes per token and layer (+3% temp at 1 x 1024, docs/benchmarks.md
-"Session 5") for a step ~10% faster at 1 x 256. Under remat the attention's query chunks are not
-checkpointed themselves (AttentionSpec.chunk_remat): their residuals live for one layer's backward.
+gradients (per token [B, T, R + HI], its keys [B, W, DI], its query weight) and the MoE's routing
+(int: chosen experts, slot rows, tile experts). The backward then runs no indexer scoring, top-k,
+indexer loss nor routing sort again, for a few bytes per token and layer: the 1 x 256 sparse step
+~11% faster, XLA temp +1.6% at 1 x 1024, +5.4% at 1 x 8192 (docs/benchmarks.md, "Session 5").
+Also keeping the attention output [B, T, M] (its query chunks then run forward once less) or
+dropping the chunks' own checkpoint measured faster still but grew the temp at 1 x 8192 by 15% /
+48%.
 The default (base.yml) is `full`, chosen without timings (the machine was shared) by XLA's
 compiled memory analysis and the step's FLOP count (docs/benchmarks.md, "Remat policy"): the
 deepseek4-tiny sparse step at 1 x 1024 needs 5.06 GB of XLA temporaries under `none`, 0.99 GB
@@ -73,7 +74,7 @@ COLLECT_KEYS = ("index_scores", "topk_idx", "topk_valid", "teacher_query", "comp
 JOINT_KEYS = ("raw_kv", "window", "sink")
 # Small named values every remat policy keeps (module docstring): what the backward would
 # otherwise recompute at a high op count for a few bytes per token (checkpoint_name at the source).
-SAVED_NAMES = ("topk_idx", "topk_valid", "indexer_loss_grads", "attention_out", "moe_routing")
+SAVED_NAMES = ("topk_idx", "topk_valid", "indexer_loss_grads", "moe_routing")
 _SAVE_NAMES = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
 REMAT_POLICIES = {  # name -> jax.checkpoint policy; "none" = no remat (module docstring)
     "none": None,
@@ -108,9 +109,7 @@ class BlockSpec:
             use_bias=cfg.routed_bias, swiglu_limit=cfg.mlp_activations_limit,
             load_balance_loss_weight=cfg.load_balance_loss_weight, impl=cfg.moe_impl,
             tile_size=cfg.moe_tile_size)
-        # under layer remat the attention's chunks need no checkpoint of their own (module docstring)
-        attn = dataclasses.replace(AttentionSpec.from_config(cfg, layer), chunk_remat=cfg.remat_policy == "none")
-        return cls(attn, cfg.emb, cfg.normalization_layer_epsilon,
+        return cls(AttentionSpec.from_config(cfg, layer), cfg.emb, cfg.normalization_layer_epsilon,
                    cfg.mhc_expansion_rate, cfg.hc_sinkhorn_iters, cfg.hc_eps, tuple(sorted(moe.items())))
 
 

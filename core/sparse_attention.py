@@ -5,8 +5,8 @@
 entries + per-head sink in one softmax) without any [T, T] or [T, W]-over-all-queries tensor.
 The queries are cut into chunks of C positions (T padded up to a multiple of C with padding
 tokens, segment 0, which see nothing and are sliced off) and a `lax.scan` runs one chunk at a
-time; the chunk body is `jax.checkpoint`ed (`remat`, unless the layer itself runs under remat),
-so the backward pass recomputes it and keeps nothing of chunk size between steps. Per chunk:
+time; the chunk body is `jax.checkpoint`ed, so the backward pass recomputes it and keeps nothing
+of chunk size between steps. Per chunk, at once:
 
   window   its C queries meet only keys [t0 - (S - 1), t0 + C): logits [B, H, C, C + S - 1]
            (the keys are front-padded with invisible padding, so chunk 0 needs no special case)
@@ -106,7 +106,7 @@ def _identity_o(o_bchd, pos_bc):
 
 def chunked_attention(q_in_bt_, kv_bsd, positions_bt, segment_ids_bt, sink_h, *, window: int,
                       chunk: int, ckv_bwd=None, ratio: int = 0, topk_idx_btk=None,
-                      topk_valid_btk=None, q_fn=None, o_fn=None, remat: bool = True):
+                      topk_valid_btk=None, q_fn=None, o_fn=None):
     """`attention` (window + compressed + sink, one softmax) one query chunk at a time.
 
     Args:
@@ -123,10 +123,6 @@ def chunked_attention(q_in_bt_, kv_bsd, positions_bt, segment_ids_bt, sink_h, *,
         [B, T, k]): attend only those blocks (CSA sparse). None: every visible block.
       q_fn: (inputs [B, C, ...], positions [B, C]) -> queries [B, C, H, D], run per chunk.
       o_fn: (o [B, C, H, D] in q's dtype, positions [B, C]) -> per-token output, run per chunk.
-      remat: `jax.checkpoint` the chunk body, so the backward recomputes each chunk and keeps
-        nothing of chunk size between steps. False where the caller already runs under remat
-        (a layer body whose backward recomputes the layer): the chunks' residuals then live for
-        one layer's backward only, and each chunk's forward runs once less.
 
     Returns:
       [B, T, ...]: o_fn of the attention output (o_bthd [B, T, H, D] in q's dtype by default).
@@ -153,6 +149,7 @@ def chunked_attention(q_in_bt_, kv_bsd, positions_bt, segment_ids_bt, sink_h, *,
     if gathered:
         xs += [to_chunks(topk_idx_btk, c, n), to_chunks(topk_valid_btk, c, n)]
 
+    @jax.checkpoint
     def body(q_in, pos_bc, seg_bc, t0, *sel):
         q = q_fn(q_in, pos_bc)
         acc = jnp.promote_types(q.dtype, jnp.float32)
@@ -168,8 +165,6 @@ def chunked_attention(q_in_bt_, kv_bsd, positions_bt, segment_ids_bt, sink_h, *,
         o = merged_softmax(q.astype(acc), sink_h.astype(acc), parts).astype(q.dtype)
         return o_fn(o, pos_bc)
 
-    if remat:
-        body = jax.checkpoint(body)
     if n == 1:
         ys = body(*(x[0] for x in xs))[None]
     else:
