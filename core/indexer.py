@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from core.compressor import Compressor
 from core.layers import dense_init, param
@@ -143,9 +144,11 @@ def select_topk_chunked(q_in_bt_, k_bwd, weights_bti, positions_bt, segment_ids_
     xs = tuple(to_chunks(x, c, n) for x in (q_in_bt_, weights_bti, positions_bt, segment_ids_bt))
     if n == 1:
         idx, valid = body(None, tuple(x[0] for x in xs))[1]
-        return from_chunks(idx[None], t), from_chunks(valid[None], t)
-    _, (idx, valid) = jax.lax.scan(body, None, xs)
-    return from_chunks(idx, t), from_chunks(valid, t)
+        idx, valid = idx[None], valid[None]
+    else:
+        _, (idx, valid) = jax.lax.scan(body, None, xs)
+    return (checkpoint_name(from_chunks(idx, t), "topk_idx"),
+            checkpoint_name(from_chunks(valid, t), "topk_valid"))
 
 
 def indexer_queries(c_q_btr, wq_b_rid, positions_bt, *, rope: RopeSpec, dtype):

@@ -16,6 +16,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from core.indexer import indexer_scores, select_topk, selection_mask
 from core.indexer_loss_rows import (Spec, check_teacher, compute_dtype, kl_rows, per_valid_row, resolve_chunk,
@@ -139,6 +140,7 @@ def _streamed_mean_kl(spec, q_idx, k_idx, w_idx, query, kv, raw_kv, sink, positi
 
 def _streamed_fwd(spec, *inputs):
     loss, grads = _streamed_pass(spec, inputs, with_grad=True)
+    grads = jax.tree.map(lambda g: checkpoint_name(g, "indexer_loss_grads"), grads)
     return loss, (grads, inputs[3:7])
 
 

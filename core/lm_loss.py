@@ -59,7 +59,8 @@ def chunked_lm_loss(h_btm, head_mv, targets_bt, mask_bt, *, chunk: int):
     Shapes:
       1. tokens flattened to N = B*T, zero-padded to a multiple of C; weight = mask / max(#mask, 1)
       2. per chunk: logits [C, V] = h_c @ head; nll_c = lse_c - logits[target]; loss += sum(nll_c * w_c)
-      3. under differentiation, in the same step: d logits = (exp(logits - lse) - onehot) * w;
+      3. under differentiation, in the same step: d logits = (e / sum_v e - onehot) * w with
+         e = exp(logits - max) computed once for the log-sum-exp and the softmax;
          dh_c = d logits @ head^T, dhead += h_c^T @ d logits; the backward returns g * (dh, dhead)
     """
     if chunk < 1:
@@ -100,9 +101,16 @@ def _weighted_nll_fwd(h_ncm, head_mv, targets_nc, weight_nc):
     def body(carry, xs):
         total, dhead_mv = carry
         h_cm, targets_c, weight_c = xs
-        logits_cv, lse_c, target_c = _chunk_stats(h_cm, head_mv, targets_c)
+        logits_cv = jnp.einsum("cm,mv->cv", h_cm, head_mv)
+        max_c = jnp.max(logits_cv, axis=-1)
+        exp_cv = jnp.exp(logits_cv - max_c[:, None])  # once: the log-sum-exp and the softmax share it
+        sum_c = jnp.sum(exp_cv, axis=-1)
+        lse_c = max_c + jnp.log(sum_c)
+        # the target logits from h and the target columns, not gathered from logits_cv: the
+        # logits are then dead once exp_cv exists, which takes their buffer (peak memory unchanged)
+        target_c = jnp.einsum("cm,mc->c", h_cm, head_mv[:, targets_c])
         onehot_cv = jax.nn.one_hot(targets_c, head_mv.shape[-1], dtype=logits_cv.dtype)
-        dlogits_cv = (jnp.exp(logits_cv - lse_c[:, None]) - onehot_cv) * weight_c[:, None]
+        dlogits_cv = exp_cv * (weight_c / sum_c)[:, None] - onehot_cv * weight_c[:, None]
         dh_cm = jnp.einsum("cv,mv->cm", dlogits_cv, head_mv)
         dhead_mv = dhead_mv + jnp.einsum("cm,cv->mv", h_cm, dlogits_cv)
         return (total + jnp.sum((lse_c - target_c) * weight_c), dhead_mv), dh_cm

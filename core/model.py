@@ -29,9 +29,19 @@ under `nnx.remat` with the policy of REMAT_POLICIES, which decides what the back
 from the forward and what it recomputes:
   none     no remat: every residual the autodiff wants is kept, per layer (most memory, no recompute);
   minimal  keep the outputs of matmuls without batch dimensions (x @ W projections, experts), recompute
-           the rest (norms, RoPE, attention scores and softmax, routing, mHC mixing);
+           the rest (norms, RoPE, attention scores and softmax, mHC mixing);
   full     keep only each layer's input; the whole layer runs again in the backward (one extra
            forward of the layers, least memory).
+Both remat policies also keep SAVED_NAMES, values tagged with `checkpoint_name` where they are
+made: the CSA top-k selection (int [B, T, k] + bool), the streamed indexer loss's closed-form
+gradients (per token [B, T, R + HI], its keys [B, W, DI], its query weight) and the MoE's routing
+(int: chosen experts, slot rows, tile experts). The backward then runs no indexer scoring, top-k,
+indexer loss nor routing sort again, for a few bytes per token and layer: the 1 x 1024 sparse step
+~9% faster (~12% at 1 x 256 and ~14% at 1 x 1024 with the LM loss's single exp), XLA temp +1.6%
+at 1 x 1024, +5.4% at 1 x 8192 (docs/benchmarks.md, "Session 5").
+Also keeping the attention output [B, T, M] (its query chunks then run forward once less) or
+dropping the chunks' own checkpoint measured faster still but grew the temp at 1 x 8192 by 15% /
+48%.
 The default (base.yml) is `full`, chosen without timings (the machine was shared) by XLA's
 compiled memory analysis and the step's FLOP count (docs/benchmarks.md, "Remat policy"): the
 deepseek4-tiny sparse step at 1 x 1024 needs 5.06 GB of XLA temporaries under `none`, 0.99 GB
@@ -63,10 +73,15 @@ from core.moe import MoE, hash_table, update_router_bias
 MODES = ("train", "eval", "eval_dense")
 COLLECT_KEYS = ("index_scores", "topk_idx", "topk_valid", "teacher_query", "compressed_kv", "visible")
 JOINT_KEYS = ("raw_kv", "window", "sink")
+# Small named values every remat policy keeps (module docstring): what the backward would
+# otherwise recompute at a high op count for a few bytes per token (checkpoint_name at the source).
+SAVED_NAMES = ("topk_idx", "topk_valid", "indexer_loss_grads", "moe_routing")
+_SAVE_NAMES = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
 REMAT_POLICIES = {  # name -> jax.checkpoint policy; "none" = no remat (module docstring)
     "none": None,
-    "minimal": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-    "full": jax.checkpoint_policies.nothing_saveable,
+    "minimal": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims, _SAVE_NAMES),
+    "full": _SAVE_NAMES,
 }
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from core.layers import dense_init, param, upcast
 from core.moe_dispatch import tiled_experts
@@ -104,7 +105,7 @@ def route(logits_bte, bias_e, k: int, *, scaling: float, normalize: bool):
     scores_bte = router_scores(logits_bte)
     ranked_bte = scores_bte if bias_e is None else scores_bte + upcast(bias_e)
     _, idx_btk = jax.lax.top_k(jax.lax.stop_gradient(ranked_bte), k)
-    idx_btk = idx_btk.astype(jnp.int32)
+    idx_btk = checkpoint_name(idx_btk.astype(jnp.int32), "moe_routing")
     return idx_btk, combine_weights(scores_bte, idx_btk, scaling=scaling, normalize=normalize), scores_bte
 
 

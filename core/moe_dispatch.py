@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 
 def tile_layout(idx_sk, num_experts: int, tile: int):
@@ -80,6 +81,7 @@ def tiled_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: fl
     rows = tiles * tile
     token_s = jnp.arange(n * k, dtype=jnp.int32) // k
     token_r = jnp.zeros((rows,), jnp.int32).at[dest_s].set(token_s, unique_indices=True)
+    dest_s, expert_g, token_r = (checkpoint_name(a, "moe_routing") for a in (dest_s, expert_g, token_r))
     weight_r = jnp.zeros((rows,), weights_btk.dtype).at[dest_s].set(weights_btk.reshape(-1), unique_indices=True)
     x_grm = x_btm.reshape(n, m)[token_r].reshape(tiles, tile, m)
     gate_grf = jnp.einsum("grm,gmf->grf", x_grm, w1_emf[expert_g])
