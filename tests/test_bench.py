@@ -84,8 +84,9 @@ def timed_profile():
 
 def test_profile_counts_the_head_exactly(timed_profile):
     """FLOPs per component from the step's jaxpr: the chunked head's matmuls are 3 x 2NMV
-    (logits, d hidden, d head, all in the forward scan) over N tokens padded to whole chunks, and the
-    components add up to the total."""
+    (logits, d hidden, d head, all in the forward scan) plus 2NM (each token's target logit, from h
+    and its target's head column) over N tokens padded to whole chunks, and the components add up
+    to the total."""
     from rich.console import Console
 
     from dsv4cli.bench_train import render_profile
@@ -94,7 +95,7 @@ def test_profile_counts_the_head_exactly(timed_profile):
     assert (out["stage"], out["seq"], out["batch"]) == ("sparse", 32, 2)
     n, m, v = 72, 64, 512  # 2 x 32 = 64 tokens in chunks of 24: 3 chunks
     comps = out["components"]
-    assert comps["head"]["matmul_flops"] == 3 * 2 * n * m * v, comps["head"]
+    assert comps["head"]["matmul_flops"] == 3 * 2 * n * m * v + 2 * n * m, comps["head"]
     assert comps["optimizer"]["matmul_flops"] == 0 and comps["optimizer"]["other_flops"] > 0
     for name in ("attention", "MoE", "mHC"):
         assert comps[name]["matmul_flops"] > 0, (name, comps[name])
