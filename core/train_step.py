@@ -184,7 +184,7 @@ def step_compiler_options(cfg, backend: str | None = None) -> dict[str, Any]:
     """XLA options of the train step's compile (the jitted and the ahead-of-time step alike; JAX's
     persistent cache keys on them): LLVM's `xla_backend_optimization_level`.
 
-    -1 (the default) is `AUTO_CPU_LEVEL` on the CPU backend, where it compiles the step ~20% faster
+    -1 (the default) is `AUTO_CPU_LEVEL` on the CPU backend, where it compiles the step 10-25% faster
     and runs it as fast (docs/benchmarks.md, session 5), and XLA's own level elsewhere (not
     measured there); 0-3 apply on any backend. A --xla_backend_optimization_level in XLA_FLAGS wins.
 
