@@ -64,10 +64,12 @@ def compile_train_step(cfg) -> dict[str, Any]:
     import jax
 
     from core.train import _step_fn
+    from core.train_step import step_compiler_options
 
     graphdef, state, batch = _abstract(cfg)
     start = time.perf_counter()
-    compiled = jax.jit(_step_fn(cfg, graphdef), donate_argnums=0).lower(state, batch).compile()
+    compiled = jax.jit(_step_fn(cfg, graphdef), donate_argnums=0,  # the options the training commands compile with
+                       compiler_options=step_compiler_options(cfg) or None).lower(state, batch).compile()
     compile_s = time.perf_counter() - start
     mem = compiled.memory_analysis()
     return {"compile_s": compile_s, "temp_bytes": int(mem.temp_size_in_bytes),

@@ -79,11 +79,18 @@ def chunked_lm_loss(h_btm, head_mv, targets_bt, mask_bt, *, chunk: int):
 
 
 def _chunk_stats(h_cm, head_mv, targets_c):
-    """(logits [C, V], lse [C], target logit [C]) of one chunk."""
+    """(exp [C, V], its row sums [C], lse [C], target logit [C]) of one chunk.
+
+    exp(logits - max) serves the log-sum-exp and the softmax alike; the target logits come from h
+    and the targets' head columns, not gathered from the logits, so the logits are dead once the
+    exponentials exist and those take their buffer (one [C, V] live, not two).
+    """
     logits_cv = jnp.einsum("cm,mv->cv", h_cm, head_mv)
-    lse_c = jax.nn.logsumexp(logits_cv, axis=-1)
-    target_c = jnp.take_along_axis(logits_cv, targets_c[:, None], axis=-1)[:, 0]
-    return logits_cv, lse_c, target_c
+    max_c = jnp.max(logits_cv, axis=-1)
+    exp_cv = jnp.exp(logits_cv - max_c[:, None])
+    sum_c = jnp.sum(exp_cv, axis=-1)
+    target_c = jnp.einsum("cm,mc->c", h_cm, jnp.asarray(head_mv)[:, targets_c])
+    return exp_cv, sum_c, max_c + jnp.log(sum_c), target_c
 
 
 @jax.custom_vjp
@@ -91,7 +98,7 @@ def _weighted_nll(h_ncm, head_mv, targets_nc, weight_nc):
     """sum over chunks and tokens of weight * (lse - target logit); see chunked_lm_loss."""
     def body(total, xs):
         h_cm, targets_c, weight_c = xs
-        _, lse_c, target_c = _chunk_stats(h_cm, head_mv, targets_c)
+        _, _, lse_c, target_c = _chunk_stats(h_cm, head_mv, targets_c)
         return total + jnp.sum((lse_c - target_c) * weight_c), None
 
     return jax.lax.scan(body, jnp.zeros((), h_ncm.dtype), (h_ncm, targets_nc, weight_nc))[0]
@@ -101,15 +108,8 @@ def _weighted_nll_fwd(h_ncm, head_mv, targets_nc, weight_nc):
     def body(carry, xs):
         total, dhead_mv = carry
         h_cm, targets_c, weight_c = xs
-        logits_cv = jnp.einsum("cm,mv->cv", h_cm, head_mv)
-        max_c = jnp.max(logits_cv, axis=-1)
-        exp_cv = jnp.exp(logits_cv - max_c[:, None])  # once: the log-sum-exp and the softmax share it
-        sum_c = jnp.sum(exp_cv, axis=-1)
-        lse_c = max_c + jnp.log(sum_c)
-        # the target logits from h and the target columns, not gathered from logits_cv: the
-        # logits are then dead once exp_cv exists, which takes their buffer (peak memory unchanged)
-        target_c = jnp.einsum("cm,mc->c", h_cm, head_mv[:, targets_c])
-        onehot_cv = jax.nn.one_hot(targets_c, head_mv.shape[-1], dtype=logits_cv.dtype)
+        exp_cv, sum_c, lse_c, target_c = _chunk_stats(h_cm, head_mv, targets_c)
+        onehot_cv = jax.nn.one_hot(targets_c, head_mv.shape[-1], dtype=exp_cv.dtype)
         dlogits_cv = exp_cv * (weight_c / sum_c)[:, None] - onehot_cv * weight_c[:, None]
         dh_cm = jnp.einsum("cv,mv->cm", dlogits_cv, head_mv)
         dhead_mv = dhead_mv + jnp.einsum("cm,cv->mv", h_cm, dlogits_cv)

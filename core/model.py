@@ -36,9 +36,10 @@ Both remat policies also keep SAVED_NAMES, values tagged with `checkpoint_name` 
 made: the CSA top-k selection (int [B, T, k] + bool), the streamed indexer loss's closed-form
 gradients (per token [B, T, R + HI], its keys [B, W, DI], its query weight) and the MoE's routing
 (int: chosen experts, slot rows, tile experts). The backward then runs no indexer scoring, top-k,
-indexer loss nor routing sort again, for a few bytes per token and layer: the 1 x 1024 sparse step
-~9% faster (~12% at 1 x 256 and ~14% at 1 x 1024 with the LM loss's single exp), XLA temp +1.6%
-at 1 x 1024, +5.4% at 1 x 8192 (docs/benchmarks.md, "Session 5").
+indexer loss nor routing sort again, for a few bytes per token and layer: XLA temp +1.6% at
+1 x 1024, +5.4% at 1 x 8192; step time 0.91x at 1 x 1024 (0.88x / 0.86x at 1 x 256 / 1 x 1024 with
+the LM loss's single exp), same-process A/B ratios on a shared machine (docs/benchmarks.md,
+"Session 5"); idle, the merged step runs 262 tokens/s at 1 x 256 and 265 at 1 x 1024.
 Also keeping the attention output [B, T, M] (its query chunks then run forward once less) or
 dropping the chunks' own checkpoint measured faster still but grew the temp at 1 x 8192 by 15% /
 48%.

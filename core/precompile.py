@@ -35,7 +35,7 @@ class StepPrecompile:
     """
 
     def __init__(self, cfg):
-        self.cfg, self.key, self.error = cfg, None, None
+        self.cfg, self.error = cfg, None
         self._lowered = threading.Event()
         self._thread = threading.Thread(target=self._compile, name="dsv4-precompile", daemon=False)
         self._thread.start()
@@ -47,7 +47,6 @@ class StepPrecompile:
     def _compile(self) -> None:
         try:
             graphdef, state, batch, mesh = abstract_inputs(self.cfg)
-            self.key = ts.step_key(self.cfg, graphdef, mesh)
             ts.compiled_step(self.cfg, graphdef, state, batch, mesh, on_lowered=self._lowered.set)
         except Exception as e:  # noqa: BLE001  (reported through `step`'s fallback)
             self.error = e
