@@ -76,7 +76,7 @@ def packed(lengths, t):
 # that need it (tests/test_stages.py, and tests/test_train.py's sparse and resume tests, whose
 # fresh warm-up takes CHAIN_STEPS["warmup"] steps too), so a full session compiles each step once
 # and runs each stage once.
-CHAIN_STEPS = {"pretrain": 30, "warmup": 6, "sparse": 30}
+CHAIN_STEPS = {"pretrain": 30, "warmup": 6, "sparse": 12}
 
 
 @pytest.fixture(scope="session")

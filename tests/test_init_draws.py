@@ -62,3 +62,22 @@ def test_rbg_keys_fall_back_to_the_per_shape_draw():
     with bucketed_draws():
         got = jax.vmap(lambda k: init(k, shape, jnp.float32))(keys)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected), strict=True)
+
+
+def test_build_makes_the_optimizer_state_of_eager_init_in_one_program():
+    """`build` creates the optimizer state under one jit on a CPU process: bitwise, and with the
+    very shardings, what op-by-op `nnx.Optimizer` creation gives (which the compiled-ahead step
+    was compiled for)."""
+    from core.sharding import shard_state
+    from core.train_step import build, make_optimizer
+
+    cfg = tiny_config("sparse")
+    setup = build(cfg)
+    eager = shard_state(nnx.Optimizer(setup.model, make_optimizer(cfg), wrt=nnx.Param), setup.mesh)
+    got, want = nnx.state(setup.optimizer), nnx.state(eager)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    pairs = list(zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)))
+    assert len(pairs) > 50
+    for (path, a), b in pairs:
+        assert a.sharding == b.sharding, jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path), strict=True)
