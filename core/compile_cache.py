@@ -4,9 +4,9 @@ A compiled train step is written to the cache directory, keyed by the program (i
 backend and the JAX / XLA versions, so a second run of the same shape and config reads the
 executable back instead of compiling it (DESIGN.md's "time to step 0": the compile is most of
 it on a CPU). Every program is written by default (`min_compile_time_s=0`), the small ones of
-model building too: deepseek4-tiny's ~130 eager programs (a few shared jax.random draws,
-core/init_draws.py, and per-shape cuts, zeros and optimizer state), ~9 CPU s together; a rerun
-reads them back. A threshold of JAX's default kind (1 s) cached a load-dependent subset of them.
+model building too: deepseek4-tiny's ~85 eager programs (a few shared jax.random draws,
+core/init_draws.py, per-shape cuts and constants, one program for the optimizer state), ~8 CPU s
+together; a rerun reads them back. A threshold of JAX's default kind (1 s) cached a load-dependent subset of them.
 
 Deviation from MaxText: the default is a per-user directory (`~/.cache/dsv4/jax`, or
 `$XDG_CACHE_HOME/dsv4/jax`), not `~/jax_cache`; an empty value turns the cache off. The cache is
