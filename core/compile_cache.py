@@ -6,7 +6,8 @@ executable back instead of compiling it (DESIGN.md's "time to step 0": the compi
 it on a CPU). Every program is written by default (`min_compile_time_s=0`), the small ones of
 model building too: deepseek4-tiny's ~85 eager programs (a few shared jax.random draws,
 core/init_draws.py, per-shape cuts and constants, one program for the optimizer state), ~8 CPU s
-together; a rerun reads them back. A threshold of JAX's default kind (1 s) cached a load-dependent subset of them.
+together; a rerun reads them back. A threshold of JAX's default kind (1 s) cached a
+load-dependent subset of them.
 
 Deviation from MaxText: the default is a per-user directory (`~/.cache/dsv4/jax`, or
 `$XDG_CACHE_HOME/dsv4/jax`), not `~/jax_cache`; an empty value turns the cache off. The cache is

@@ -298,7 +298,7 @@ def build(cfg) -> Setup:
     On a single CPU process the model is built eagerly and then placed (`shard_state`): compiling
     the initialiser of a 43-layer model as one XLA program takes minutes on a CPU, op-by-op creation
     seconds. Its optimizer state (zeros) is the opposite: one small jitted program instead of one
-    per distinct parameter shape (1.1 CPU s less of the build beside the step's compile). Elsewhere
+    per distinct parameter shape (~1 CPU s less of the build beside the step's compile). Elsewhere
     `create_sharded` builds both directly into their shards.
     """
     mesh = make_mesh(cfg)
@@ -307,7 +307,8 @@ def build(cfg) -> Setup:
     if jax.process_count() == 1 and jax.default_backend() == "cpu":
         with bucketed_draws():  # a few shared jax.random programs, the same values (core/init_draws.py)
             model = shard_state(make_model(), mesh)
-        # its state from one program, not one per distinct parameter shape (core/precompile.py)
+        # then onto the rule shardings, which the compiled-ahead step (core/precompile.py) expects:
+        # the jit's own output shardings are only equivalent to them
         optimizer = shard_state(create_sharded(make_opt, mesh, model), mesh)
     else:
         model = create_sharded(make_model, mesh)

@@ -1,7 +1,7 @@
 """Remat policies in the sparse stage: same loss and gradients, and the named values are not recomputed.
 
 The layer-body policies (core/model.py, REMAT_POLICIES) keep SAVED_NAMES: the CSA top-k
-selection, the streamed indexer loss's gradients, the attention output and the MoE routing. A
+selection, the streamed indexer loss's gradients and the MoE routing. A
 shrunken sparse-stage model (two scanned CSA layers, learned routing, four attention chunks of 8,
 indexer loss on) must give the loss and gradients of `none` (no remat) under `full`, and
 the backward must run no top-k again: the differentiated program has as many top_k as the forward.
