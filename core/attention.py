@@ -47,8 +47,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from core.compressor import Compressor
-from core.indexer import Indexer, select_topk, select_topk_chunked, selection_mask
-from core.indexer_loss import csa_indexer_loss, csa_indexer_loss_streamed
+from core.indexer import Indexer
+from core.topk import select_topk, select_topk_chunked, selection_mask
+from core.indexer_loss import csa_indexer_loss
+from core.indexer_loss_streamed import csa_indexer_loss_streamed
 from core.layers import RMSNorm, dense_init, param, rms_normalize
 from core.masks import NEG, csa_visible, sliding_window_mask
 from core.rope import RopeSpec, apply_rope

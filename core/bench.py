@@ -34,8 +34,9 @@ import jax.numpy as jnp
 
 from core.config import load_config
 from core.errors import ConfigError, DsvError
-from core.indexer import indexer_scores, select_topk, selection_mask
-from core.indexer_loss import csa_indexer_loss, csa_indexer_loss_streamed
+from core.topk import indexer_scores, select_topk, selection_mask
+from core.indexer_loss import csa_indexer_loss
+from core.indexer_loss_streamed import csa_indexer_loss_streamed
 from core.masks import csa_visible
 
 SHAPE_MODELS = {"flash": "deepseek4-284b", "tiny": "deepseek4-tiny"}

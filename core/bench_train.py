@@ -1,6 +1,6 @@
 """The training step's speed and memory over shapes, and its FLOPs per component (`dsv4 bench --train`).
 
-Two tools on the real train step (core/train.py's `_step_fn`, jitted as `make_train_step` does):
+Two tools on the real train step (core/train.py's `step_fn`, jitted as `make_train_step` does):
 
 - `compile_train_step(cfg)`: the step compiled ahead of time from abstract state (nothing is
   allocated): compile seconds, XLA's compiled memory analysis (temp bytes) and cost analysis.
@@ -63,12 +63,12 @@ def compile_train_step(cfg) -> dict[str, Any]:
     """
     import jax
 
-    from core.train import _step_fn
+    from core.train_step import step_fn
     from core.train_step import step_compiler_options
 
     graphdef, state, batch = _abstract(cfg)
     start = time.perf_counter()
-    compiled = jax.jit(_step_fn(cfg, graphdef), donate_argnums=0,  # the options the training commands compile with
+    compiled = jax.jit(step_fn(cfg, graphdef), donate_argnums=0,  # the options the training commands compile with
                        compiler_options=step_compiler_options(cfg) or None).lower(state, batch).compile()
     compile_s = time.perf_counter() - start
     mem = compiled.memory_analysis()
@@ -167,10 +167,10 @@ def component_flops(cfg, *, compile: bool = True) -> dict[str, Any]:
     """
     import jax
 
-    from core.train import _step_fn
+    from core.train_step import step_fn
 
     graphdef, state, batch = _abstract(cfg)
-    closed = jax.make_jaxpr(_step_fn(cfg, graphdef))(state, batch)
+    closed = jax.make_jaxpr(step_fn(cfg, graphdef))(state, batch)
     totals = {c: [0.0, 0.0] for c in COMPONENTS}
     _walk(closed.jaxpr, 1.0, totals)
     compiled = compile_train_step(cfg) if compile else {"xla_flops": None, "temp_bytes": None}
@@ -199,7 +199,7 @@ def measure_shape(cfg, steps: int, trace_steps: int = 0) -> dict[str, Any]:
 
     from core.data import train_batches
     from core.sharding import shard_batch
-    from core.train import build, make_train_step
+    from core.train_step import build, make_train_step
 
     setup = build(cfg)
     graphdef, state = nnx.split((setup.model, setup.optimizer))

@@ -26,8 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from core.errors import CheckpointError
-from core.run_files import (  # noqa: F401  (re-exported: the run directory's plain files)
-    CONFIG_FILE, METRICS_FILE, append_metrics, check_output_dir, read_metrics, truncate_metrics, write_config)
+from core.tree import flatten, shapes
 
 CHECKPOINTS_DIR = "checkpoints"
 ITEMS = ("model", "optimizer", "data", "metadata")
@@ -35,24 +34,6 @@ _ARRAY_ITEMS = ("model", "optimizer")
 
 
 # ----------------------------------------------------------------------------- trees
-
-
-def flatten(tree: Any) -> dict[str, Any]:
-    """A nested dict (or any pytree) -> {"a/b/0/c": leaf} with '/'-joined keys."""
-    import jax
-
-    def key(entry) -> str:
-        for attr in ("key", "idx", "name"):
-            if hasattr(entry, attr):
-                return str(getattr(entry, attr))
-        return str(entry)
-
-    return {"/".join(key(k) for k in path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
-
-
-def shapes(tree: Any) -> dict[str, tuple[int, ...]]:
-    """{"a/b/c": shape} of a pytree of arrays or ShapeDtypeStructs."""
-    return {k: tuple(v.shape) for k, v in flatten(tree).items()}
 
 
 def check_compatible(saved: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], where: str) -> None:

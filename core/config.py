@@ -20,9 +20,8 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from core.config_files import (STAGES, base_defaults, configs_dir, model_file, model_names,  # noqa: F401
-                               read_yaml, stage_presets)
-from core.config_validate import LAYER_KINDS, validate  # noqa: F401
+from core.config_files import base_defaults, model_file, read_yaml, stage_presets
+from core.config_validate import LAYER_KINDS, validate
 from core.config_values import coerce, parse_override
 from core.config_values import plain as _plain
 from core.errors import ConfigError
@@ -185,7 +184,7 @@ class Config:
         """A validated copy with `changes` applied (same rules as load_config)."""
         values = self.to_dict()
         _merge(values, changes, "replace()")
-        return _build(values)
+        return from_values(values)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
@@ -211,7 +210,7 @@ def _merge(into: dict[str, Any], data: Mapping[str, Any], source: str) -> None:
         into[_canonical_key(str(key), source)] = value
 
 
-def _build(values: Mapping[str, Any], stage: str | None = None) -> Config:
+def from_values(values: Mapping[str, Any], stage: str | None = None) -> Config:
     missing = sorted(set(FIELDS) - set(values))
     if missing:
         raise ConfigError(f"config is missing {', '.join(missing)}: declare them in configs/base.yml.")
@@ -258,7 +257,7 @@ def load_config(
         key, value = parse_override(text)
         _merge(values, {key: value}, f"override {text!r}")
     _merge(values, {k: v for k, v in (options or {}).items() if v is not None}, "command-line options")
-    return _build(values, stage)
+    return from_values(values, stage)
 
 
 def dump(cfg: Config) -> str:
@@ -273,4 +272,4 @@ def loads(text: str) -> Config:
         raise ConfigError("a resolved config must be a mapping of KEY: VALUE lines.")
     values = base_defaults()
     _merge(values, data, "resolved config")
-    return _build(values)
+    return from_values(values)

@@ -22,8 +22,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from core import data_identity
-from core.data_sources import (BYTE_BOS, BYTE_EOS, ByteTokenizer, Documents, HFTokenizer,  # noqa: F401
-                               document_ids, embedded_documents, load_tokenizer)
+from core.data_sources import Documents, document_ids, load_tokenizer
 from core.errors import DataError
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "targets", "loss_mask")

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from core.indexer import select_topk, selection_mask
+from core.topk import select_topk, selection_mask
 from core.masks import NEG
 
 EPS = 1e-8  # the indexer loss's normaliser / log epsilon (DESIGN.md)

@@ -36,8 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from core.eval_metrics import (EPS, METRICS, batch_sums, dense_teacher, layer_sums, recency_scores,  # noqa: F401
-                               row_kl, row_metrics, token_nll, topk_blocks)
+from core.eval_metrics import METRICS, batch_sums, token_nll
 from core.stages import eval_topk_warnings
 
 DERIVED = ("kl_captured", "gain")

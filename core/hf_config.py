@@ -143,7 +143,8 @@ def from_hf_config(hf: dict, *, model_name: str, weight_dtype: str = "float32", 
     Raises:
       ConfigError: naming the first field dsv4 does not support or does not know.
     """
-    from core.config import _build, base_defaults
+    from core.config import from_values
+    from core.config_files import base_defaults
 
     for field, value in hf.items():
         if field in REQUIRED and value != REQUIRED[field] and not (field == "topk_method" and value is None):
@@ -164,7 +165,7 @@ def from_hf_config(hf: dict, *, model_name: str, weight_dtype: str = "float32", 
     values.update(model_name=model_name, compress_ratios=_layers(hf, n), first_num_hash_layers=_hash_layers(hf),
                   qk_rope_head_dim=rope_dims, weight_dtype=weight_dtype, use_indexer=use_indexer,
                   routed_bias=routed_bias)
-    return _build(values)
+    return from_values(values)
 
 
 def to_hf_config(cfg, torch_dtype: str) -> dict[str, Any]:

@@ -47,7 +47,7 @@ def _layer_params(model, cfg) -> Iterator[tuple[int | None, dict[str, np.ndarray
     """(layer or None for the root, {logical path: host array}) in checkpoint order: embed, layers, head."""
     from flax import nnx
 
-    from core.checkpoint import flatten
+    from core.tree import flatten
 
     where, _, _ = names.state_slots(cfg)
     state = flatten(nnx.to_pure_dict(nnx.state(model)))

@@ -295,16 +295,17 @@ def _write_run(output: Path, cfg, treedef, arrays, summary: ImportSummary) -> No
     import jax
 
     from core import checkpoint as ckpt
-    from core.train import _version
+    from core import run_files
+    from core.train import dsv4_version
 
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.parent / f".{output.name}.import-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        ckpt.write_config(tmp, cfg)
+        run_files.write_config(tmp, cfg)
         saver = ckpt.RunCheckpointer(tmp, max_to_keep=1, async_save=False, host_model=True)
         metadata = {"config": cfg.to_dict(), "stage": STAGE, "step": 0, "metrics": {}, "model_name": cfg.model_name,
-                    "dsv4_version": _version(), "source": summary.source, "layout": summary.layout}
+                    "dsv4_version": dsv4_version(), "source": summary.source, "layout": summary.layout}
         # host_model: the buffers are written in place, in bounded chunks (core.host_checkpoint);
         # Orbax's default save would hold two more copies. The optimizer item holds no state
         # (an import has none); Orbax refuses an empty item.

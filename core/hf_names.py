@@ -287,7 +287,7 @@ def state_slots(cfg) -> tuple[dict[str, tuple[str, int | None]], dict[str, objec
     import jax
     from flax import nnx
 
-    from core.checkpoint import flatten
+    from core.tree import flatten
     from core.model import Transformer
 
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))

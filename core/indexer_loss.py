@@ -34,9 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from core.indexer_loss_rows import (EPS, TEACHERS, Spec, check_teacher, compute_dtype, kl_rows,  # noqa: F401
-                                    per_valid_row, resolve_chunk, scan_blocks, slice_t, teacher_input, teacher_rows)
-from core.indexer_loss_streamed import csa_indexer_loss_streamed  # noqa: F401  (re-exported)
+from core.indexer_loss_rows import Spec, check_teacher, compute_dtype, kl_rows, per_valid_row, resolve_chunk, scan_blocks, slice_t, teacher_input, teacher_rows
 
 
 # ----------------------------------------------------------------------------- given scores

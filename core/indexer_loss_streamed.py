@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from core.indexer import indexer_scores, select_topk, selection_mask
+from core.topk import indexer_scores, select_topk, selection_mask
 from core.indexer_loss_rows import (Spec, check_teacher, compute_dtype, kl_rows, per_valid_row, resolve_chunk,
                                     scan_blocks, slice_t, teacher_input, teacher_rows)
 from core.masks import block_last_positions, block_segment_ids, visible_rows, window_rows

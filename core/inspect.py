@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 from core import checkpoint as ckpt
 from core.errors import CheckpointError
-from core.params import KINDS, count_parameters, mask_matcher, variable_kind  # noqa: F401  (re-exported)
+from core.params import count_parameters, mask_matcher, variable_kind
 
 INDEXER_KEYS = ("use_indexer", "indexer_n_heads", "indexer_head_dim", "indexer_topk",
                 "indexer_loss_scaling_factor", "indexer_sparse_training", "indexer_teacher",

@@ -343,7 +343,7 @@ def param_counts(cfg) -> dict[str, int]:
     are not parameters). active = total - the embedding - the routed experts a token does not
     choose ((E - k) / E of every expert weight).
     """
-    from core.checkpoint import shapes
+    from core.tree import shapes
     from core.params import count_parameters
 
     model = nnx.eval_shape(lambda: Transformer(cfg.replace(scan_layers=True), rngs=nnx.Rngs(0)))

@@ -110,7 +110,8 @@ def abstract_inputs(cfg) -> tuple[Any, Any, dict[str, Any], Any]:
     import jax.numpy as jnp
 
     from core.data import BATCH_KEYS
-    from core.sharding import abstract_state, batch_sharding, make_mesh
+    from core.sharding import abstract_state, batch_sharding
+    from core.mesh import make_mesh
 
     mesh = make_mesh(cfg)
     graphdef, state = abstract_model_and_optimizer(cfg)

@@ -34,8 +34,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from core.errors import ConfigError
-from core.mesh import (DISTRIBUTED_ENV, MESH_AXES, cluster_environment, describe_mesh,  # noqa: F401
-                       initialize_distributed, is_main_process, make_mesh, plan_mesh)
 
 T = TypeVar("T")
 

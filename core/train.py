@@ -28,18 +28,18 @@ import numpy as np
 from flax import nnx
 
 from core import checkpoint as ckpt
+from core import tree
+from core import run_files
 from core import run_guard
 from core.data import train_batches
 from core.errors import CheckpointError
-from core.lm_loss import lm_loss, lm_loss_from_hidden  # noqa: F401  (lm_loss: the direct formula, re-exported)
 from core.model import Transformer
 from core.precompile import StepPrecompile, ahead_or_jitted_step
-from core.sharding import describe_mesh, shard_batch
+from core.mesh import describe_mesh
+from core.sharding import shard_batch
 from core.stages import is_indexer, source_lacks_indexer, topk_warning
 from core.tensorboard import EventWriter
-from core.train_step import (METRIC_KEYS, Setup, _abstract_pure, _step_fn, build, check_masks, config_matcher, has_config,  # noqa: F401
-                             learning_rate_schedule, load_init_weights, make_optimizer, make_train_step,
-                             path_matcher, trainable_labels)
+from core.train_step import METRIC_KEYS, abstract_pure, build, check_masks, has_config, load_init_weights, make_train_step
 
 
 # ----------------------------------------------------------------------------- the run
@@ -66,7 +66,7 @@ def _deferred_sigint() -> Iterator[threading.Event]:
             signal.signal(signal.SIGINT, previous)
 
 
-def _version() -> str:
+def dsv4_version() -> str:
     try:
         from importlib.metadata import version
 
@@ -77,7 +77,7 @@ def _version() -> str:
 
 def _write_metrics(run_dir: Path, rows: list[dict[str, Any]]) -> None:
     """Replace metrics.jsonl by `rows` (the format of `ckpt.append_metrics`)."""
-    (run_dir / ckpt.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / run_files.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 class Trainer:
@@ -104,7 +104,7 @@ class Trainer:
         if self.resumed_from is not None:
             self._check_stage(self.resumed_from)
             # read once, here: a corrupt metrics.jsonl stops the resume before anything is written
-            logged = ckpt.read_metrics(self.run_dir, metrics_notices)
+            logged = run_files.read_metrics(self.run_dir, metrics_notices)
         self.data = train_batches(cfg, cfg.per_device_batch_size * jax.device_count())
         notices = ([] if self.resumed_from is None  # changed data stops a resume before the model is built
                    else self.data.check(ckpt.read_data_state(self.ckpt.dir, self.resumed_from)))
@@ -125,9 +125,9 @@ class Trainer:
         self.graphdef, self.state = nnx.split((setup.model, setup.optimizer))
         self.guard = run_guard.WriteGuard(self.run_dir, self.ckpt.dir, run_guard.tree_bytes(self.state),
                                           self.ckpt.latest_step, self.ckpt.abandon)
-        with self.guard.writing("config", self.run_dir / ckpt.CONFIG_FILE):
-            ckpt.write_config(self.run_dir, cfg)
-        with self.guard.writing("metrics", self.run_dir / ckpt.METRICS_FILE):
+        with self.guard.writing("config", self.run_dir / run_files.CONFIG_FILE):
+            run_files.write_config(self.run_dir, cfg)
+        with self.guard.writing("metrics", self.run_dir / run_files.METRICS_FILE):
             # steps logged after the checkpoint the run resumes from are dropped (all of them when fresh)
             _write_metrics(self.run_dir, [r for r in logged if r.get("step", -1) < self.start_step])
         notices += metrics_notices
@@ -153,7 +153,7 @@ class Trainer:
             return False
         abstract = self._abstract_model()
         source = self.ckpt.dir if self.resumed_from is not None else init_from
-        expected = ckpt.shapes(nnx.to_pure_dict(nnx.state(abstract)))
+        expected = tree.shapes(nnx.to_pure_dict(nnx.state(abstract)))
         fresh_indexer = self.resumed_from is None and source_lacks_indexer(init_from, list(expected))
         if fresh_indexer:
             expected = {p: s for p, s in expected.items() if not is_indexer(p)}
@@ -191,8 +191,8 @@ class Trainer:
     def _resume(self, step: int) -> None:
         setup = self.setup
         try:
-            out = self.ckpt.restore(step, model=_abstract_pure(setup.model, setup.mesh),
-                                    optimizer=_abstract_pure(setup.optimizer, setup.mesh))
+            out = self.ckpt.restore(step, model=abstract_pure(setup.model, setup.mesh),
+                                    optimizer=abstract_pure(setup.optimizer, setup.mesh))
         except CheckpointError as e:
             raise run_guard.optimizer_mismatch(e, self.saved_config, self.cfg, self.run_dir) from None
         for obj, values in ((setup.model, out["model"]), (setup.optimizer, out["optimizer"])):
@@ -205,7 +205,7 @@ class Trainer:
     def _save(self, step: int, row: dict[str, Any]) -> None:
         model, optimizer = nnx.merge(self.graphdef, self.state)
         metadata = {"config": self.cfg.to_dict(), "stage": self.stage, "step": step, "metrics": row,
-                    "model_name": self.cfg.model_name, "dsv4_version": _version()}
+                    "model_name": self.cfg.model_name, "dsv4_version": dsv4_version()}
         with self.guard.writing("checkpoint", self.ckpt.dir, step):
             self.ckpt.save(step, model=nnx.to_pure_dict(nnx.state(model)),
                            optimizer=nnx.to_pure_dict(nnx.state(optimizer)), data=self.data.state(), metadata=metadata)
@@ -228,8 +228,8 @@ class Trainer:
                     row = {"step": step, **{k: metrics[k] for k in METRIC_KEYS}, "step_time_s": elapsed,
                            "tokens_per_s": tokens / elapsed, "compile": step == self.start_step}
                     if jax.process_index() == 0:
-                        with self.guard.writing("metrics", self.run_dir / ckpt.METRICS_FILE):
-                            ckpt.append_metrics(self.run_dir, row)
+                        with self.guard.writing("metrics", self.run_dir / run_files.METRICS_FILE):
+                            run_files.append_metrics(self.run_dir, row)
                         if self.events is not None:
                             with self.guard.writing("TensorBoard events", self.events.dir):
                                 self.events.write(row)
@@ -251,7 +251,7 @@ class Trainer:
 
     def summary(self) -> dict[str, Any]:
         """First and last rows of the run's metrics and the latest checkpoint directory."""
-        rows = ckpt.read_metrics(self.run_dir)
+        rows = run_files.read_metrics(self.run_dir)
         latest = self.ckpt.latest_step()
         return {"run_dir": str(self.run_dir), "first": rows[0] if rows else None, "last": rows[-1] if rows else None,
                 "checkpoint": None if latest is None else str(self.ckpt.dir / str(latest))}

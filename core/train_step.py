@@ -40,6 +40,7 @@ import optax
 from flax import nnx
 
 from core import checkpoint as ckpt
+from core import tree
 from core import run_guard
 from core.errors import ConfigError
 from core.init_draws import bucketed_draws
@@ -47,7 +48,8 @@ from core.lm_loss import lm_loss_from_hidden
 from core.model import Transformer
 from core.moe import RouterBias
 from core.params import count_parameters
-from core.sharding import abstract_state, create_sharded, make_mesh, shard_state, state_shardings
+from core.sharding import abstract_state, create_sharded, shard_state, state_shardings
+from core.mesh import make_mesh
 from core.stages import without_indexer
 
 METRIC_KEYS = ("total_loss", "lm_loss", "indexer_loss", "moe_lb_loss", "grad_norm", "learning_rate")
@@ -108,7 +110,7 @@ def config_matcher(cfg) -> Callable[[Sequence[Any]], bool]:
 def trainable_labels(model: nnx.Module, patterns: Sequence[str], frozen: Sequence[str] = ()) -> dict[str, bool]:
     """{parameter path: trainable?}; ConfigError if the masks leave nothing to train."""
     trainable = path_matcher(patterns, frozen)
-    paths = list(ckpt.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    paths = list(tree.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
     labels = {p: trainable(p.split("/")) for p in paths}
     if not any(labels.values()):
         outside = f" outside frozen_parameters_mask={list(frozen)}" if frozen else ""
@@ -174,7 +176,7 @@ def make_train_step(cfg, graphdef, state, mesh):
     key = step_key(cfg, graphdef, mesh)
     with _CACHE_LOCK:  # core/precompile.py calls this from its thread too
         if key not in _STEP_CACHE:
-            _STEP_CACHE[key] = jax.jit(_step_fn(cfg, graphdef), donate_argnums=0,
+            _STEP_CACHE[key] = jax.jit(step_fn(cfg, graphdef), donate_argnums=0,
                                        out_shardings=(state_shardings(state, mesh), None),
                                        compiler_options=step_compiler_options(cfg) or None)
         return _STEP_CACHE[key]
@@ -234,7 +236,7 @@ def cached_compiled(key):
         return _COMPILED.get(key)
 
 
-def _step_fn(cfg, graphdef):
+def step_fn(cfg, graphdef):
     trainable = config_matcher(cfg)
     grad_filter = nnx.All(nnx.Param, lambda path, _: trainable(path))
     frozen_filter = nnx.All(nnx.Param, nnx.Not(grad_filter))
@@ -314,7 +316,7 @@ def build(cfg) -> Setup:
         model = create_sharded(make_model, mesh)
         optimizer = create_sharded(make_opt, mesh, model)
     labels = check_masks(cfg, model)
-    counts = count_parameters(ckpt.shapes(nnx.to_pure_dict(nnx.state(model))), lambda p: labels.get(p, False))
+    counts = count_parameters(tree.shapes(nnx.to_pure_dict(nnx.state(model))), lambda p: labels.get(p, False))
     return Setup(cfg, mesh, model, optimizer, cfg.per_device_batch_size * mesh.size,
                  counts["parameters"], counts["trainable"])
 
@@ -329,7 +331,7 @@ def check_masks(cfg, model) -> dict[str, bool]:
     return labels
 
 
-def _abstract_pure(obj, mesh):
+def abstract_pure(obj, mesh):
     return nnx.to_pure_dict(abstract_state(obj, mesh))
 
 
@@ -339,7 +341,7 @@ def load_init_weights(setup: Setup, path: str | Path, fresh_indexer: bool = Fals
     With `fresh_indexer` the checkpoint holds no indexer (`source_lacks_indexer`): the indexer
     keeps its fresh initialisation and everything else is loaded (core.stages).
     """
-    target = _abstract_pure(setup.model, setup.mesh)
+    target = abstract_pure(setup.model, setup.mesh)
     if fresh_indexer:
         target = without_indexer(target)
     values, step = ckpt.restore_model_state(path, target)

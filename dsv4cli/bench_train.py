@@ -13,7 +13,8 @@ from dsv4cli.bench import GIB, STAGE_DEFAULT, _bytes, _console, _fmt, int_list
 def run(*, seq: str | None, batch: str | None, stage: str, steps: int, profile: bool, timed: bool,
         overrides: list[str], json_out: bool) -> None:
     from core import bench_train
-    from core.config import STAGES, load_config
+    from core.config_files import STAGES
+    from core.config import load_config
     from core.errors import ConfigError
 
     stages = [s.strip() for s in stage.split(",") if s.strip()]

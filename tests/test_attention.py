@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from core.attention import Attention, AttentionSpec, attention, compressed_visibility
-from core.indexer import Indexer, select_topk
+from core.indexer import Indexer
+from core.topk import select_topk
 from core.rope import RopeSpec
 from tests import reference as ref
 

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import tiny_config
 from core import data
+from core import data_sources
 from core.errors import DataError
 
 BATCH = 3
@@ -47,7 +48,7 @@ def _reference_pairs(texts):
     """Independent of the packer: each document's [BOS] bytes [EOS] as consecutive pairs."""
     pairs = []
     for t in texts:
-        ids = [data.BYTE_BOS, *t.encode("utf-8"), data.BYTE_EOS]
+        ids = [data_sources.BYTE_BOS, *t.encode("utf-8"), data_sources.BYTE_EOS]
         pairs += list(zip(ids[:-1], ids[1:]))
     return pairs
 
@@ -78,7 +79,7 @@ def test_embedded_default_packs_documents_in_shuffled_order():
     for b in batches[:3]:
         _check_row_invariants(b, cfg.max_target_length)
         assert b["segment_ids"].min() >= 1  # training rows are never padded
-    docs = data.embedded_documents()
+    docs = data_sources.embedded_documents()
     n_train = len(docs) - round(len(docs) * cfg.eval_holdout_fraction)
     order = np.random.default_rng([cfg.data_shuffle_seed, 0]).permutation(n_train)
     expected = _reference_pairs([docs[i] for i in order])
@@ -113,7 +114,7 @@ def test_directory_and_glob_sources(tmp_path):
     for i in range(3):
         (tmp_path / "d" / f"part{i}.jsonl").write_text(json.dumps({"text": f"part {i}"}) + "\n")
     for hf_path in (tmp_path / "d", tmp_path / "d" / "part*.jsonl"):
-        docs = data.Documents(tiny_config(None, f"hf_path={hf_path}", "eval_holdout_fraction=0"), "train")
+        docs = data_sources.Documents(tiny_config(None, f"hf_path={hf_path}", "eval_holdout_fraction=0"), "train")
         assert sorted(docs.epoch(0, 0, shuffle=False)) == ["part 0", "part 1", "part 2"]
 
 
@@ -140,8 +141,8 @@ def test_restored_position_continues_exactly(tmp_path, source):
 def test_streaming_holds_out_every_nth_document(tmp_path):
     path, texts = _docs_file(tmp_path, n=10)
     cfg = tiny_config(None, f"hf_path={path}", "hf_streaming=true", "eval_holdout_fraction=0.2")
-    eval_docs = list(data.Documents(cfg, "eval").epoch(0, 0, shuffle=False))
-    train_docs = list(data.Documents(cfg, "train").epoch(0, 0, shuffle=True))
+    eval_docs = list(data_sources.Documents(cfg, "eval").epoch(0, 0, shuffle=False))
+    train_docs = list(data_sources.Documents(cfg, "train").epoch(0, 0, shuffle=True))
     assert eval_docs == [texts[4], texts[9]]
     assert sorted(train_docs) == sorted(t for i, t in enumerate(texts) if i not in (4, 9))
 

@@ -10,16 +10,17 @@ import numpy as np
 import pytest
 
 from core import evaluate as ev
+from core import eval_metrics
 from core.masks import NEG, csa_visible
 from tests import reference_eval as ref
 
 KS = (1, 4)
 # Jitted once per module: a handful of compiles instead of hundreds of eager per-op ones.
-row_metrics = jax.jit(ev.row_metrics, static_argnums=4)
-layer_sums = jax.jit(ev.layer_sums, static_argnums=5)
-batch_sums = jax.jit(ev.batch_sums, static_argnums=2)
-dense_teacher = jax.jit(ev.dense_teacher)
-row_kl = jax.jit(ev.row_kl)
+row_metrics = jax.jit(eval_metrics.row_metrics, static_argnums=4)
+layer_sums = jax.jit(eval_metrics.layer_sums, static_argnums=5)
+batch_sums = jax.jit(eval_metrics.batch_sums, static_argnums=2)
+dense_teacher = jax.jit(eval_metrics.dense_teacher)
+row_kl = jax.jit(eval_metrics.row_kl)
 
 
 def _packed_case(seed, dtype=np.float64):
@@ -37,7 +38,7 @@ def _packed_case(seed, dtype=np.float64):
 
 
 def _means(sums, j, subset_key, count):
-    return {m: float(sums["sums"][subset_key][m][j]) / count for m in ev.METRICS}
+    return {m: float(sums["sums"][subset_key][m][j]) / count for m in eval_metrics.METRICS}
 
 
 def test_visibility_matches_the_reference():
@@ -61,7 +62,7 @@ def test_layer_sums_float32_jit():
                                                                for x in (q, kv, scores, vis, rand)), k)
         got_all = _means(sums, j, "all", n_valid)
         got_inf = _means(sums, j, "informative", n_inf)
-        for m in ev.METRICS:
+        for m in eval_metrics.METRICS:
             assert abs(got_all[m] - want_all[m]) < 1e-5, (k, m, got_all[m], want_all[m])
             assert abs(got_inf[m] - want_inf[m]) < 1e-5, (k, m, got_inf[m], want_inf[m])
 
@@ -147,7 +148,7 @@ def test_token_nll_float64(x64):
     logits = rng.normal(size=(2, 5, 11))
     targets = rng.integers(0, 11, size=(2, 5))
     weights = (rng.uniform(size=(2, 5)) > 0.3).astype(np.float64)
-    got = ev.token_nll(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights))
+    got = eval_metrics.token_nll(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights))
     want = ref.nll_sums(logits, targets, weights)
     assert abs(float(got[0]) - want[0]) < 1e-10 and abs(float(got[1]) - want[1]) < 1e-12
 
@@ -166,7 +167,7 @@ def test_metric_sums_pool_rows_across_batches_and_layers(x64):
         for li, layer in enumerate(layers):
             (a0, i0, v0, n0), (a1, i1, v1, n1) = per_layer[li]
             assert layer["valid_rows"] == v0 + v1 and layer["by_k"][j]["informative_rows"] == n0 + n1
-            for m in ev.METRICS:
+            for m in eval_metrics.METRICS:
                 want = (a0[m] * v0 + a1[m] * v1) / (v0 + v1)
                 assert abs(layer["by_k"][j]["all"][m] - want) < 1e-10, (k, m)
                 want = (i0[m] * n0 + i1[m] * n1) / (n0 + n1)
@@ -174,11 +175,11 @@ def test_metric_sums_pool_rows_across_batches_and_layers(x64):
         rows = [x for pl in per_layer for x in pl]
         n_all, n_inf = sum(x[2] for x in rows), sum(x[3] for x in rows)
         assert overall["by_k"][j]["informative_share"] == pytest.approx(n_inf / n_all, abs=1e-15)
-        for m in ev.METRICS:
+        for m in eval_metrics.METRICS:
             want = sum(x[1][m] * x[3] for x in rows) / n_inf
             assert abs(overall["by_k"][j]["informative"][m] - want) < 1e-10, (k, m)
         for subset, (mi, ni) in (("all", (0, 2)), ("informative", (1, 3))):  # derived from the pooled means
-            pooled = {m: sum(x[mi][m] * x[ni] for x in rows) / sum(x[ni] for x in rows) for m in ev.METRICS}
+            pooled = {m: sum(x[mi][m] * x[ni] for x in rows) / sum(x[ni] for x in rows) for m in eval_metrics.METRICS}
             got = overall["by_k"][j][subset]
             assert abs(got["kl_captured"] - ref.kl_captured(pooled["kl"], pooled["kl_uniform"])) < 1e-10, (k, subset)
             want = ref.gain(pooled["recall"], pooled["recall_oracle"], pooled["recall_random"])
@@ -200,7 +201,7 @@ def test_report_schema_is_stable_and_json_safe():
     assert set(d["overall"]) == ROW_KEYS and set(d["layers"][0]) == ROW_KEYS | {"layer"}
     for entry in d["overall"]["by_k"]:
         assert set(entry) == K_KEYS
-        assert set(entry["all"]) == set(entry["informative"]) == set(ev.METRICS) | set(ev.DERIVED)
+        assert set(entry["all"]) == set(entry["informative"]) == set(eval_metrics.METRICS) | set(ev.DERIVED)
         assert entry["all"]["recall"] is None and entry["all"]["gain"] is None  # no rows: null, never NaN
 
 
@@ -222,7 +223,7 @@ def _derived_means(p, scores, vis, rand, k):
     out = []
     for key in ("valid", "informative"):
         rows = r[key].astype(bool)
-        out.append(ev.derived({m: float(r[m][rows].mean()) for m in ev.METRICS}))
+        out.append(ev.derived({m: float(r[m][rows].mean()) for m in eval_metrics.METRICS}))
     return out
 
 
@@ -249,9 +250,9 @@ def test_kl_captured_and_gain_float64_by_hand(x64):
 
 
 def test_derived_metrics_without_rows_or_headroom():
-    none = ev.derived({m: None for m in ev.METRICS})
+    none = ev.derived({m: None for m in eval_metrics.METRICS})
     assert none["kl_captured"] is None and none["gain"] is None
-    flat = ev.derived({**{m: 0.5 for m in ev.METRICS}, "kl_uniform": 0.0})  # oracle == random
+    flat = ev.derived({**{m: 0.5 for m in eval_metrics.METRICS}, "kl_uniform": 0.0})  # oracle == random
     assert flat["gain"] is None and flat["kl_captured"] is None
 
 

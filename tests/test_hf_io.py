@@ -26,6 +26,7 @@ from flax import nnx
 from typer.testing import CliRunner
 
 from core import checkpoint as ckpt
+from core import tree
 from core import safetensors_io as st
 from core.config import load_config
 from core.errors import CheckpointError, ConfigError
@@ -107,7 +108,7 @@ def imported(work, official):
 
 
 def _state(model) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v) for k, v in ckpt.flatten(nnx.to_pure_dict(nnx.state(model))).items()}
+    return {k: np.asarray(v) for k, v in tree.flatten(nnx.to_pure_dict(nnx.state(model))).items()}
 
 
 @nnx.jit
@@ -166,7 +167,7 @@ def test_init_from_eval_and_inspect_accept_the_import(imported):
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     target = nnx.to_pure_dict(nnx.state(abstract))
     values, step = ckpt.restore_model_state(run, target)
-    assert step == 0 and ckpt.shapes(values) == ckpt.shapes(target)
+    assert step == 0 and tree.shapes(values) == tree.shapes(target)
     result = CliRunner().invoke(app, ["inspect-ckpt", str(run), "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["stage"] == "import"

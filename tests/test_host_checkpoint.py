@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from core import checkpoint as ckpt
+from core import tree as trees
 from core import host_checkpoint
 from core.hf_import import import_checkpoint
 from tests.hf_checkpoints import SMALL, write_official
@@ -58,8 +59,8 @@ def test_host_save_is_the_standard_layout_bitwise(tmp_path, monkeypatch):
     target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), tree)
     out, step = ckpt.restore_model_state(tmp_path / "host", target)
     assert step == 0
-    for k, v in ckpt.flatten(tree).items():
-        got = np.asarray(ckpt.flatten(out)[k])
+    for k, v in trees.flatten(tree).items():
+        got = np.asarray(trees.flatten(out)[k])
         assert got.dtype == v.dtype and got.tobytes() == v.tobytes(), k
 
 

@@ -17,8 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference_loss as ref
-from core.indexer import indexer_scores, select_topk, selection_mask
-from core.indexer_loss import csa_indexer_loss, csa_indexer_loss_streamed
+from core.topk import indexer_scores, select_topk, selection_mask
+from core.indexer_loss import csa_indexer_loss
+from core.indexer_loss_streamed import csa_indexer_loss_streamed
 from core.masks import csa_visible, sliding_window_mask
 from conftest import packed
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core import checkpoint as ckpt
+from core import tree
 from core import init_draws
 from core.init_draws import MIN_BUCKET, FanInTruncatedNormal, bucket, bucketed_draws
 from core.model import Transformer
@@ -16,7 +16,7 @@ from conftest import tiny_config
 
 def _weights(cfg) -> dict[str, np.ndarray]:
     model = Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))
-    return {k: np.asarray(v) for k, v in ckpt.flatten(nnx.to_pure_dict(nnx.state(model))).items()}
+    return {k: np.asarray(v) for k, v in tree.flatten(nnx.to_pure_dict(nnx.state(model))).items()}
 
 
 def test_bucket_sizes():

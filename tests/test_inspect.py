@@ -15,7 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from core import inspect as ins
-from core.checkpoint import read_metrics
+from core import params
+from core.run_files import read_metrics
 from core.errors import CheckpointError
 from dsv4cli.main import app
 
@@ -49,22 +50,23 @@ def abstract_expectations(run: Path) -> dict:
     from flax import nnx
 
     from core import checkpoint as ckpt
+    from core import tree
     from core.model import Transformer
     from core.moe import RouterBias
-    from core.train import make_optimizer
+    from core.train_step import make_optimizer
 
     cfg = ckpt.config_of(run)
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     optimizer = nnx.eval_shape(lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param), model)
-    params = {p: math.prod(x.shape) for p, x in ckpt.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
+    params = {p: math.prod(x.shape) for p, x in tree.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
     indexer = {p: "indexer" in p.split("/") for p in params}  # the warm-up mask '.*indexer.*'
-    biases = sum(math.prod(x.shape) for x in ckpt.flatten(nnx.to_pure_dict(nnx.state(model, RouterBias))).values())
+    biases = sum(math.prod(x.shape) for x in tree.flatten(nnx.to_pure_dict(nnx.state(model, RouterBias))).values())
     return {
-        "model": {p: (tuple(x.shape), str(x.dtype)) for p, x in ckpt.flatten(nnx.to_pure_dict(nnx.state(model))).items()},
+        "model": {p: (tuple(x.shape), str(x.dtype)) for p, x in tree.flatten(nnx.to_pure_dict(nnx.state(model))).items()},
         "parameters": sum(params.values()) + biases,  # the official inventory: nnx.Params + router biases
         "router_bias": biases,
         "trainable": sum(n for p, n in params.items() if indexer[p]),
-        "optimizer_state": sum(math.prod(x.shape) for x in ckpt.flatten(nnx.to_pure_dict(nnx.state(optimizer))).values()),
+        "optimizer_state": sum(math.prod(x.shape) for x in tree.flatten(nnx.to_pure_dict(nnx.state(optimizer))).values()),
         "params": params,
         "labels": indexer,
     }
@@ -123,11 +125,11 @@ def test_no_array_is_read(run_dir, monkeypatch):
 
 
 def test_mask_rule_is_the_trainers():
-    from core.train import path_matcher
+    from core.train_step import path_matcher
 
     paths = ["layers/1/attn/indexer/wq_b", "layers/1/attn/wq_b", "scanned/blocks/0/attn/indexer/compressor/ape", "embed"]
     for patterns in ([], [".*indexer.*"], ["embed", "layers/.*/wq_b"], ["indexer"]):
-        ours, theirs = ins.mask_matcher(patterns), path_matcher(patterns)
+        ours, theirs = params.mask_matcher(patterns), path_matcher(patterns)
         assert [ours(p) for p in paths] == [theirs(p.split("/")) for p in paths], patterns
 
 
@@ -145,10 +147,10 @@ def test_fold_sums_every_leaf():
 
 
 def test_variable_kinds():
-    assert ins.variable_kind("layers/0/ffn/gate/tid2eid") == "hash_table"
-    assert ins.variable_kind("scanned/blocks/1/ffn/gate/bias") == "router_bias"
-    assert ins.variable_kind("layers/0/ffn/gate/weight") == "param"
-    assert ins.variable_kind("bias") == "param"
+    assert params.variable_kind("layers/0/ffn/gate/tid2eid") == "hash_table"
+    assert params.variable_kind("scanned/blocks/1/ffn/gate/bias") == "router_bias"
+    assert params.variable_kind("layers/0/ffn/gate/weight") == "param"
+    assert params.variable_kind("bias") == "param"
 
 
 SUMMARY_KEYS = {"run_dir", "checkpoint", "step", "steps", "stage", "model_name", "version", "indexer", "metrics",

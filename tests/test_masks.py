@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference_loss as ref
-from core.indexer import indexer_scores, select_topk, selection_mask
+from core.topk import indexer_scores, select_topk, selection_mask
 from core.masks import NEG, block_segment_ids, csa_visible, sliding_window_mask
 from conftest import packed
 

@@ -17,7 +17,8 @@ from core import precompile
 from core import train_step as ts
 from core.data import train_batches
 from core.sharding import shard_batch, state_shardings
-from core.train import Trainer, build
+from core.train import Trainer
+from core.train_step import build
 
 # a learning rate no other test uses: this file's step is its own compile
 OVERRIDES = ("learning_rate=7e-3", "dataset_type=synthetic", "jax_cache_dir=")
@@ -29,7 +30,7 @@ def _jitted_rows(cfg) -> list[dict[str, float]]:
     setup = build(cfg)
     graphdef, state = nnx.split((setup.model, setup.optimizer))
     # make_train_step's jit before core/precompile.py, as a new function: its own compile
-    step = jax.jit(ts._step_fn(cfg, graphdef), donate_argnums=0,
+    step = jax.jit(ts.step_fn(cfg, graphdef), donate_argnums=0,
                    out_shardings=(state_shardings(state, setup.mesh), None),
                    compiler_options=ts.step_compiler_options(cfg) or None)
     data, rows = train_batches(cfg, setup.batch_size), []

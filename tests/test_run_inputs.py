@@ -19,6 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from core import checkpoint as ckpt
+from core import run_files
 from dsv4cli.main import app
 from tests.test_inspect import OVERRIDES, STEPS, warmup_run
 
@@ -103,7 +104,7 @@ def test_unusable_output_is_one_line_before_building(tmp_path, monkeypatch, case
 
 def test_torn_last_metrics_line_is_dropped_and_the_run_goes_on(tmp_path):
     run = _killed_after_step_0(tmp_path, "torn")
-    metrics = run / ckpt.METRICS_FILE
+    metrics = run / run_files.METRICS_FILE
     rows = metrics.read_text().splitlines()
     metrics.write_text(rows[0] + "\n" + rows[1][: len(rows[1]) // 2])  # killed while appending step 1's row
     # readers of a torn run are unaffected (eval-indexer reuses tests/test_eval_cli.py's compiled step)
@@ -113,13 +114,13 @@ def test_torn_last_metrics_line_is_dropped_and_the_run_goes_on(tmp_path):
     result = _warmup(run)
     assert result.exit_code == 0, result.output
     assert f"notice: {str(metrics)!r} line 2 is torn" in result.stdout, result.stdout
-    assert [r["step"] for r in ckpt.read_metrics(run)] == list(STEPS)
+    assert [r["step"] for r in run_files.read_metrics(run)] == list(STEPS)
     assert all(json.loads(line) for line in metrics.read_text().splitlines())  # the file is whole again
 
 
 def test_corrupt_metrics_line_is_one_line_and_nothing_changes(tmp_path):
     run = _killed_after_step_0(tmp_path, "corrupt")
-    metrics = run / ckpt.METRICS_FILE
+    metrics = run / run_files.METRICS_FILE
     rows = metrics.read_text().splitlines()
     metrics.write_text("{garbage\n" + "\n".join(rows) + "\n")
     before = _snapshot(run)
@@ -154,7 +155,8 @@ def test_hub_and_embedded_identities():
     """A hub split is identified by its cache files' names and row count, not the machine's cache dir."""
     import datasets
 
-    from core import data, data_identity
+    from core import data_identity
+    from core import data_sources
 
     class Split(list):
         def __init__(self, rows, home):
@@ -165,6 +167,6 @@ def test_hub_and_embedded_identities():
     assert here == there and data_identity.dataset_identity(Split("xyz", "/a"))["digest"] != here["digest"]
     in_memory = datasets.Dataset.from_dict({"text": ["a", "b"]})
     assert data_identity.dataset_identity(in_memory)["digest"] == in_memory._fingerprint
-    texts = data.embedded_documents()
+    texts = data_sources.embedded_documents()
     assert data_identity.texts_identity(texts, "x") == data_identity.texts_identity(list(texts), "x")
     assert data_identity.texts_identity(texts[:-1], "x")["digest"] != data_identity.texts_identity(texts, "x")["digest"]

@@ -25,6 +25,8 @@ from flax import nnx
 from typer.testing import CliRunner
 
 from core import checkpoint as ckpt
+from core import tree
+from core import run_files
 from dsv4cli.main import app
 
 runner = CliRunner()
@@ -51,7 +53,7 @@ def _snapshot(run):
 
 def _variables(run, step=None):
     model, _, meta = ckpt.restore_model(run, step)
-    return {k: np.asarray(v) for k, v in ckpt.flatten(nnx.to_pure_dict(nnx.state(model))).items()}, meta
+    return {k: np.asarray(v) for k, v in tree.flatten(nnx.to_pure_dict(nnx.state(model))).items()}, meta
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +77,7 @@ def test_diverging_run_stops_with_exit_3_and_keeps_the_good_checkpoint(tmp_path)
     assert bad >= 1 and "not applied" in line and "learning_rate=1e+30" in line, line
     assert "gradient_clipping_threshold=0" in line and f"checkpoint (step {bad - 1}) is kept" in line, line
     assert ckpt.finished_steps(run / "checkpoints") == list(range(bad))[-3:]  # max_checkpoints=3
-    assert [r["step"] for r in ckpt.read_metrics(run)] == list(range(bad))
+    assert [r["step"] for r in run_files.read_metrics(run)] == list(range(bad))
     saved, meta = _variables(run)
     assert meta["step"] == bad - 1 and all(np.isfinite(v).all() for v in saved.values() if v.dtype.kind == "f")
     before = _snapshot(run / "checkpoints")
@@ -111,7 +113,7 @@ def test_fixed_schedule_extends_a_run_bitwise(straight, tmp_path):
     assert second.exit_code == 0 and "resuming from checkpoint step 2" in second.output, second.output
     assert "schedule changes" not in second.output
     keys = ("total_loss", "indexer_loss", "moe_lb_loss", "grad_norm", "learning_rate")
-    want, got = ckpt.read_metrics(straight), ckpt.read_metrics(run)
+    want, got = run_files.read_metrics(straight), run_files.read_metrics(run)
     assert [r["step"] for r in got] == list(range(6))
     assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want]
     (a, _), (b, _) = _variables(straight), _variables(run)
@@ -146,7 +148,7 @@ def test_tensorboard_has_every_step_once_after_a_resume(straight, tmp_path):
     result = _warmup(run, 6, FIXED)
     assert result.exit_code == 0 and "resuming from checkpoint step 3" in result.output, result.output
     assert len(list((run / "tensorboard").iterdir())) == 2  # appended: a second event file
-    rows = ckpt.read_metrics(run)
+    rows = run_files.read_metrics(run)
     events = _events(run)
     assert {"total_loss", "indexer_loss", "grad_norm", "learning_rate", "tokens_per_s"} <= set(events)
     for tag, points in events.items():
@@ -209,11 +211,11 @@ def test_failed_metrics_write_is_one_line_exit_4(tmp_path, monkeypatch):
     def append(run_dir, row):
         calls.append(row["step"])
         if row["step"] == 2:
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(run_dir / ckpt.METRICS_FILE))
-        with open(run_dir / ckpt.METRICS_FILE, "a") as f:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(run_dir / run_files.METRICS_FILE))
+        with open(run_dir / run_files.METRICS_FILE, "a") as f:
             f.write("{}\n".format(__import__("json").dumps(dict(row))))
 
-    monkeypatch.setattr(ckpt, "append_metrics", append)
+    monkeypatch.setattr(run_files, "append_metrics", append)
     run = tmp_path / "run"
     line = _one_error_line(_warmup(run, 6, FIXED), 4)
     assert f"cannot write metrics to {str(run / 'metrics.jsonl')!r}: Permission denied" in line, line

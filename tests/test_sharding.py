@@ -144,7 +144,7 @@ def _assert_same(got: list[dict], want: list[dict], what: str) -> None:
 
 
 def test_plan_mesh_fills_the_minus_one_axis():
-    from core.sharding import plan_mesh
+    from core.mesh import plan_mesh
 
     ones = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
     assert plan_mesh(_cfg("data8"), 8) == ({**ones, "data": 8}, ones)
@@ -163,7 +163,7 @@ def test_plan_mesh_fills_the_minus_one_axis():
     (["ici_data_parallelism=16"], 16, 2, ["multiply to 16", "8 devices in each of the 2"]),
 ])
 def test_plan_mesh_rejects_products_that_miss_the_device_count(overrides, devices, granules, words):
-    from core.sharding import plan_mesh
+    from core.mesh import plan_mesh
 
     with pytest.raises(ConfigError) as e:
         plan_mesh(_cfg("data8", mesh=(overrides, 1)), devices, granules)
@@ -215,11 +215,11 @@ def no_cluster(monkeypatch):
 
 
 def test_single_process_does_not_initialise_distributed(no_cluster):
-    from core import sharding
+    from core import mesh
 
-    assert sharding.cluster_environment() is None
-    assert sharding.initialize_distributed() is False
-    assert sharding.is_main_process()
+    assert mesh.cluster_environment() is None
+    assert mesh.initialize_distributed() is False
+    assert mesh.is_main_process()
 
 
 @pytest.mark.parametrize("kwargs, env, words", [
@@ -229,26 +229,26 @@ def test_single_process_does_not_initialise_distributed(no_cluster):
     ({}, {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "two"}, ["JAX_NUM_PROCESSES"]),
 ])
 def test_incomplete_multi_host_flags_are_config_errors(no_cluster, kwargs, env, words):
-    from core import sharding
+    from core import mesh
 
     for key, value in env.items():
         no_cluster.setenv(key, value)
     with pytest.raises(ConfigError) as e:
-        sharding.initialize_distributed(**kwargs)
+        mesh.initialize_distributed(**kwargs)
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
 def test_cluster_environment_detection(no_cluster):
-    from core import sharding
+    from core import mesh
 
     no_cluster.setenv("SLURM_JOB_ID", "7")
     no_cluster.setenv("SLURM_NTASKS", "1")
-    assert sharding.cluster_environment() is None  # one SLURM task is a plain single process
+    assert mesh.cluster_environment() is None  # one SLURM task is a plain single process
     no_cluster.setenv("SLURM_NTASKS", "4")
-    assert sharding.cluster_environment() == "slurm"
+    assert mesh.cluster_environment() == "slurm"
     no_cluster.delenv("SLURM_JOB_ID")
     no_cluster.setenv("DSV4_DISTRIBUTED", "1")
-    assert sharding.cluster_environment() == "DSV4_DISTRIBUTED"
+    assert mesh.cluster_environment() == "DSV4_DISTRIBUTED"
 
 
 # ----------------------------------------------------------------------------- training on meshes
@@ -383,6 +383,7 @@ def _worker_meshes(root: str) -> dict:
     import jax
     import numpy as np
 
+    from core import mesh as mesh_lib
     from core import sharding
     from core.train import Trainer
 
@@ -393,7 +394,7 @@ def _worker_meshes(root: str) -> dict:
             trainer, out[name]["losses"][stage] = _train(name, stage, root / name / stage)
         mesh = trainer.setup.mesh
         batch = sharding.shard_batch({"tokens": np.zeros((8, 4), np.int32)}, mesh)["tokens"]
-        out[name].update(params=_param_report(trainer, name), describe=sharding.describe_mesh(mesh),
+        out[name].update(params=_param_report(trainer, name), describe=mesh_lib.describe_mesh(mesh),
                          batch_shard_rows=batch.addressable_shards[0].data.shape[0])
         if name == "fsdp4_tensor2":  # hand step STEPS - 1 to the one-device worker, then resume here
             shutil.copytree(root / name, root / "eight_for_1")
@@ -410,9 +411,10 @@ def _worker_meshes(root: str) -> dict:
 
 
 def _worker_multiprocess(pid: str, port: str, root: str) -> dict:
+    from core import mesh as mesh_lib
     from core import sharding
 
-    assert sharding.initialize_distributed(f"127.0.0.1:{port}", 2, int(pid))
+    assert mesh_lib.initialize_distributed(f"127.0.0.1:{port}", 2, int(pid))
     import jax
     import numpy as np
 
@@ -427,8 +429,8 @@ def _worker_multiprocess(pid: str, port: str, root: str) -> dict:
     equal = all(np.array_equal(x.data, y.data) and x.index == y.index
                 for x, y in zip(a.addressable_shards, b.addressable_shards))
     return {"losses": losses, "processes": jax.process_count(), "devices": jax.device_count(),
-            "local_devices": jax.local_device_count(), "main": sharding.is_main_process(),
-            "describe": sharding.describe_mesh(mesh), "rows": [rows.start, rows.stop],
+            "local_devices": jax.local_device_count(), "main": mesh.is_main_process(),
+            "describe": mesh.describe_mesh(mesh), "rows": [rows.start, rows.stop],
             "process_local_equal": equal}
 
 

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from core.attention import Attention, attention, compressed_visibility
-from core.indexer import indexer_scores, select_topk, select_topk_chunked, selection_mask
+from core.topk import indexer_scores, select_topk, select_topk_chunked, selection_mask
 from core.masks import sliding_window_mask
 from core.sparse_attention import chunked_attention
 from tests.attention_memory import layer_train_temp_bytes

@@ -13,7 +13,10 @@ from typer.testing import CliRunner
 
 from conftest import CHAIN_STEPS, TINY_OVERRIDES, tiny_config
 from core import checkpoint as ckpt
+from core import tree
+from core import run_files
 from core import train
+from core import train_step
 from core.errors import CheckpointError
 from core.stages import is_indexer, topk_warning
 from dsv4cli.main import app
@@ -22,11 +25,11 @@ runner = CliRunner()
 
 
 def _variables(model) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v) for k, v in ckpt.flatten(nnx.to_pure_dict(nnx.state(model))).items()}
+    return {k: np.asarray(v) for k, v in tree.flatten(nnx.to_pure_dict(nnx.state(model))).items()}
 
 
 def _params(model) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v) for k, v in ckpt.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
+    return {k: np.asarray(v) for k, v in tree.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
 
 
 def test_pretrain_trains_all_but_the_indexer(stage_chain):
@@ -44,7 +47,7 @@ def test_pretrain_trains_all_but_the_indexer(stage_chain):
             assert not np.array_equal(v, initial[k]), f"{k} did not train"
     opt_paths = list(ckpt.read_tree(run / "checkpoints", CHAIN_STEPS["pretrain"] - 1, "optimizer"))
     assert opt_paths and not [p for p in opt_paths if is_indexer(p)]  # no optimizer state for the indexer
-    rows = ckpt.read_metrics(run)
+    rows = run_files.read_metrics(run)
     assert all(r["indexer_loss"] == 0.0 and r["lm_loss"] > 0 for r in rows)
     first, last = np.mean([r["lm_loss"] for r in rows[:3]]), np.mean([r["lm_loss"] for r in rows[-3:]])
     assert last < 0.8 * first, (first, last)
@@ -68,7 +71,7 @@ def test_warmup_from_pretrain_keeps_its_weights(stage_chain):
 def test_chain_into_sparse_and_eval(stage_chain):
     run, output = stage_chain["sparse"]
     assert f"initialised from {stage_chain['warmup'][0]}" in output
-    rows = ckpt.read_metrics(run)
+    rows = run_files.read_metrics(run)
     assert len(rows) == CHAIN_STEPS["sparse"] and all(r["indexer_loss"] > 0 and r["lm_loss"] > 0 for r in rows)
     result = runner.invoke(app, ["eval-indexer", str(run), "--batches", "1", "--topk", "4,32", "--json"])
     assert result.exit_code == 0, result.output
@@ -87,7 +90,7 @@ def test_chain_into_sparse_and_eval(stage_chain):
 
 def _save_without_indexer(run, cfg) -> None:
     """A run directory holding a use_indexer=false model, as a converted checkpoint would be."""
-    setup = train.build(cfg.replace(use_indexer=False))
+    setup = train_step.build(cfg.replace(use_indexer=False))
     saver = ckpt.RunCheckpointer(run, max_to_keep=1, async_save=False)
     saver.save(0, model=nnx.to_pure_dict(nnx.state(setup.model)), optimizer=nnx.to_pure_dict(nnx.state(setup.optimizer)),
                data={}, metadata={"config": setup.cfg.to_dict(), "stage": "pretrain", "step": 0})
@@ -98,9 +101,9 @@ def test_warmup_from_a_model_without_indexer(tmp_path):
     src = tmp_path / "noidx"
     _save_without_indexer(src, tiny_config("pretrain", "init_weights_seed=3"))
     cfg = tiny_config("warmup", "checkpoint_period=4")
-    setup = train.build(cfg)
+    setup = train_step.build(cfg)
     fresh = _variables(setup.model)
-    train.load_init_weights(setup, src, fresh_indexer=True)
+    train_step.load_init_weights(setup, src, fresh_indexer=True)
     loaded, source = _variables(setup.model), _variables(ckpt.restore_model(src)[0])
     assert [k for k in loaded if is_indexer(k)] and not [k for k in source if is_indexer(k)]
     for k, v in loaded.items():
@@ -178,7 +181,7 @@ def test_warmup_preset_is_constant_lr_without_decay_and_its_help_lists_it():
     warm-up, no weight decay, adam_eps below the warm-up's gradients, adam_b1 0.7; `dsv4 warmup --help` (and
     `dsv4 pretrain --help`) list every preset key."""
     from core.config import load_config
-    from core.train import learning_rate_schedule
+    from core.train_step import learning_rate_schedule
 
     cfg = load_config("deepseek4-tiny", (), stage="warmup", options={"steps": 100})
     assert (cfg.learning_rate, cfg.adam_weight_decay, cfg.adam_eps, cfg.adam_b1) == (1e-2, 0.0, 1e-12, 0.7)
@@ -193,7 +196,7 @@ def _help_lists_preset(stage):
 
     import yaml
 
-    from core.config import stage_presets
+    from core.config_files import stage_presets
 
     preset = stage_presets(stage)
     text = " ".join(runner.invoke(app, [stage, "--help"], terminal_width=400).output.split())

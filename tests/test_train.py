@@ -22,7 +22,11 @@ from typer.testing import CliRunner
 
 from conftest import CHAIN_STEPS, TINY_OVERRIDES, tiny_config
 from core import checkpoint as ckpt
+from core import tree
+from core import run_files
 from core import train
+from core import lm_loss
+from core import train_step
 from core.errors import ConfigError
 from dsv4cli import display
 from dsv4cli.main import app
@@ -37,7 +41,7 @@ def _invoke(*args):
 
 
 def _variables(model) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v) for k, v in ckpt.flatten(nnx.to_pure_dict(nnx.state(model))).items()}
+    return {k: np.asarray(v) for k, v in tree.flatten(nnx.to_pure_dict(nnx.state(model))).items()}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,7 @@ def sparse(stage_chain):
 
 def test_warmup_trains_only_the_indexer(warm):
     run, output = warm
-    rows = ckpt.read_metrics(run)
+    rows = run_files.read_metrics(run)
     assert [r["step"] for r in rows] == list(range(WARMUP_STEPS))
     for r in rows:
         assert r["lm_loss"] == 0.0
@@ -98,7 +102,7 @@ def test_warmup_trains_only_the_indexer(warm):
 def test_sparse_from_warmup_trains_everything(chain_warm, sparse):
     warm, (run, output) = chain_warm, sparse
     assert f"initialised from {warm[0]} (step {WARMUP_STEPS - 1})" in output.replace("\n", "")
-    rows = ckpt.read_metrics(run)
+    rows = run_files.read_metrics(run)
     assert len(rows) == SPARSE_STEPS and all(r["lm_loss"] > 0 and r["indexer_loss"] > 0 for r in rows)
     first, last = np.mean([r["total_loss"] for r in rows[:5]]), np.mean([r["total_loss"] for r in rows[-5:]])
     assert last < first - 0.1, (first, last)
@@ -131,21 +135,21 @@ def test_interrupted_and_resumed_run_matches_the_straight_one(chain_warm, sparse
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [3, 5]
     monkeypatch.setattr(display.TrainDisplay, "row", original)
     reads = []
-    read_metrics = ckpt.read_metrics
-    monkeypatch.setattr(ckpt, "read_metrics", lambda *a, **k: reads.append(a) or read_metrics(*a, **k))
+    read_metrics = run_files.read_metrics
+    monkeypatch.setattr(run_files, "read_metrics", lambda *a, **k: reads.append(a) or read_metrics(*a, **k))
     second = _invoke(*args)
     assert second.exit_code == 0, second.output
     assert len(reads) == 2, reads  # metrics.jsonl read once to resume, once for the summary
-    monkeypatch.setattr(ckpt, "read_metrics", read_metrics)
+    monkeypatch.setattr(run_files, "read_metrics", read_metrics)
     assert "resuming from checkpoint step 5" in second.output
-    straight, resumed = ckpt.read_metrics(sparse[0]), ckpt.read_metrics(run)
+    straight, resumed = run_files.read_metrics(sparse[0]), run_files.read_metrics(run)
     assert [r["step"] for r in resumed] == list(range(SPARSE_STEPS))
     for a, b in zip(straight, resumed):
         for k in LOSS_KEYS:
             assert a[k] == b[k], (a["step"], k, a[k], b[k])
     again = _invoke(*args)  # the run is complete: nothing to do, nothing overwritten
     assert again.exit_code == 0 and "nothing to do" in again.output
-    assert ckpt.read_metrics(run) == resumed
+    assert run_files.read_metrics(run) == resumed
 
 
 # ----------------------------------------------------------------------------- data and errors
@@ -166,7 +170,7 @@ def test_local_data_files(tmp_path, warm, kind):
         path.write_text("\n\n".join(texts))
     result = _invoke("warmup", "--steps", str(WARMUP_STEPS), "--output", str(tmp_path / "run"), f"hf_path={path}")
     assert result.exit_code == 0, result.output
-    assert str(path) in result.output and len(ckpt.read_metrics(tmp_path / "run")) == WARMUP_STEPS
+    assert str(path) in result.output and len(run_files.read_metrics(tmp_path / "run")) == WARMUP_STEPS
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -191,7 +195,7 @@ def test_resume_with_another_shape_names_the_parameter(warm):
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "ffn/experts/w1' of shape" in lines[0], result.stderr
-    assert len(ckpt.read_metrics(warm[0])) == WARMUP_STEPS  # nothing overwritten
+    assert len(run_files.read_metrics(warm[0])) == WARMUP_STEPS  # nothing overwritten
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -210,9 +214,9 @@ def test_lm_loss_matches_float64_reference(x64):
                 row = logits[b, t]
                 total += math.log(sum(math.exp(x) for x in row)) - row[targets[b, t]]
                 count += 1
-    got = float(train.lm_loss(jax.numpy.asarray(logits), jax.numpy.asarray(targets), jax.numpy.asarray(mask)))
+    got = float(lm_loss.lm_loss(jax.numpy.asarray(logits), jax.numpy.asarray(targets), jax.numpy.asarray(mask)))
     np.testing.assert_allclose(got, total / count, rtol=1e-12)
-    assert float(train.lm_loss(np.zeros((1, 2, 3)), np.zeros((1, 2), np.int32), np.zeros((1, 2)))) == 0.0
+    assert float(lm_loss.lm_loss(np.zeros((1, 2, 3)), np.zeros((1, 2), np.int32), np.zeros((1, 2)))) == 0.0
 
 
 def test_learning_rate_schedule_matches_reference():
@@ -225,17 +229,17 @@ def test_learning_rate_schedule_matches_reference():
         else:
             frac = (step - warm) / (50 - 1 - warm)
             want = 0.002 + 0.5 * (0.01 - 0.002) * (1 + math.cos(math.pi * frac))
-        np.testing.assert_allclose(float(train.learning_rate_schedule(cfg)(step)), want, rtol=1e-6)
+        np.testing.assert_allclose(float(train_step.learning_rate_schedule(cfg)(step)), want, rtol=1e-6)
 
 
 def test_trainable_mask_fully_matches_paths():
-    match = train.path_matcher([".*indexer.*", "embed"])
+    match = train_step.path_matcher([".*indexer.*", "embed"])
     assert match(("layers", 1, "attn", "indexer", "wq_b")) and match(("embed",))
     assert not match(("layers", 1, "attn", "wq_a")) and not match(("embedder",))
-    assert train.path_matcher([])(("anything",))
+    assert train_step.path_matcher([])(("anything",))
     model = train.Transformer(tiny_config(), rngs=nnx.Rngs(0))
     with pytest.raises(ConfigError, match="matches no parameter"):
-        train.trainable_labels(model, ["indexer"])
+        train_step.trainable_labels(model, ["indexer"])
 
 
 def test_benchmark_train_step(warm):

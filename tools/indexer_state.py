@@ -14,7 +14,7 @@ from flax import nnx
 from core import checkpoint as ckpt
 from core.config import load_config
 from core.data import train_batches, eval_batches
-from core.evaluate import dense_teacher, row_kl
+from core.eval_metrics import dense_teacher, row_kl
 
 path = sys.argv[1]
 cfg = load_config("deepseek4-tiny", sys.argv[2:], stage="warmup", options={"steps": 100})
