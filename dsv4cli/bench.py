@@ -7,6 +7,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from dsv4cli import display
 from dsv4cli import options as opt
 from dsv4cli.errors import handle_errors
 
@@ -24,20 +25,18 @@ Budget = Annotated[float, typer.Option("--budget-gib", min=0, help="Memory budge
 Train = Annotated[bool, typer.Option("--train", help="Instead: the deepseek4-tiny training step per stage and shape (one subprocess each): tokens/s, step and compile time, XLA temp memory, peak RSS.")]
 TrainSteps = Annotated[int, typer.Option("--train-steps", min=1, help="Timed training steps per shape with --train (after one untimed first step).")]
 Batches = Annotated[Optional[str], typer.Option("--batch", help="With --train: comma-separated batch sizes (default: the config's, 4).", show_default=False)]
-Stages = Annotated[str, typer.Option("--stage", help="With --train: comma-separated stages (pretrain, warmup, sparse).")]
+Stages = Annotated[Optional[str], typer.Option("--stage", help="With --train: comma-separated stages (pretrain, warmup, sparse; default warmup,sparse, with --profile sparse).", show_default=False)]
 Profile = Annotated[bool, typer.Option("--profile", help="With --train: FLOPs of the step per component (attention, compressor, indexer, MoE, mHC, head, optimizer) for one stage and shape (default sparse 1 x 256), its measured step time and each component's measured time (jax.profiler trace of --train-steps steps).")]
 NoTime = Annotated[bool, typer.Option("--no-time", help="With --profile: count FLOPs only; do not run or trace the step.")]
 
-GIB = 2**30
-STAGE_DEFAULT = "warmup,sparse"
 
 
 @handle_errors
 def command(chunk: Chunk = None, query_chunk: QueryChunk = None, seq: Seqs = None, shape: Shape = "flash",
             repeats: Repeats = 3, budget_gib: Budget = 0.0, train: Train = False, train_steps: TrainSteps = 3,
-            batch: Batches = None, stage: Stages = STAGE_DEFAULT, profile: Profile = False, no_time: NoTime = False,
+            batch: Batches = None, stage: Stages = None, profile: Profile = False, no_time: NoTime = False,
             overrides: opt.Overrides = None, json_out: opt.Json = False) -> None:
-    from core import bench
+    from core.bench import loss as bench
 
     if train or profile:
         from dsv4cli import bench_train
@@ -49,9 +48,9 @@ def command(chunk: Chunk = None, query_chunk: QueryChunk = None, seq: Seqs = Non
         from core.errors import ConfigError
 
         raise ConfigError(f"{overrides[0]!r}: KEY=VALUE overrides apply to the training step only; add --train.")
-    seqs = int_list(seq or "1024,4096", "--seq", "1024,4096")
+    seqs = display.int_list(seq or "1024,4096", "--seq", "1024,4096")
     loss_shape = bench.loss_shape(shape)
-    budget = int(budget_gib * GIB) if budget_gib else None
+    budget = int(budget_gib * display.GIB) if budget_gib else None
     from dsv4cli.display import ProgressBar
 
     with ProgressBar(bench.progress_units(len(seqs), repeats), "compiling and timing", quiet=json_out) as bar:
@@ -60,39 +59,7 @@ def command(chunk: Chunk = None, query_chunk: QueryChunk = None, seq: Seqs = Non
     if json_out:
         typer.echo(json.dumps(result.to_dict(), indent=2))
     else:
-        _render_loss(_console(), result.to_dict())
-
-
-def int_list(text: str, option: str, example: str) -> list[int]:
-    """'256,1024' -> [256, 1024]; ConfigError naming the option otherwise."""
-    from core.errors import ConfigError
-
-    try:
-        values = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) <= 0:
-        raise ConfigError(f"{option} {text!r} is not a comma-separated list of positive integers: use e.g. {option} {example}.")
-    return values
-
-
-def _console():
-    from rich.console import Console
-
-    console = Console(highlight=False)
-    return console if console.is_terminal else Console(highlight=False, width=1000, soft_wrap=True)
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return ""
-
-
-def _fmt(value: Any, spec: str, missing: str = "-") -> str:
-    return missing if value is None else format(value, spec)
+        _render_loss(display.console(), result.to_dict())
 
 
 def _render_loss(console, r: dict[str, Any]) -> None:
@@ -103,7 +70,7 @@ def _render_loss(console, r: dict[str, Any]) -> None:
                   f"D={s['head_dim']} indexer {s['indexer_heads']}x{s['indexer_head_dim']} top-k {s['topk']}  ·  "
                   f"chunks: {r['head_chunk']} heads, {r['query_chunk'] or 'min(256, T/4)'} queries  ·  {r['device']}")
     matmuls = ", ".join(f"{row['matmul_gflops']:.1f}" for row in r["seqs"])
-    console.print(f"f32 matmul {matmuls} GFLOP/s  ·  memory budget {r['budget_bytes'] / GIB:.1f} GiB  ·  median of "
+    console.print(f"f32 matmul {matmuls} GFLOP/s  ·  memory budget {r['budget_bytes'] / display.GIB:.1f} GiB  ·  median of "
                   f"{r['repeats']} round-robin rounds (each: the matmul, then one step of every path) after a warm-up")
     table = Table(box=None, pad_edge=False, header_style="bold")
     for title in ("T", "path", "heads/q", "compile", "step", "vs direct", "XLA temp", "|Δloss|", "|Δgrad|", "GFLOP/s", "% matmul"):
@@ -112,12 +79,12 @@ def _render_loss(console, r: dict[str, Any]) -> None:
         for v in row["variants"]:
             table.add_row(
                 str(row["seq"]), v["variant"], f"{v['head_chunk'] or '-'}/{v['query_chunk'] or '-'}",
-                f"{v['compile_s']:.1f}s", _fmt(v["step_s"], ".3f", "compile only") + ("s" if v["ran"] else ""),
-                _fmt(v["speed_vs_direct"], ".2f") + ("x" if v["ran"] else ""), _bytes(v["temp_bytes"]),
-                _fmt(v["loss_abs_diff"], ".1e"), _fmt(v["grad_abs_diff"], ".1e"), _fmt(v["gflops"], ".1f"),
-                _fmt(None if v["matmul_share"] is None else 100 * v["matmul_share"], ".0f"))
+                f"{v['compile_s']:.1f}s", display.fmt_value(v["step_s"], ".3f", "compile only") + ("s" if v["ran"] else ""),
+                display.fmt_value(v["speed_vs_direct"], ".2f") + ("x" if v["ran"] else ""), display.fmt_bytes(v["temp_bytes"]),
+                display.fmt_value(v["loss_abs_diff"], ".1e"), display.fmt_value(v["grad_abs_diff"], ".1e"), display.fmt_value(v["gflops"], ".1f"),
+                display.fmt_value(None if v["matmul_share"] is None else 100 * v["matmul_share"], ".0f"))
     console.print(table)
     for row in r["seqs"]:
         if not row["fits"]:
-            console.print(f"T={row['seq']}: the direct path needs {_bytes(row['direct_bytes'])} > the budget, so every "
+            console.print(f"T={row['seq']}: the direct path needs {display.fmt_bytes(row['direct_bytes'])} > the budget, so every "
                           "path was compiled (XLA temp reported) but not run.")

@@ -7,38 +7,39 @@ from typing import Any
 
 import typer
 
-from dsv4cli.bench import GIB, STAGE_DEFAULT, _bytes, _console, _fmt, int_list
+from dsv4cli import display
 
 
-def run(*, seq: str | None, batch: str | None, stage: str, steps: int, profile: bool, timed: bool,
+def run(*, seq: str | None, batch: str | None, stage: str | None, steps: int, profile: bool, timed: bool,
         overrides: list[str], json_out: bool) -> None:
-    from core import bench_train
-    from core.config_files import STAGES
-    from core.config import load_config
+    from core.bench import train as bench_train
+    from core.config.files import STAGES
+    from core.config.schema import load_config
     from core.errors import ConfigError
 
+    if stage is None:
+        stage = "sparse" if profile else "warmup,sparse"
     stages = [s.strip() for s in stage.split(",") if s.strip()]
     bad = [s for s in stages if s not in STAGES]
     if bad or not stages:
         raise ConfigError(f"--stage {stage!r}: use one or more of {', '.join(STAGES)}, comma-separated.")
     if profile:
-        seqs, batches = int_list(seq or "256", "--seq", "256"), int_list(batch or "1", "--batch", "1")
-        stages = ["sparse"] if stage == STAGE_DEFAULT else stages
+        seqs, batches = display.int_list(seq or "256", "--seq", "256"), display.int_list(batch or "1", "--batch", "1")
         if len(seqs) > 1 or len(batches) > 1 or len(stages) > 1:
             raise ConfigError("--profile takes one shape: give one --stage, one --seq and one --batch.")
         result = bench_train.profile_step(stages[0], seqs[0], batches[0], steps=steps, timed=timed,
                                           overrides=overrides)
-        typer.echo(json.dumps(result, indent=2)) if json_out else render_profile(_console(), result)
+        typer.echo(json.dumps(result, indent=2)) if json_out else render_profile(display.console(), result)
         return
     defaults = load_config("deepseek4-tiny", overrides)
-    seqs = int_list(seq or str(defaults.max_target_length), "--seq", "256,1024")
-    batches = int_list(batch or str(defaults.per_device_batch_size), "--batch", "1,4")
+    seqs = display.int_list(seq or str(defaults.max_target_length), "--seq", "256,1024")
+    batches = display.int_list(batch or str(defaults.per_device_batch_size), "--batch", "1,4")
     from dsv4cli.display import ProgressBar
 
     with ProgressBar(len(stages) * len(seqs) * len(batches), "shapes", quiet=json_out) as bar:
         result = bench_train.run_train_sweep(stages, seqs, batches, steps=steps, overrides=overrides,
                                              on_progress=lambda label: bar.advance(description=label))
-    typer.echo(json.dumps(result, indent=2)) if json_out else render_sweep(_console(), result)
+    typer.echo(json.dumps(result, indent=2)) if json_out else render_sweep(display.console(), result)
 
 
 def render_sweep(console, r: dict[str, Any]) -> None:
@@ -55,8 +56,8 @@ def render_sweep(console, r: dict[str, Any]) -> None:
             table.add_row(row["stage"], shape, row["error"], *[""] * 6)
             continue
         table.add_row(row["stage"], shape, f"{row['tokens_per_s']:.1f}", f"{row['step_time_s']:.3f}s",
-                      f"{row['compile_s']:.1f}s", f"{row['first_step_s']:.2f}s", _bytes(row["temp_bytes"]),
-                      f"{row['peak_rss_bytes'] / GIB:.2f} GiB", _fmt(row["last"].get("lm_loss"), ".3f"))
+                      f"{row['compile_s']:.1f}s", f"{row['first_step_s']:.2f}s", display.fmt_bytes(row["temp_bytes"]),
+                      f"{row['peak_rss_bytes'] / display.GIB:.2f} GiB", display.fmt_value(row["last"].get("lm_loss"), ".3f"))
     console.print(table)
 
 
@@ -75,11 +76,11 @@ def render_profile(console, r: dict[str, Any]) -> None:
         flops = c["matmul_flops"] + c["other_flops"]
         cells = [name, f"{c['matmul_flops'] / 1e9:.3f}", f"{c['other_flops'] / 1e9:.3f}",
                  f"{100 * flops / total:.1f}%", f"{flops / r['tokens_per_step'] / 1e6:.1f}",
-                 _fmt(None if not ceiling else c["matmul_flops"] / ceiling / 1e9, ".3f") + ("s" if ceiling else "")]
+                 display.fmt_value(None if not ceiling else c["matmul_flops"] / ceiling / 1e9, ".3f") + ("s" if ceiling else "")]
         if timed:
             seconds = timed["components"][name]
             cells += [f"{seconds:.3f}s", f"{100 * seconds / max(timed['op_s'], 1e-12):.1f}%",
-                      _fmt(flops / seconds / 1e9 if seconds > 0 else None, ".1f")]
+                      display.fmt_value(flops / seconds / 1e9 if seconds > 0 else None, ".1f")]
         table.add_row(*cells)
     console.print(table)
     if timed:
@@ -87,7 +88,7 @@ def render_profile(console, r: dict[str, Any]) -> None:
                       f"{timed['steps']} steps, {timed['op_s']:.3f}s of ops per step against {timed['traced_step_s']:.3f}s "
                       f"traced wall time ({timed['unmatched_s']:.3f}s of ops without a source frame, in other)")
     console.print(f"total {total / 1e9:.2f} GFLOP ({total / r['tokens_per_step'] / 1e6:.1f} MFLOP/token); XLA cost "
-                  f"analysis of the compiled step: {r['xla_flops'] / 1e9:.2f} GFLOP; XLA temp {_bytes(r['temp_bytes'])}")
+                  f"analysis of the compiled step: {r['xla_flops'] / 1e9:.2f} GFLOP; XLA temp {display.fmt_bytes(r['temp_bytes'])}")
     if "error" in measured:
         console.print(f"measured step: {measured['error']}")
     elif measured:

@@ -215,3 +215,43 @@ class TrainDisplay:
         if interrupted:
             c.print("[yellow]interrupted[/yellow]: the last finished step was saved; rerun the same command to resume.")
         c.print(f"checkpoint {summary['checkpoint'] or '(none yet)'}  ·  metrics {summary['run_dir']}/metrics.jsonl")
+
+
+# ----------------------------------------------------------------------------- shared formatting
+
+GIB = 2**30
+
+
+def int_list(text: str, option: str, example: str) -> list[int]:
+    """'256,1024' -> [256, 1024]; ConfigError naming the option otherwise."""
+    from core.errors import ConfigError
+
+    try:
+        values = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise ConfigError(f"{option} {text!r} is not a comma-separated list of positive integers: use e.g. {option} {example}.")
+    return values
+
+
+def console():
+    """A Rich console; off a terminal, one that never wraps (lines stay greppable)."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    return console if console.is_terminal else Console(highlight=False, width=1000, soft_wrap=True)
+
+
+def fmt_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB' (binary units, GiB at most)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return ""
+
+
+def fmt_value(value: Any, spec: str, missing: str = "-") -> str:
+    """`value` formatted by `spec`, or `missing` for None."""
+    return missing if value is None else format(value, spec)

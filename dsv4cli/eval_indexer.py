@@ -39,7 +39,7 @@ def command(
 ) -> None:
     from rich.console import Console
 
-    from core.evaluate import evaluate_checkpoint
+    from core.eval.evaluate import evaluate_checkpoint
     from dsv4cli.display import ProgressBar
 
     if plot is not None:

@@ -27,7 +27,7 @@ def command(run: opt.CkptPath, out: Out, step: opt.StepOpt = None, layout: Layou
 
     from rich.console import Console
 
-    from core.hf_export import export_checkpoint
+    from core.hf.exporter import export_checkpoint
 
     summary = asdict(export_checkpoint(run, out, step=step, layout=layout, dtype=dtype))
     if json_out:

@@ -59,7 +59,7 @@ def command(src: Source, output: Output = None, dtype: Dtype = None, json_out: o
     from rich.console import Console
 
     from core.errors import ConfigError
-    from core.hf_import import import_checkpoint
+    from core.hf.importer import import_checkpoint
 
     if dtype not in (None, "bfloat16", "float32"):
         raise ConfigError(f"--dtype {dtype!r} is not supported: use bfloat16 or float32.")

@@ -20,7 +20,7 @@ Depth = Annotated[Optional[int], typer.Option("--depth", min=1, help="Fold the p
 def command(ckpt: opt.CkptPath, step: opt.StepOpt = None, depth: Depth = None, json_out: opt.Json = False) -> None:
     from rich.console import Console
 
-    from core.inspect import summarize_checkpoint
+    from core.checkpoint.inspect import summarize_checkpoint
 
     summary = summarize_checkpoint(ckpt, step).to_dict(depth)
     if json_out:

@@ -47,20 +47,20 @@ InitFrom = Annotated[Optional[Path], typer.Option(
 def _train(stage: str, *, overrides, steps, output, model, config, init_from=None, hosts=(None, None, None)) -> None:
     from rich.console import Console
 
-    from core.run_files import check_output_dir
-    from core.config import load_config
+    from core.checkpoint.run_files import check_output_dir
+    from core.config.schema import load_config
     from dsv4cli.display import TrainDisplay
 
     cfg = load_config(model, overrides or (), config_file=config, stage=stage, options={"steps": steps})
     run_dir = output or Path(cfg.base_output_directory) / (cfg.run_name or stage)
     run_dir = check_output_dir(run_dir, "--output" if output else "run directory (base_output_directory/run_name)")
-    from core.mesh import initialize_distributed, is_main_process
+    from core.parallel.mesh import initialize_distributed, is_main_process
 
     initialize_distributed(*hosts)  # before any JAX work; a no-op for a plain single process
-    from core.compile_cache import enable_compilation_cache
+    from core.train.compile_cache import enable_compilation_cache
 
     enable_compilation_cache(cfg.jax_cache_dir)  # before the step compiles: a rerun of this shape reads it back
-    from core.train import Trainer
+    from core.train.run import Trainer
 
     display = TrainDisplay(None if is_main_process() else Console(quiet=True))
     display.console.print(f"[dim]building {cfg.model_name} ({cfg.num_layers} layers) and compiling...[/dim]")

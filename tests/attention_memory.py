@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from core.attention import Attention, AttentionSpec
+from core.model.attention import Attention, AttentionSpec
 
 
 def layer_train_temp_bytes(s: AttentionSpec, t: int, dtype=jnp.float32, batch: int = 1, **flags) -> int:
@@ -35,7 +35,7 @@ def layer_train_temp_bytes(s: AttentionSpec, t: int, dtype=jnp.float32, batch: i
 
 
 def main(argv: list[str]) -> None:
-    from core.config import load_config
+    from core.config.schema import load_config
 
     model, t, dtype, *overrides = argv
     cfg = load_config(model, [f"max_target_length={t}", *overrides])

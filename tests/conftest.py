@@ -37,7 +37,7 @@ TINY_OVERRIDES = (
 
 def tiny_config(stage: str | None = None, *overrides: str, **options):
     """deepseek4-tiny shrunk by TINY_OVERRIDES, then `overrides` ("key=value") and `options`."""
-    from core.config import load_config
+    from core.config.schema import load_config
 
     return load_config("deepseek4-tiny", [*TINY_OVERRIDES, *overrides], stage=stage, options=options or None)
 
@@ -73,7 +73,7 @@ def packed(lengths, t):
 
 
 # The stage chain pretrain -> warmup -> sparse through the CLI (issue 11), shared by the tests
-# that need it (tests/test_stages.py, and tests/test_train.py's sparse and resume tests, whose
+# that need it (tests/train/test_stages.py, and tests/train/test_train.py's sparse and resume tests, whose
 # fresh warm-up takes CHAIN_STEPS["warmup"] steps too), so a full session compiles each step once
 # and runs each stage once.
 CHAIN_STEPS = {"pretrain": 30, "warmup": 6, "sparse": 12}

@@ -2,7 +2,7 @@
 
 `official_inventory` lists every tensor of the official layout (name -> shape, storage kind) for a
 config, from DeepSeek-V4-Flash `inference/model.py` (Linear dtypes, Compressor / Indexer / Gate /
-Block parameters) and notes/checkpoint-format.md's table; it does not use core.hf_names.
+Block parameters) and notes/checkpoint-format.md's table; it does not use core.hf.names.
 `write_official` fills it with seeded random weights, quantised exactly as on disk (FP8 e4m3 with
 e8m0 128x128 block scales, FP4 e2m1 packed two per int8 byte low nibble first with per-32 e8m0
 scales), in two shards plus model.safetensors.index.json, and returns the float64 values each

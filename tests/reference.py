@@ -2,7 +2,7 @@
 
 Written from the maths in DESIGN.md ("The model") and the official DeepSeek-V4 semantics, not from
 the JAX code: explicit loops over batch rows, positions, blocks and heads, so the indexing can be
-checked by eye. Everything is float64. Used by tests/test_rope.py, test_compressor.py,
+checked by eye. Everything is float64. Used by tests/ops/test_rope.py, test_compressor.py,
 test_attention.py and test_model.py.
 """
 
@@ -193,7 +193,7 @@ def attention_layer(p, x, positions, segment_ids, *, heads, head_dim, o_groups, 
                     eps, freqs, topk=0, idx_heads=0, idx_dim=0, dense=False):
     """One attention sublayer (queries, raw kv, compressor, indexer selection, output projection).
 
-    `p` maps official names to float64 arrays in our [in, out] layout (see core.attention).
+    `p` maps official names to float64 arrays in our [in, out] layout (see core.model.attention).
     Returns (y [B, T, M], scores [B, T, W] or None).
     """
     x = np.asarray(x, np.float64)

@@ -1,4 +1,4 @@
-"""Loop-based float64 NumPy references of the indexer-evaluation metrics (core/evaluate.py).
+"""Loop-based float64 NumPy references of the indexer-evaluation metrics (core/eval/evaluate.py).
 
 Written from DESIGN.md ("Visibility", "The indexer loss") and issue 6's definitions, one
 (batch, query) row at a time, with no vectorised shortcut: the point is to be obviously right.

@@ -26,7 +26,7 @@ def dsv4_logits(run: str, out: str, tokens: int, seed: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import jax.numpy as jnp
 
-    from core import checkpoint as ckpt
+    from core.checkpoint import store as ckpt
 
     model, cfg, _ = ckpt.restore_model(run)
     ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, (1, tokens)).astype(np.int32)

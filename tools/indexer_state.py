@@ -11,10 +11,10 @@ Figures: docs/benchmarks.md, issue 11.
 import sys
 import numpy as np, jax, jax.numpy as jnp
 from flax import nnx
-from core import checkpoint as ckpt
-from core.config import load_config
-from core.data import train_batches, eval_batches
-from core.eval_metrics import dense_teacher, row_kl
+from core.checkpoint import store as ckpt
+from core.config.schema import load_config
+from core.data.batches import train_batches, eval_batches
+from core.eval.metrics import dense_teacher, row_kl
 
 path = sys.argv[1]
 cfg = load_config("deepseek4-tiny", sys.argv[2:], stage="warmup", options={"steps": 100})

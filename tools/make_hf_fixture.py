@@ -1,6 +1,6 @@
 """Build tests/fixtures/hf_deepseek_v4.npz: a tiny random DeepSeek-V4 run through Hugging Face.
 
-An independent implementation to prove `core.model.Transformer` computes DeepSeek-V4:
+An independent implementation to prove `core.model.transformer.Transformer` computes DeepSeek-V4:
 `transformers`' `DeepseekV4ForCausalLM` (written from the official inference code by another
 team) is instantiated at toy width, EVERY parameter and persistent buffer is randomised with a
 fixed seed (including those HF initialises to zero or one: compressor position biases, attention
@@ -65,7 +65,7 @@ HF_KWARGS = dict(
     rms_norm_eps=1e-6, tie_word_embeddings=False,
 )
 
-# The same model as dsv4 overrides (core.config keys), applied on top of deepseek4-tiny.
+# The same model as dsv4 overrides (core.config.schema keys), applied on top of deepseek4-tiny.
 DSV4_OVERRIDES = dict(
     base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=1, head_dim=32, qk_rope_head_dim=16,
     q_lora_rank=16, o_groups=2, o_lora_rank=16, vocab_size=256,

@@ -9,8 +9,8 @@ from typing import Callable
 
 from flax import nnx
 
-from core.config import load_config
-from core.train import Trainer
+from core.config.schema import load_config
+from core.train.run import Trainer
 
 
 def run_edited_warmup(init_from: str, out: str, steps: int, overrides: list[str],

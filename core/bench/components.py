@@ -1,0 +1,71 @@
+"""Which component of the model a source file belongs to: the attribution that `bench --train`'s
+FLOP count, its profile and the planner's largest temporaries share.
+
+Components are keyed on package paths under core/ (`model/attention`, `loss/indexer_kl_rows`):
+an equation or an HLO op belongs to the innermost frame of its call stack that is an owned core
+module. Helper modules (shared building blocks such as `ops/rope`) are skipped, so their work is
+attributed to whoever called them; glue modules (the decoder's wiring, the step, the data) own no
+work of their own and also pass to the next frame up. Every core module is in exactly one of the
+three tables (tests/bench/test_bench.py checks it), so a new module cannot land in "other" silently.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+COMPONENTS = ("attention", "compressor", "indexer", "MoE", "mHC", "head", "optimizer", "other")
+
+# core module (path under core/, no suffix) -> component
+OWNERS = {
+    "model/attention": "attention", "ops/chunked_attention": "attention",
+    "model/compressor": "compressor",
+    "model/indexer": "indexer", "ops/topk": "indexer", "loss/indexer_kl": "indexer",
+    "loss/indexer_kl_rows": "indexer", "loss/indexer_kl_streamed": "indexer",
+    "model/moe": "MoE", "ops/moe_dispatch": "MoE",
+    "model/mhc": "mHC",
+    "loss/lm": "head",
+}
+# shared building blocks: their work belongs to the caller
+HELPERS = {"model/layers", "model/init_draws", "ops/rope", "ops/masks", "parallel/sharding", "parallel/mesh", "tree"}
+# wiring and drivers: no arithmetic of their own beyond what they call (their frames pass up too)
+GLUE = {
+    "errors", "model/transformer", "model/params",
+    "config/schema", "config/files", "config/values", "config/validate",
+    "data/batches", "data/sources", "data/identity",
+    "checkpoint/store", "checkpoint/run_files", "checkpoint/host_tree", "checkpoint/inspect",
+    "train/step", "train/run", "train/precompile", "train/compile_cache", "train/guard", "train/handoff",
+    "train/tensorboard",
+    "eval/metrics", "eval/evaluate",
+    "hf/names", "hf/config_json", "hf/safetensors_io", "hf/importer", "hf/exporter",
+    "bench/loss", "bench/train", "bench/trace", "bench/components",
+}
+CORE = Path(__file__).resolve().parents[1]
+
+
+def core_module(file_name: str) -> str | None:
+    """'model/attention' for .../core/model/attention.py; None outside core/."""
+    path = Path(file_name)
+    try:
+        rel = path.resolve().relative_to(CORE) if path.is_absolute() else None
+    except ValueError:
+        rel = None
+    if rel is None:
+        return None
+    return rel.with_suffix("").as_posix().removesuffix("/__init__")
+
+
+def component_of_files(file_names: Sequence[str]) -> str:
+    """Component of a call stack given as source file names, innermost first.
+
+    optax's frames are the optimizer; the first core frame that is an owner decides; helper and glue
+    frames pass to the next frame up; a stack with no owner is "other".
+    """
+    for name in file_names:
+        if "/optax/" in name:
+            return "optimizer"
+        module = core_module(name)
+        if module is None or module in HELPERS or module in GLUE:
+            continue
+        return OWNERS.get(module, "other")
+    return "other"

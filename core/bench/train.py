@@ -1,0 +1,294 @@
+"""The training step's speed and memory over shapes, and its FLOPs per component (`dsv4 bench --train`).
+
+Two tools on the real train step (core/train/step.py's `step_fn`, jitted as `make_train_step` does):
+
+- `compile_train_step(cfg)`: the step compiled ahead of time from abstract state (nothing is
+  allocated): compile seconds, XLA's compiled memory analysis (temp bytes) and cost analysis.
+- `run_train_sweep(stages, seqs, batches)`: for each (stage, T, B) one fresh subprocess builds
+  the model, compiles the step, runs it and reports tokens/s, step time, compile time, the
+  compiled temp memory and the process's peak RSS (`resource.getrusage` max RSS of that
+  subprocess, so each shape's peak is its own, not the running maximum of one process).
+- `component_flops(cfg)`: FLOPs of one step attributed to attention, compressor, indexer, MoE,
+  mHC, head, optimizer and the rest, counted from the step's jaxpr: every dot_general's
+  2 * batch * free * contracted sizes (scan bodies times their trip count, remat recomputation
+  and the backward pass included, as XLA will run them) and one FLOP per output element for the
+  other arithmetic. An equation belongs to the innermost project module on its traceback
+  (transposed and recomputed equations keep their forward equation's traceback), helpers
+  (core/bench/components.py) to whoever called them. XLA's own total (`cost_analysis`) is
+  reported beside it as a cross-check.
+Nothing here prints: results are plain dicts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+from core.bench.components import COMPONENTS, component_of_files
+
+_SIZES = "__SIZES__"  # marker of the subprocess's one JSON line
+
+
+def _abstract(cfg):
+    """(graphdef, abstract state, batch specs) of cfg's (model, optimizer), nothing allocated."""
+    import jax
+    import jax.numpy as jnp
+
+    from core.data.batches import BATCH_KEYS
+    from core.train.precompile import abstract_model_and_optimizer
+
+    graphdef, state = abstract_model_and_optimizer(cfg)
+    spec = jax.ShapeDtypeStruct((cfg.per_device_batch_size * jax.device_count(), cfg.max_target_length), jnp.int32)
+    return graphdef, state, {k: spec for k in BATCH_KEYS}
+
+
+def compile_train_step(cfg) -> dict[str, Any]:
+    """The step of `cfg`, lowered and compiled from abstract inputs.
+
+    Returns:
+      {"compile_s", "temp_bytes" (XLA temporaries), "argument_bytes", "output_bytes",
+       "xla_flops" (XLA cost analysis of the whole program; -1 if unavailable)}.
+    """
+    import jax
+
+    from core.train.step import step_fn
+    from core.train.step import step_compiler_options
+
+    graphdef, state, batch = _abstract(cfg)
+    start = time.perf_counter()
+    compiled = jax.jit(step_fn(cfg, graphdef), donate_argnums=0,  # the options the training commands compile with
+                       compiler_options=step_compiler_options(cfg) or None).lower(state, batch).compile()
+    compile_s = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    return {"compile_s": compile_s, "temp_bytes": int(mem.temp_size_in_bytes),
+            "argument_bytes": int(mem.argument_size_in_bytes), "output_bytes": int(mem.output_size_in_bytes),
+            "xla_flops": _xla_flops(compiled)}
+
+
+def _xla_flops(compiled) -> float:
+    try:
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        return float(cost.get("flops", -1.0))
+    except Exception:  # not every backend implements cost analysis
+        return -1.0
+
+
+# ----------------------------------------------------------------------------- FLOPs per component
+
+
+def _component(traceback) -> str:
+    """Component of an equation: its innermost non-helper project frame (optax's frames: optimizer)."""
+    return component_of_files([f.file_name for f in traceback.frames] if traceback is not None else [])
+
+
+def _eqn_flops(eqn) -> tuple[float, float]:
+    """(matmul FLOPs, other FLOPs) of one equation without sub-jaxprs."""
+    outs = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape")]
+    if eqn.primitive.name == "dot_general":
+        (contract, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        k = math.prod(lhs[d] for d in contract)
+        return 2.0 * math.prod(outs[0].shape) * k, 0.0
+    if eqn.primitive.name in ("reshape", "broadcast_in_dim", "squeeze", "transpose", "convert_element_type",
+                              "slice", "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "gather",
+                              "scatter", "select_n", "iota", "copy", "copy_p", "device_put", "stop_gradient"):
+        return 0.0, 0.0
+    return 0.0, float(sum(math.prod(a.shape) for a in outs))
+
+
+def _walk(jaxpr, mult: float, totals: dict[str, list[float]]) -> None:
+    from jax.extend import core as jcore
+
+    for eqn in jaxpr.eqns:
+        subs = []
+        for value in eqn.params.values():
+            for v in (value if isinstance(value, (tuple, list)) else (value,)):
+                if isinstance(v, jcore.ClosedJaxpr):
+                    subs.append(v.jaxpr)
+                elif isinstance(v, jcore.Jaxpr):
+                    subs.append(v)
+        if eqn.primitive.name == "cond":  # one branch runs: count the most expensive
+            scratch = [{c: [0.0, 0.0] for c in COMPONENTS} for _ in subs]
+            for sub, acc in zip(subs, scratch):
+                _walk(sub, mult, acc)
+            best = max(scratch, key=lambda acc: sum(map(sum, acc.values())))
+            for c, (mm, other) in best.items():
+                totals[c][0] += mm
+                totals[c][1] += other
+            continue
+        if subs:
+            inner = mult * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
+            for sub in subs:
+                _walk(sub, inner, totals)
+            continue
+        mm, other = _eqn_flops(eqn)
+        c = _component(eqn.source_info.traceback)
+        totals[c][0] += mm * mult
+        totals[c][1] += other * mult
+
+
+def component_flops(cfg, *, compile: bool = True) -> dict[str, Any]:
+    """FLOPs of one train step of `cfg` per component (module docstring), from its jaxpr.
+
+    Returns:
+      {"components": {name: {"matmul_flops", "other_flops"}}, "total_flops", "tokens_per_step",
+       "xla_flops", "temp_bytes"} (the last two from compiling the step; None without `compile`).
+    """
+    import jax
+
+    from core.train.step import step_fn
+
+    graphdef, state, batch = _abstract(cfg)
+    closed = jax.make_jaxpr(step_fn(cfg, graphdef))(state, batch)
+    totals = {c: [0.0, 0.0] for c in COMPONENTS}
+    _walk(closed.jaxpr, 1.0, totals)
+    compiled = compile_train_step(cfg) if compile else {"xla_flops": None, "temp_bytes": None}
+    tokens = batch["tokens"].shape[0] * batch["tokens"].shape[1]
+    return {"components": {c: {"matmul_flops": mm, "other_flops": other} for c, (mm, other) in totals.items()},
+            "total_flops": sum(mm + other for mm, other in totals.values()), "xla_flops": compiled["xla_flops"],
+            "temp_bytes": compiled["temp_bytes"], "tokens_per_step": tokens}
+
+
+# ----------------------------------------------------------------------------- speed over shapes
+
+
+def measure_shape(cfg, steps: int, trace_steps: int = 0) -> dict[str, Any]:
+    """Build, compile (timed, memory analysed) and run `steps` + 1 train steps of `cfg` in this process.
+
+    With `trace_steps`, that many more steps then run under jax.profiler (core/bench/trace.py).
+
+    Returns:
+      {"compile_s" (lower + compile), "first_step_s", "step_time_s" (median of the timed steps),
+       "tokens_per_step", "tokens_per_s", "temp_bytes", "peak_rss_bytes" (this process's max RSS),
+       "last": the last step's metrics, and with trace_steps "time": bench_time.trace_step's dict}.
+    """
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from core.data.batches import train_batches
+    from core.parallel.sharding import shard_batch
+    from core.train.step import build, make_train_step
+
+    setup = build(cfg)
+    graphdef, state = nnx.split((setup.model, setup.optimizer))
+    data = train_batches(cfg, setup.batch_size)
+    batches = [shard_batch(next(data), setup.mesh) for _ in range(steps + 1 + trace_steps)]
+    batches, traced = batches[:steps + 1], batches[steps + 1:]
+    start = time.perf_counter()
+    step_fn = make_train_step(cfg, graphdef, state, setup.mesh).lower(state, batches[0]).compile()
+    compile_s = time.perf_counter() - start
+    temp = int(step_fn.memory_analysis().temp_size_in_bytes)
+    times, metrics = [], {}
+    for batch in batches:
+        start = time.perf_counter()
+        state, metrics = step_fn(state, batch)
+        metrics = jax.device_get(metrics)
+        times.append(time.perf_counter() - start)
+    tokens = setup.batch_size * cfg.max_target_length
+    step_time = float(np.median(times[1:])) if steps else times[0]
+    extra = {}
+    if traced:
+        from core.bench.trace import trace_step
+
+        state, extra["time"] = trace_step(step_fn, state, traced)
+    return {**extra, "compile_s": compile_s, "first_step_s": times[0], "step_time_s": step_time, "tokens_per_step": tokens,
+            "tokens_per_s": tokens / step_time, "temp_bytes": temp, "peak_rss_bytes": peak_rss_bytes(),
+            "last": {k: float(v) for k, v in metrics.items()}}
+
+
+def peak_rss_bytes() -> int:
+    """Max resident set size of this process so far (Linux reports KiB, macOS bytes)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def sweep_config(stage: str, seq: int, batch: int, overrides: Sequence[str] = (), model: str = "deepseek4-tiny"):
+    """The config one sweep point runs: the stage preset, then T, B and synthetic data, then overrides."""
+    from core.config.schema import load_config
+
+    return load_config(model, ["dataset_type=synthetic", f"max_target_length={seq}", f"per_device_batch_size={batch}",
+                               *overrides], stage=stage)
+
+
+def run_train_sweep(stages: Sequence[str], seqs: Sequence[int], batches: Sequence[int], *, steps: int = 3,
+                    overrides: Sequence[str] = (), model: str = "deepseek4-tiny", timeout_s: float | None = None,
+                    on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every (stage, T, B), each in its own subprocess (`python -m core.bench.train`).
+
+    Returns:
+      {"model", "steps", "rows": [{"stage", "seq", "batch", **measure_shape's keys or "error"}]}.
+      A point that fails (out of memory, killed, timed out) gets "error" and the sweep goes on.
+    """
+    for stage in stages:  # bad input fails here, before any subprocess
+        for seq in seqs:
+            for b in batches:
+                sweep_config(stage, seq, b, overrides, model)
+    rows = []
+    for stage in stages:
+        for seq in seqs:
+            for b in batches:
+                rows.append({"stage": stage, "seq": seq, "batch": b,
+                             **_run_point(stage, seq, b, steps, overrides, model, timeout_s)})
+                if on_progress:
+                    on_progress(f"{stage} {b} x {seq}")
+    return {"model": model, "steps": steps, "rows": rows}
+
+
+def _run_point(stage, seq, batch, steps, overrides, model, timeout_s, trace_steps: int = 0) -> dict[str, Any]:
+    point = [stage, seq, batch, steps, list(overrides), model, trace_steps]
+    args = [sys.executable, "-m", "core.bench.train", json.dumps(point)]
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ))
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith(_SIZES):
+            return json.loads(line[len(_SIZES):])
+    tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+    return {"error": f"exit code {proc.returncode}: {tail}"[:300]}
+
+
+def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
+    """Median GFLOP/s of a float32 [size, size] matmul on the default device (the ceiling)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(matmul(a))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(matmul(a))
+        times.append(time.perf_counter() - start)
+    return 2.0 * size**3 / sorted(times)[len(times) // 2] / 1e9
+
+
+def profile_step(stage: str = "sparse", seq: int = 256, batch: int = 1, *, steps: int = 3, timed: bool = True,
+                 overrides: Sequence[str] = (), model: str = "deepseek4-tiny") -> dict[str, Any]:
+    """`component_flops` of one sweep point and, with `timed`, its measured step and the matmul ceiling.
+
+    Returns:
+      component_flops's dict plus {"model", "stage", "seq", "batch"} and, when timed, "measured"
+      (measure_shape's dict from a subprocess, or {"error"}) and "matmul_gflops".
+    """
+    out = component_flops(sweep_config(stage, seq, batch, overrides, model))
+    out.update(model=model, stage=stage, seq=seq, batch=batch)
+    if timed:
+        out["measured"] = _run_point(stage, seq, batch, steps, overrides, model, None, trace_steps=steps)
+        out["matmul_gflops"] = matmul_gflops()
+    return out
+
+
+if __name__ == "__main__":  # one point: python -m core.bench.train '[stage, seq, batch, steps, overrides, model, trace]'
+    _stage, _seq, _batch, _steps, _overrides, _model, _trace = json.loads(sys.argv[1])
+    _out = measure_shape(sweep_config(_stage, _seq, _batch, _overrides, _model), _steps, _trace)
+    print(_SIZES + json.dumps(_out), flush=True)

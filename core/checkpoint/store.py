@@ -1,0 +1,311 @@
+"""Run directories and Orbax checkpoints (DESIGN.md, "Training, checkpoints, runs"); the plain files
+(config.yml, metrics.jsonl, the output-directory check) are core/checkpoint/run_files.py's.
+
+A run directory holds:
+
+  config.yml               the resolved config (`core.config.schema.dump`)
+  metrics.jsonl            one JSON object per step
+  checkpoints/<step>/      one Orbax step; <step> is the 0-based index of the last step it includes
+      model/               every model variable (parameters, router biases, hash tables) as a plain
+                           nested dict, paths like `layers/3/attn/indexer/wq_b`
+      optimizer/           the `nnx.Optimizer` state as a plain nested dict (frozen parameters have
+                           no entries)
+      data/                the data position (JSON, `core.data.batches.TrainBatches.state`)
+      metadata/            JSON: config, stage, step, metrics of that step, model_name, dsv4 version
+
+Orbax writes each step into a temporary directory and renames it when complete, so a step killed
+mid-write never appears as `checkpoints/<int>/`; only those are listed. Readers accept a run
+directory, its checkpoints/ directory or one step directory (`resolve_checkpoint`), and every
+problem (missing, foreign, incomplete, shape mismatch) is a one-line `CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from core.errors import CheckpointError
+from core.tree import flatten, shapes
+
+CHECKPOINTS_DIR = "checkpoints"
+ITEMS = ("model", "optimizer", "data", "metadata")
+_ARRAY_ITEMS = ("model", "optimizer")
+
+
+# ----------------------------------------------------------------------------- trees
+
+
+def check_compatible(saved: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], where: str) -> None:
+    """Raise CheckpointError naming the first parameter whose presence or shape differs.
+
+    Args:
+      saved, expected: flat {path: shape} (see `shapes`, `read_tree`).
+      where: the checkpoint, for the message.
+    """
+    for path in sorted(set(saved) | set(expected)):
+        if path not in saved:
+            raise CheckpointError(f"{where} has no parameter {path!r} that this model needs: "
+                                  "it was written by a different model; use matching model keys or a new --output.")
+        if path not in expected:
+            raise CheckpointError(f"{where} holds parameter {path!r} that this model does not have: "
+                                  "it was written by a different model; use matching model keys or a new --output.")
+        a, b = tuple(saved[path]), tuple(expected[path])
+        if a != b:
+            raise CheckpointError(f"{where} has parameter {path!r} of shape {a}, but this model's is {b}: "
+                                  "use the model keys the checkpoint was written with, or a new --output.")
+
+
+# ----------------------------------------------------------------------------- locating checkpoints
+
+
+def finished_steps(checkpoints_dir: Path) -> list[int]:
+    """Finished steps: integer-named directories (Orbax's in-progress ones carry a tmp suffix)."""
+    if not checkpoints_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in checkpoints_dir.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def resolve_checkpoint(path: str | Path, step: int | None = None) -> tuple[Path, Path, int]:
+    """(run_dir, checkpoints_dir, step) for a run dir, its checkpoints/ dir or one step dir.
+
+    Args:
+      path: the directory given by the user.
+      step: a specific step (default: the latest finished one; a step dir names its own).
+    Raises:
+      CheckpointError: missing path, not a checkpoint, no finished step, unknown step, or a step
+        directory with missing items.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {str(path)!r} does not exist: give a run directory or a checkpoint step directory.")
+    if path.is_dir() and (path / CHECKPOINTS_DIR).is_dir():
+        ckpt_dir = path / CHECKPOINTS_DIR
+    elif path.is_dir() and (path.name == CHECKPOINTS_DIR or finished_steps(path)):
+        ckpt_dir = path
+    elif path.is_dir() and path.name.isdigit() and any((path / item).exists() for item in ITEMS):
+        if step is not None and step != int(path.name):
+            raise CheckpointError(f"{str(path)!r} is the checkpoint of step {path.name}, not {step}: drop --step or give the run directory.")
+        ckpt_dir, step = path.parent, int(path.name)
+    else:
+        raise CheckpointError(f"{str(path)!r} is not a dsv4 run or checkpoint: give a directory holding "
+                              f"{CHECKPOINTS_DIR}/<step>/ (a run), {CHECKPOINTS_DIR}/ itself, or one <step>/ directory.")
+    steps = finished_steps(ckpt_dir)
+    if step is None:
+        if not steps:
+            raise CheckpointError(f"{str(ckpt_dir)!r} has no finished checkpoint: train with a checkpoint_period "
+                                  "that is reached, or let the run finish.")
+        step = steps[-1]
+    elif step not in steps:
+        raise CheckpointError(f"{str(ckpt_dir)!r} has no checkpoint for step {step}: available steps are "
+                              f"{', '.join(map(str, steps)) or 'none'}.")
+    step_dir = ckpt_dir / str(step)
+    missing = [item for item in ITEMS if not (step_dir / item).is_dir()]
+    if missing:
+        raise CheckpointError(f"checkpoint {str(step_dir)!r} is incomplete or corrupted (no {', '.join(missing)}): "
+                              "use another step (--step) or retrain.")
+    return ckpt_dir.parent, ckpt_dir, step
+
+
+# ----------------------------------------------------------------------------- Orbax
+
+
+def _manager(checkpoints_dir: Path, *, max_to_keep: int | None = None, async_save: bool = False,
+             host_model: bool = False):
+    import orbax.checkpoint as ocp
+
+    from core.checkpoint.host_tree import HostTreeHandler
+
+    model = HostTreeHandler() if host_model else ocp.StandardCheckpointHandler()
+    handlers = {"model": model, "optimizer": ocp.StandardCheckpointHandler(),
+                "data": ocp.JsonCheckpointHandler(), "metadata": ocp.JsonCheckpointHandler()}
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
+                                           create=max_to_keep is not None)
+    return ocp.CheckpointManager(checkpoints_dir.absolute(), options=options, item_handlers=handlers)
+
+
+def _restore(checkpoints_dir: Path, step: int, **args: Any) -> dict[str, Any]:
+    """Restore the named items (ocp.args values) of one step, wrapping Orbax errors."""
+    import orbax.checkpoint as ocp
+
+    mgr = _manager(checkpoints_dir)
+    try:
+        out = mgr.restore(step, args=ocp.args.Composite(**args))
+    except CheckpointError:
+        raise
+    except Exception as e:  # Orbax/TensorStore raise ValueError, FileNotFoundError, tensorstore errors...
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise CheckpointError(f"checkpoint {str(checkpoints_dir / str(step))!r} cannot be read ({first}): "
+                              "it is truncated or corrupted; use another step (--step) or retrain.") from None
+    finally:
+        mgr.close()
+    return {name: out[name] for name in args}
+
+
+def read_metadata(path: str | Path, step: int | None = None) -> dict[str, Any]:
+    """The JSON metadata of a checkpoint (config, stage, step, metrics, model_name, version)."""
+    import orbax.checkpoint as ocp
+
+    _, ckpt_dir, step = resolve_checkpoint(path, step)
+    return _restore(ckpt_dir, step, metadata=ocp.args.JsonRestore())["metadata"]
+
+
+def read_data_state(path: str | Path, step: int | None = None) -> dict[str, Any]:
+    """The saved data position of a checkpoint."""
+    import orbax.checkpoint as ocp
+
+    _, ckpt_dir, step = resolve_checkpoint(path, step)
+    return _restore(ckpt_dir, step, data=ocp.args.JsonRestore())["data"]
+
+
+def read_tree(path: str | Path, step: int | None = None, item: str = "model") -> dict[str, tuple[tuple[int, ...], str]]:
+    """{"a/b/c": (shape, dtype name)} of an array item without loading any array.
+
+    Args:
+      item: "model" or "optimizer".
+    """
+    if item not in _ARRAY_ITEMS:
+        raise ValueError(f"item must be one of {_ARRAY_ITEMS}, got {item!r}")
+    _, ckpt_dir, step = resolve_checkpoint(path, step)
+    mgr = _manager(ckpt_dir)
+    try:
+        tree = mgr.item_metadata(step)[item]
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {str(ckpt_dir / str(step))!r} has unreadable {item} metadata "
+                              f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__}): it is truncated or corrupted.") from None
+    finally:
+        mgr.close()
+    if tree is None:
+        raise CheckpointError(f"checkpoint {str(ckpt_dir / str(step))!r} has no {item} metadata: it is truncated or corrupted.")
+    tree = getattr(tree, "tree", tree)
+    return {k: (tuple(v.shape), str(v.dtype)) for k, v in flatten(tree).items()}
+
+
+def config_of(path: str | Path, step: int | None = None):
+    """The resolved Config a checkpoint was trained with."""
+    from core.config.schema import loads
+
+    return loads(json.dumps(read_metadata(path, step)["config"]))
+
+
+def restore_model_state(path: str | Path, target: Any, step: int | None = None) -> tuple[dict[str, Any], int]:
+    """Load a checkpoint's model variables into the structure of `target`.
+
+    Args:
+      path: run dir, checkpoints/ dir or step dir.
+      target: the model's abstract state as a plain nested dict of jax.ShapeDtypeStruct (with
+        shardings for a mesh), e.g. `nnx.to_pure_dict(core.parallel.sharding.abstract_state(model, mesh))`.
+    Returns:
+      (the restored plain dict, the step it came from).
+    Raises:
+      CheckpointError: naming the first parameter whose shape or presence differs.
+    """
+    import orbax.checkpoint as ocp
+
+    _, ckpt_dir, step = check_model_shapes(path, shapes(target), step)
+    return _restore(ckpt_dir, step, model=ocp.args.StandardRestore(target))["model"], step
+
+
+def check_model_shapes(path: str | Path, expected: Mapping[str, tuple[int, ...]], step: int | None = None
+                       ) -> tuple[Path, Path, int]:
+    """Compare a checkpoint's model tree (metadata only) with `expected` {path: shape}.
+
+    Returns:
+      `resolve_checkpoint(path, step)`.
+    Raises:
+      CheckpointError: naming the first parameter whose shape or presence differs.
+    """
+    run_dir, ckpt_dir, step = resolve_checkpoint(path, step)
+    saved = {k: s for k, (s, _) in read_tree(ckpt_dir, step).items()}
+    check_compatible(saved, expected, f"checkpoint {str(ckpt_dir / str(step))!r}")
+    return run_dir, ckpt_dir, step
+
+
+def restore_model(path: str | Path, step: int | None = None, cfg=None):
+    """(model, cfg, metadata): a `core.model.transformer.Transformer` with a checkpoint's variables.
+
+    Args:
+      cfg: the Config to build (default: the checkpoint's own); its shapes must match.
+    """
+    from flax import nnx
+
+    from core.model import transformer
+
+    metadata = read_metadata(path, step)
+    if cfg is None:
+        cfg = config_of(path, metadata["step"])
+    graphdef, state = nnx.split(transformer.abstract(cfg))
+    values, _ = restore_model_state(path, nnx.to_pure_dict(state), metadata["step"])
+    nnx.replace_by_pure_dict(state, values)
+    return nnx.merge(graphdef, state), cfg, metadata
+
+
+class RunCheckpointer:
+    """Saves and restores the training state of one run directory (async, `max_to_keep` kept).
+
+    `host_model=True` (a synchronous save of a model tree of NumPy arrays, e.g. `dsv4 import-hf`)
+    writes the model item in place, in bounded chunks: core.checkpoint.host_tree; same layout.
+    """
+
+    def __init__(self, run_dir: str | Path, *, max_to_keep: int, async_save: bool, host_model: bool = False):
+        if host_model and async_save:
+            raise ValueError("host_model saves write the caller's arrays in place: they must be synchronous")
+        self.run_dir = Path(run_dir)
+        self.dir = self.run_dir / CHECKPOINTS_DIR
+        self._options = dict(max_to_keep=max_to_keep, async_save=async_save, host_model=host_model)
+        self._mgr_instance = None
+
+    @property
+    def _mgr(self):
+        if self._mgr_instance is None:  # created on first use: nothing is written before a save
+            self._mgr_instance = _manager(self.dir, **self._options)
+        return self._mgr_instance
+
+    def latest_step(self) -> int | None:
+        steps = finished_steps(self.dir)
+        return steps[-1] if steps else None
+
+    def save(self, step: int, *, model: Any, optimizer: Any, data: Mapping[str, Any],
+             metadata: Mapping[str, Any]) -> None:
+        """Start writing step `step` (model/optimizer: plain nested dicts of arrays)."""
+        import orbax.checkpoint as ocp
+
+        from core.checkpoint.host_tree import HostTreeSave
+
+        host = self._options["host_model"]
+        self._mgr.save(step, args=ocp.args.Composite(
+            model=HostTreeSave(model) if host else ocp.args.StandardSave(model), optimizer=ocp.args.StandardSave(optimizer),
+            data=ocp.args.JsonSave(dict(data)), metadata=ocp.args.JsonSave(dict(metadata))), force=True)
+
+    def restore(self, step: int, *, model: Any, optimizer: Any) -> dict[str, Any]:
+        """All items of `step`; `model`/`optimizer` are abstract plain-dict targets (shape-checked)."""
+        import orbax.checkpoint as ocp
+
+        where = f"checkpoint {str(self.dir / str(step))!r}"
+        resolve_checkpoint(self.dir, step)
+        for item, target in (("model", model), ("optimizer", optimizer)):
+            saved = {k: s for k, (s, _) in read_tree(self.dir, step, item).items()}
+            check_compatible(saved, shapes(target), where if item == "model" else f"{where} (optimizer state)")
+        return _restore(self.dir, step, model=ocp.args.StandardRestore(model),
+                        optimizer=ocp.args.StandardRestore(optimizer),
+                        data=ocp.args.JsonRestore(), metadata=ocp.args.JsonRestore())
+
+    def wait(self) -> None:
+        if self._mgr_instance is not None:
+            self._mgr_instance.wait_until_finished()
+
+    def close(self) -> None:
+        if self._mgr_instance is not None:
+            self._mgr_instance.wait_until_finished()
+            self._mgr_instance.close()
+            self._mgr_instance = None
+
+    def abandon(self) -> None:
+        """Stop after a failed save: wait for Orbax's threads, ignore their errors, forget the manager."""
+        mgr, self._mgr_instance = self._mgr_instance, None
+        if mgr is not None:
+            for finish in (mgr.wait_until_finished, mgr.close):
+                try:
+                    finish()
+                except Exception:  # the failure itself is reported by the caller
+                    pass

@@ -1,0 +1,355 @@
+"""DeepSeek-V4 mixture of experts (DESIGN.md, "MoE"): router, hash routing, clamped SwiGLU experts.
+
+Semantics follow the official DeepSeek-V4 inference code (`inference/model.py`, `Gate`, `Expert`,
+`MoE`):
+
+- Router scores s = sqrt(softplus(x W_r)) in float32. Learned-routing layers pick the top-k of
+  s + bias; the bias steers selection only and is never differentiated: it is a `RouterBias`
+  variable, updated after each step by `update_router_bias` (bias_e += rate * sign(mean - load_e)).
+- Hash-routed layers (the first `first_num_hash_layers`) take the experts from a fixed
+  token-id -> experts table (`HashTable`, int32 [V, k], not a parameter) but still weight them by
+  the router's scores, so they keep a router weight and have no bias (as in the checkpoints).
+- Combine weights: the chosen scores normalised to sum 1 (`norm_topk_prob`), times
+  `routed_scaling_factor`.
+- Experts and the shared expert (same width, `shared_experts` copies fused into one wider MLP)
+  are SwiGLU w2(silu(min(x w1, L)) * clip(x w3, -L, L)); the official code clamps the gate from
+  above only and the up projection on both sides; L = 0 disables the clamp.
+- Load-balance loss (learned-routing layers): sequence-wise, as MaxText's `load_balance_loss`
+  (per batch row f_e and P_e, then the mean over rows), padding excluded:
+  lb = weight * E * sum_e f_e * P_e, = weight * k at perfect balance.
+
+Expert computation (`impl`, IMPLS):
+- "tiled" (default): the B*T*k (token, expert) slots sorted by expert into whole tiles of
+  `tile_size` rows, batched einsums over tiles, summed back per token (core/ops/moe_dispatch.py):
+  drop-free, about the slots' own FLOPs plus padding. tile_size 0 picks `auto_tile`. The
+  deepseek4-tiny 1 x 256 sparse step ran 1.33x faster than with "dense" on the idle 2-core CPU
+  (docs/benchmarks.md, "Side by side with MaxText, idle, after the tiled MoE").
+- "dense" runs every expert on every token and combines with a [B, T, E] weight matrix: E/k times
+  the FLOPs, plain einsums that shard over an `experts` mesh axis without token permutations.
+- "ragged" sorts the slots by expert and uses `jax.lax.ragged_dot`: the FLOP-optimal path on
+  accelerators with a grouped-matmul kernel (XLA CPU lowers it densely: slowest there).
+All three agree to float32 rounding in value and gradient (tests/model/test_moe.py, test_moe_dispatch.py).
+
+Parameter layout is [in, out] (JAX convention; the official Linear stores [out, in]):
+gate.weight [M, E], gate.bias [E], gate.tid2eid [V, k], experts.w1/w3 [E, M, F], experts.w2
+[E, F, M], shared_experts.w1/w3 [M, S*F], shared_experts.w2 [S*F, M].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from core.model.layers import dense_init, param, upcast
+from core.ops.moe_dispatch import tiled_experts
+
+
+IMPLS = ("dense", "tiled", "ragged")  # expert computation (module docstring)
+
+
+class RouterBias(nnx.Variable):
+    """Expert-selection bias [E]: changed only by `update_router_bias`, never by gradients."""
+
+
+class HashTable(nnx.Variable):
+    """Fixed token id -> experts table, int32 [V, k]: part of the state, not a parameter."""
+
+
+# ----------------------------------------------------------------------------- pure maths
+
+
+def _acc(x):
+    """Matmul accumulation dtype: float32, or float64 for float64 inputs."""
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def router_scores(logits_bte):
+    """s = sqrt(softplus(logits)) in float32 (DeepSeek-V4's `sqrtsoftplus`)."""
+    return jnp.sqrt(jax.nn.softplus(upcast(logits_bte)))
+
+
+def combine_weights(scores_bte, idx_btk, *, scaling: float, normalize: bool):
+    """The chosen experts' scores, normalised to sum 1 if `normalize`, times `scaling`.
+
+    Args:
+      scores_bte: float32 router scores [B, T, E] (positive).
+      idx_btk: int [B, T, k] chosen experts.
+    Returns:
+      float32 [B, T, k].
+    """
+    weights_btk = jnp.take_along_axis(upcast(scores_bte), idx_btk, axis=-1)
+    if normalize:
+        weights_btk = weights_btk / jnp.sum(weights_btk, axis=-1, keepdims=True)
+    return weights_btk * scaling
+
+
+def route(logits_bte, bias_e, k: int, *, scaling: float, normalize: bool):
+    """Learned routing: top-k of s + bias; weights from s alone.
+
+    Args:
+      logits_bte: router logits x W_r [B, T, E] (any float dtype; used in float32).
+      bias_e: selection bias [E], or None.
+      k: experts per token (static).
+      scaling: routed_scaling_factor.
+      normalize: norm_topk_prob.
+    Returns:
+      (idx_btk int32 [B, T, k], weights_btk float32 [B, T, k], scores_bte float32 [B, T, E]).
+
+    Shapes:
+      1. scores_bte = sqrt(softplus(logits_bte))
+      2. idx_btk    = top_k(scores_bte + bias_e)        (ties to the lower expert index)
+      3. weights    = scores_bte[idx] / sum * scaling   (no gradient through the selection)
+    """
+    scores_bte = router_scores(logits_bte)
+    ranked_bte = scores_bte if bias_e is None else scores_bte + upcast(bias_e)
+    _, idx_btk = jax.lax.top_k(jax.lax.stop_gradient(ranked_bte), k)
+    idx_btk = checkpoint_name(idx_btk.astype(jnp.int32), "moe_routing")
+    return idx_btk, combine_weights(scores_bte, idx_btk, scaling=scaling, normalize=normalize), scores_bte
+
+
+def _choice_counts(idx_btk, valid_bt, num_experts: int, dtype=jnp.float32):
+    """[B, E] in `dtype`: how many valid tokens of each row chose each expert."""
+    onehot_btke = jax.nn.one_hot(idx_btk, num_experts, dtype=dtype)
+    return jnp.einsum("btke,bt->be", onehot_btke, valid_bt.astype(dtype))
+
+
+def expert_load(idx_btk, valid_bt, num_experts: int):
+    """Fraction of valid tokens (whole batch) that chose each expert: float32 [E], sums to k.
+
+    A batch without valid tokens gives all zeros.
+    """
+    counts_e = jnp.sum(_choice_counts(idx_btk, valid_bt, num_experts), axis=0)
+    return counts_e / jnp.maximum(jnp.sum(upcast(valid_bt)), 1.0)
+
+
+def load_balance_loss(scores_bte, idx_btk, valid_bt, num_experts: int, weight: float):
+    """Sequence-wise load-balance loss: weight * E * sum_e f_e * P_e, averaged over batch rows.
+
+    Args:
+      scores_bte: router scores s [B, T, E] (before the bias).
+      idx_btk: chosen experts [B, T, k].
+      valid_bt: bool [B, T], False for padding (excluded from f and P).
+      num_experts: E.
+      weight: load_balance_loss_weight.
+    Returns:
+      float32 scalar; rows without valid tokens do not count; 0 when no row has one.
+
+    Shapes:
+      1. f_be = (# valid tokens of row b choosing e) / (# valid tokens of row b)   (sum_e = k)
+      2. P_be = mean over valid t of s[b,t,e] / sum_e' s[b,t,e']
+      3. lb   = weight * E * mean over rows with valid tokens of sum_e f_be * P_be
+    """
+    scores_bte = upcast(scores_bte)
+    valid_bt_f = valid_bt.astype(scores_bte.dtype)
+    n_b = jnp.sum(valid_bt_f, axis=1)
+    denom_b = jnp.maximum(n_b, 1.0)[:, None]
+    f_be = _choice_counts(idx_btk, valid_bt, num_experts, scores_bte.dtype) / denom_b
+    probs_bte = scores_bte / jnp.sum(scores_bte, axis=-1, keepdims=True)
+    p_be = jnp.einsum("bte,bt->be", probs_bte, valid_bt_f) / denom_b
+    row_loss_b = num_experts * jnp.sum(f_be * p_be, axis=-1)
+    rows = (n_b > 0).astype(n_b.dtype)
+    return weight * jnp.sum(row_loss_b * rows) / jnp.maximum(jnp.sum(rows), 1.0)
+
+
+def update_router_bias(bias_e, load_e, rate: float):
+    """bias_e + rate * sign(mean(load) - load_e): overloaded experts become less likely.
+
+    Works on one layer ([E]) or a stack of layers ([..., E]: the mean is per layer).
+    """
+    load_e = upcast(load_e)
+    step_e = rate * jnp.sign(jnp.mean(load_e, axis=-1, keepdims=True) - load_e)
+    return (upcast(bias_e) + step_e).astype(bias_e.dtype)
+
+
+def swiglu_hidden(gate, up, limit: float):
+    """silu(min(gate, L)) * clip(up, -L, L) in float32 (no clamp when L = 0)."""
+    gate = upcast(gate)
+    up = upcast(up)
+    if limit > 0:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
+def hash_table(seed: int, vocab_size: int, num_experts: int, k: int):
+    """A fixed random table int32 [V, k]: k distinct experts per token, uniform over subsets.
+
+    Deterministic in `seed` (threefry), traced with jax so `nnx.eval_shape` allocates nothing.
+    """
+    noise_ve = jax.random.uniform(jax.random.key(seed), (vocab_size, num_experts))
+    _, idx_vk = jax.lax.top_k(noise_ve, k)
+    return idx_vk.astype(jnp.int32)
+
+
+def dense_experts(x_btm, combine_bte, w1_emf, w2_efm, w3_emf, limit: float):
+    """sum_e combine[b,t,e] * expert_e(x[b,t]): every expert on every token (see module doc)."""
+    gate_btef = jnp.einsum("btm,emf->btef", x_btm, w1_emf)
+    up_btef = jnp.einsum("btm,emf->btef", x_btm, w3_emf)
+    h_btef = swiglu_hidden(gate_btef, up_btef, limit) * combine_bte[..., None]
+    return jnp.einsum("btef,efm->btm", h_btef.astype(x_btm.dtype), w2_efm,
+                      preferred_element_type=_acc(x_btm))
+
+
+def auto_tile(tokens: int, num_experts: int, k: int) -> int:
+    """Rows per tile for the tiled path: half the mean slots per expert, a power of two in [8, 128]."""
+    half_mean = max(tokens * k // (2 * num_experts), 1)
+    return int(min(128, max(8, 1 << (half_mean - 1).bit_length())))
+
+
+def ragged_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: float):
+    """The same sum over the k chosen experts only, grouped by expert with `lax.ragged_dot`."""
+    b, t, m = x_btm.shape
+    k = idx_btk.shape[-1]
+    num_experts = w1_emf.shape[0]
+    flat_idx = idx_btk.reshape(-1)
+    order = jnp.argsort(flat_idx, stable=True)            # slot order grouped by expert
+    token_of_slot = order // k
+    x_sm = x_btm.reshape(b * t, m)[token_of_slot]
+    group_sizes = jnp.bincount(flat_idx, length=num_experts).astype(jnp.int32)
+    gate_sf = jax.lax.ragged_dot(x_sm, w1_emf, group_sizes)
+    up_sf = jax.lax.ragged_dot(x_sm, w3_emf, group_sizes)
+    h_sf = swiglu_hidden(gate_sf, up_sf, limit) * weights_btk.reshape(-1)[order][:, None]
+    y_sm = jax.lax.ragged_dot(h_sf.astype(x_btm.dtype), w2_efm, group_sizes,
+                              preferred_element_type=_acc(x_btm))
+    y_tm = jax.ops.segment_sum(y_sm, token_of_slot, num_segments=b * t)
+    return y_tm.reshape(b, t, m)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class Router(nnx.Module):
+    """The gate: weight [M, E]; bias [E] (learned routing with use_bias); tid2eid [V, k] (hash)."""
+
+    def __init__(self, emb, num_experts, experts_per_tok, *, hash_routed, vocab_size, use_bias,
+                 seed_for_hash_table, rngs, param_dtype=jnp.float32):
+        self.weight = param(rngs, dense_init(), (emb, num_experts), ("embed", None), param_dtype)
+        # Each attribute is assigned once: an nnx attribute first set to None would turn static.
+        if hash_routed:
+            table = hash_table(seed_for_hash_table, vocab_size, num_experts, experts_per_tok)
+            self.tid2eid = HashTable(table, out_sharding=(None, None), eager_sharding=False)
+            self.bias = None
+        else:
+            self.tid2eid = None
+            self.bias = (RouterBias(jnp.zeros((num_experts,), jnp.float32), out_sharding=(None,),
+                                    eager_sharding=False) if use_bias else None)
+
+
+class Experts(nnx.Module):
+    """E routed SwiGLU experts stacked on a leading `experts` axis."""
+
+    def __init__(self, num_experts, emb, mlp, *, rngs, param_dtype=jnp.float32):
+        init_in = dense_init(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        self.w1 = param(rngs, init_in, (num_experts, emb, mlp), ("experts", "embed", "mlp"), param_dtype)
+        self.w2 = param(rngs, init_in, (num_experts, mlp, emb), ("experts", "mlp", "embed"), param_dtype)
+        self.w3 = param(rngs, init_in, (num_experts, emb, mlp), ("experts", "embed", "mlp"), param_dtype)
+
+
+class MLP(nnx.Module):
+    """One SwiGLU MLP (the shared expert): w2(silu(min(x w1, L)) * clip(x w3, -L, L))."""
+
+    def __init__(self, emb, mlp, swiglu_limit, *, rngs, param_dtype=jnp.float32, dtype=jnp.float32):
+        self.limit = float(swiglu_limit)
+        self.dtype = dtype
+        self.w1 = param(rngs, dense_init(), (emb, mlp), ("embed", "mlp"), param_dtype)
+        self.w2 = param(rngs, dense_init(), (mlp, emb), ("mlp", "embed"), param_dtype)
+        self.w3 = param(rngs, dense_init(), (emb, mlp), ("embed", "mlp"), param_dtype)
+
+    def __call__(self, x_btm):
+        x_btm = x_btm.astype(self.dtype)
+        gate_btf = jnp.einsum("btm,mf->btf", x_btm, self.w1[...].astype(self.dtype))
+        up_btf = jnp.einsum("btm,mf->btf", x_btm, self.w3[...].astype(self.dtype))
+        h_btf = swiglu_hidden(gate_btf, up_btf, self.limit).astype(self.dtype)
+        return jnp.einsum("btf,fm->btm", h_btf, self.w2[...].astype(self.dtype),
+                          preferred_element_type=_acc(x_btm))
+
+
+class MoE(nnx.Module):
+    """Routed experts + shared expert for one layer (DESIGN.md "MoE"; module docstring).
+
+    The sublayer's input RMSNorm (ffn_norm) is not part of this module, as in the official code.
+    `load_balance_loss_weight` scales aux["lb_loss"] (pass the config's; the default 1.0 gives the
+    unweighted E * sum f P). `impl` picks the expert computation (module docstring).
+    """
+
+    def __init__(self, emb, moe_mlp_dim, num_experts, experts_per_tok, shared_experts, *,
+                 hash_routed: bool, vocab_size, routed_scaling_factor, norm_topk_prob, use_bias,
+                 swiglu_limit, seed_for_hash_table: int, rngs, param_dtype=jnp.float32,
+                 dtype=jnp.float32, impl: str = "tiled", load_balance_loss_weight: float = 1.0,
+                 tile_size: int = 0):
+        if impl not in IMPLS:
+            raise ValueError(f"MoE impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+        if tile_size < 0:
+            raise ValueError(f"MoE tile_size must be >= 0 (0 = auto), got {tile_size}")
+        if not 1 <= experts_per_tok <= num_experts:
+            raise ValueError(f"experts_per_tok={experts_per_tok} must be in [1, {num_experts}]")
+        self.num_experts = num_experts
+        self.k = experts_per_tok
+        self.hash_routed = bool(hash_routed)
+        self.scaling = float(routed_scaling_factor)
+        self.normalize = bool(norm_topk_prob)
+        self.limit = float(swiglu_limit)
+        self.dtype = dtype
+        self.impl = impl
+        self.tile = int(tile_size)
+        self.lb_weight = float(load_balance_loss_weight)
+        self.gate = Router(emb, num_experts, experts_per_tok, hash_routed=hash_routed,
+                           vocab_size=vocab_size, use_bias=use_bias,
+                           seed_for_hash_table=seed_for_hash_table, rngs=rngs,
+                           param_dtype=param_dtype)
+        self.experts = Experts(num_experts, emb, moe_mlp_dim, rngs=rngs, param_dtype=param_dtype)
+        self.shared_experts = (
+            MLP(emb, shared_experts * moe_mlp_dim, swiglu_limit, rngs=rngs,
+                param_dtype=param_dtype, dtype=dtype) if shared_experts else None)
+
+    def __call__(self, x_btm, tokens_bt, valid_bt):
+        """Args: x_btm [B,T,M] (already ffn-normed), tokens_bt int [B,T], valid_bt bool [B,T].
+
+        Returns:
+          (y_btm in x's dtype, {"lb_loss": f32 scalar (0 in hash layers), "load": f32 [E]}).
+
+        Shapes:
+          1. logits_bte = x W_r (float32); scores_bte = sqrt(softplus(logits_bte))
+          2. idx_btk from top-k(scores + bias) or tid2eid[tokens]; weights_btk from scores
+          3. y = sum_k weights * expert_idx(x) + shared(x)      (accumulated in float32)
+        """
+        x_c = x_btm.astype(self.dtype)
+        idx_btk, weights_btk, lb_loss = self._route(x_btm, tokens_bt, valid_bt)
+        w1, w2, w3 = (w[...].astype(self.dtype) for w in (self.experts.w1, self.experts.w2, self.experts.w3))
+        if self.impl == "dense":
+            combine_bte = jnp.einsum("btk,btke->bte", weights_btk,
+                                     jax.nn.one_hot(idx_btk, self.num_experts, dtype=jnp.float32))
+            y_btm = dense_experts(x_c, combine_bte, w1, w2, w3, self.limit)
+        elif self.impl == "tiled":
+            tile = self.tile or auto_tile(x_c.shape[0] * x_c.shape[1], self.num_experts, self.k)
+            y_btm = tiled_experts(x_c, idx_btk, weights_btk, w1, w2, w3, self.limit, tile,
+                                  hidden=swiglu_hidden, acc=_acc(x_c))
+        else:
+            y_btm = ragged_experts(x_c, idx_btk, weights_btk, w1, w2, w3, self.limit)
+        if self.shared_experts is not None:
+            y_btm = y_btm + self.shared_experts(x_c)
+        aux = {"lb_loss": lb_loss,
+               "load": jax.lax.stop_gradient(expert_load(idx_btk, valid_bt, self.num_experts))}
+        return y_btm.astype(x_btm.dtype), aux
+
+    def _route(self, x_btm, tokens_bt, valid_bt):
+        """(idx_btk, weights_btk, lb_loss): learned top-k or the hash table; scores in float32."""
+        logits_bte = jnp.einsum("btm,me->bte", upcast(x_btm), upcast(self.gate.weight[...]))
+        if self.hash_routed:
+            scores_bte = router_scores(logits_bte)
+            idx_btk = self.gate.tid2eid[...][tokens_bt]
+            weights_btk = combine_weights(scores_bte, idx_btk, scaling=self.scaling,
+                                          normalize=self.normalize)
+            return idx_btk, weights_btk, jnp.zeros((), jnp.float32)
+        bias_e = None if self.gate.bias is None else self.gate.bias[...]
+        idx_btk, weights_btk, scores_bte = route(logits_bte, bias_e, self.k, scaling=self.scaling,
+                                                 normalize=self.normalize)
+        lb_loss = load_balance_loss(scores_bte, idx_btk, valid_bt, self.num_experts, self.lb_weight)
+        return idx_btk, weights_btk, lb_loss
+
+    def update_bias(self, load_e, rate: float) -> None:
+        """After an optimizer step: nudge the selection bias towards balance (no-op without one)."""
+        if self.gate.bias is not None:
+            self.gate.bias[...] = update_router_bias(self.gate.bias[...], load_e, rate)

@@ -1,0 +1,69 @@
+"""The one parameter count: the official checkpoint's tensor inventory, MTP excluded.
+
+Every figure dsv4 prints about a model's size comes from `count_parameters`: the training
+header (`core.train.run.build`), `dsv4 inspect-ckpt` (from saved metadata, no array read), its
+`--json`, and `core.model.transformer.param_counts`.
+
+  parameters  = every nnx.Param + the router selection biases (`.../gate/bias`)
+              = trainable + frozen + router_bias
+  trainable   = the nnx.Params whose '/'-joined path one of `trainable_parameters_mask`'s
+                regexes fully matches (empty mask = all): what gradients move
+  frozen      = the other nnx.Params
+  router_bias = the selection biases, moved by the load-balance update, never by gradients
+  hash_table  = the token -> experts tables (`.../gate/tid2eid`): integer state, not counted
+
+Kinds are told apart by path, following core/model/moe.py's names. Import-light (no jax), so the
+CLI's metadata-only commands can use it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable, Mapping, Sequence
+
+KINDS = ("param", "router_bias", "hash_table")
+
+
+def variable_kind(path: str) -> str:
+    """'hash_table' for .../gate/tid2eid, 'router_bias' for .../gate/bias, else 'param'."""
+    parts = path.split("/")
+    if parts[-1] == "tid2eid":
+        return "hash_table"
+    if parts[-2:] == ["gate", "bias"]:
+        return "router_bias"
+    return "param"
+
+
+def mask_matcher(patterns: Sequence[str], frozen: Sequence[str] = ()) -> Callable[[str], bool]:
+    """path -> trainable?, the rule of core.train.run.path_matcher on '/'-joined paths."""
+    compiled, never = [re.compile(p) for p in patterns], [re.compile(p) for p in frozen]
+    return lambda path: ((not compiled or any(c.fullmatch(path) for c in compiled))
+                         and not any(c.fullmatch(path) for c in never))
+
+
+def count_parameters(shapes: Mapping[str, Sequence[int]], trainable: Callable[[str], bool] | None = None
+                     ) -> dict[str, int]:
+    """Element counts of a model's variables under the one counting rule (module docstring).
+
+    Args:
+      shapes: {'/'-joined variable path: shape} of every model variable (params, router biases,
+        hash tables), e.g. `core.checkpoint.store.shapes(nnx.to_pure_dict(nnx.state(model)))`.
+      trainable: path -> trained by gradients? (default: every nnx.Param).
+    Returns:
+      {"parameters", "trainable", "frozen", "router_bias", "hash_table"}.
+    """
+    out = dict.fromkeys(("parameters", "trainable", "frozen", "router_bias", "hash_table"), 0)
+    for path, shape in shapes.items():
+        n, kind = math.prod(shape), variable_kind(path)
+        if kind == "hash_table":
+            out["hash_table"] += n
+            continue
+        out["parameters"] += n
+        if kind == "router_bias":
+            out["router_bias"] += n
+        elif trainable is None or trainable(path):
+            out["trainable"] += n
+        else:
+            out["frozen"] += n
+    return out

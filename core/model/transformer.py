@@ -1,0 +1,362 @@
+"""The DeepSeek-V4 decoder (DESIGN.md, "The model"; the stage table under "The indexer loss").
+
+  x = expand(embed[tokens], n)                                  residual stream [B, T, n, M]
+  per layer:  y, post, comb = hc_attn.pre(x);  x = post(attn(attn_norm(y)), x, post, comb)
+              y, post, comb = hc_ffn.pre(x);   x = post(ffn(ffn_norm(y)), x, post, comb)
+  h = norm(hc_head(x));  logits = h @ head                     h [B, T, M], logits float32 [B, T, V]
+
+The learned sublayer norms attn_norm / ffn_norm after the mHC `pre` are the official code's
+(`Block.forward`); DESIGN.md leaves them implicit. Layer kind comes from compress_ratios (0 SWA,
+4 CSA, 128 HCA); the first `first_num_hash_layers` route experts by token id.
+
+Layer grouping (compile time). The layers are cut into segments (`layer_plan`): with
+`scan_layers`, a run of >= 2 repeats of a 1- or 2-layer unit of identical structure is created
+once with `nnx.vmap` (parameters stacked on a leading "layers" axis) and run with `nnx.scan`, so
+deepseek4-tiny compiles four distinct layer bodies (SWA, hash-routed CSA, HCA, CSA), not 43.
+Parameter tree (`segments[s] = (start, unit, repeats)`):
+
+  embed [V, M]; hc_head.{fn, base, scale}; norm.weight; head [M, V];
+  layers.{s}.<block>              a single layer (repeats = 1): layer `start`
+  layers.{s}.blocks.{u}.<block>   a scanned segment: leading axis j, layer start + j * unit + u
+  <block> = attn_norm, attn.{wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, attn_sink,
+            compressor.{wkv, wgate, ape, norm}, indexer.{wq_b, weights_proj, compressor.*}},
+            ffn_norm, ffn.{gate.{weight, bias | tid2eid}, experts.{w1, w2, w3},
+            shared_experts.{w1, w2, w3}}, hc_attn.{fn, base, scale}, hc_ffn.{fn, base, scale}
+Without `scan_layers` every segment is a single layer, so `layers.{i}` is layer i.
+
+Activation checkpointing (`remat_policy`, MaxText's names): every layer body, scanned or not, runs
+under `nnx.remat` with the policy of REMAT_POLICIES, which decides what the backward pass keeps
+from the forward and what it recomputes:
+  none     no remat: every residual the autodiff wants is kept, per layer (most memory, no recompute);
+  minimal  keep the outputs of matmuls without batch dimensions (x @ W projections, experts), recompute
+           the rest (norms, RoPE, attention scores and softmax, mHC mixing);
+  full     keep only each layer's input; the whole layer runs again in the backward (one extra
+           forward of the layers, least memory).
+Both remat policies also keep SAVED_NAMES, values tagged with `checkpoint_name` where they are
+made: the CSA top-k selection (int [B, T, k] + bool), the streamed indexer loss's closed-form
+gradients (per token [B, T, R + HI], its keys [B, W, DI], its query weight) and the MoE's routing
+(int: chosen experts, slot rows, tile experts). The backward then runs no indexer scoring, top-k,
+indexer loss nor routing sort again, for a few bytes per token and layer: XLA temp +1.6% at
+1 x 1024, +5.4% at 1 x 8192; step time 0.91x at 1 x 1024 (0.88x / 0.86x at 1 x 256 / 1 x 1024 with
+the LM loss's single exp), same-process A/B ratios on a shared machine (docs/benchmarks.md,
+"Session 5"); idle, the merged step runs 262 tokens/s at 1 x 256 and 265 at 1 x 1024.
+Also keeping the attention output [B, T, M] (its query chunks then run forward once less) or
+dropping the chunks' own checkpoint measured faster still but grew the temp at 1 x 8192 by 15% /
+48%.
+The default (base.yml) is `full`, chosen without timings (the machine was shared) by XLA's
+compiled memory analysis and the step's FLOP count (docs/benchmarks.md, "Remat policy"): the
+deepseek4-tiny sparse step at 1 x 1024 needs 5.06 GB of XLA temporaries under `none`, 0.99 GB
+under `minimal`, 0.51 GB under `full`, for 35.8 / 38.0 / 43.3 GFLOP at 1 x 256. `minimal`
+already recomputes every non-matmul op (norms, softmax, Sinkhorn: most of a CPU step's time);
+`full` adds the layers' matmuls (+14% FLOPs) for half the memory. An idle-machine bench decides.
+
+Modes: "train" follows the stage table from the config (dense_pretraining: CSA over all visible
+blocks, no indexer loss, LM head; dense warm-up: CSA over all visible blocks, dense indexer loss,
+no LM head; sparse: top-k, sparse indexer loss; factor 0: top-k, no loss); "eval": top-k, no loss; "eval_dense": all visible blocks, no loss. Logits are None when the
+head is not run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from core.model.attention import Attention, AttentionSpec
+from core.model.layers import RMSNorm, dense_init, param
+from core.loss.lm import head_logits
+from core.model.mhc import HeadCollapse, HyperConnection, expand
+from core.model.moe import MoE, hash_table, update_router_bias
+
+MODES = ("train", "eval", "eval_dense")
+COLLECT_KEYS = ("index_scores", "topk_idx", "topk_valid", "teacher_query", "compressed_kv", "visible")
+JOINT_KEYS = ("raw_kv", "window", "sink")
+# Small named values every remat policy keeps (module docstring): what the backward would
+# otherwise recompute at a high op count for a few bytes per token (checkpoint_name at the source).
+SAVED_NAMES = ("topk_idx", "topk_valid", "indexer_loss_grads", "moe_routing")
+_SAVE_NAMES = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
+REMAT_POLICIES = {  # name -> jax.checkpoint policy; "none" = no remat (module docstring)
+    "none": None,
+    "minimal": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims, _SAVE_NAMES),
+    "full": _SAVE_NAMES,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSpec:
+    """Static description of one decoder layer; equal specs = stackable layers.
+
+    The hash-table seed is per layer data, not structure, so it is not part of the spec.
+    """
+
+    attn: AttentionSpec
+    emb: int
+    eps: float
+    hc_n: int
+    hc_iters: int
+    hc_eps: float
+    moe: tuple  # MoE keyword arguments as sorted (name, value) pairs (hashable)
+
+    @classmethod
+    def from_config(cls, cfg, layer: int) -> "BlockSpec":
+        moe = dict(
+            moe_mlp_dim=cfg.moe_mlp_dim, num_experts=cfg.num_experts,
+            experts_per_tok=cfg.num_experts_per_tok, shared_experts=cfg.shared_experts,
+            hash_routed=layer < cfg.first_num_hash_layers, vocab_size=cfg.vocab_size,
+            routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob,
+            use_bias=cfg.routed_bias, swiglu_limit=cfg.mlp_activations_limit,
+            load_balance_loss_weight=cfg.load_balance_loss_weight, impl=cfg.moe_impl,
+            tile_size=cfg.moe_tile_size)
+        return cls(AttentionSpec.from_config(cfg, layer), cfg.emb, cfg.normalization_layer_epsilon,
+                   cfg.mhc_expansion_rate, cfg.hc_sinkhorn_iters, cfg.hc_eps, tuple(sorted(moe.items())))
+
+
+def hash_seed(cfg, layer: int) -> int:
+    """Seed of layer `layer`'s fixed token -> experts table (distinct per layer and init seed)."""
+    return cfg.init_weights_seed * 1000 + layer
+
+
+class Block(nnx.Module):
+    """One decoder layer: mHC(attention) then mHC(MoE), each sublayer behind its RMSNorm."""
+
+    def __init__(self, spec: BlockSpec, *, seed_for_hash_table: int = 0, rngs: nnx.Rngs,
+                 param_dtype=jnp.float32, dtype=jnp.float32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.attn_norm = RMSNorm(spec.emb, spec.eps, **kw)
+        self.attn = Attention(spec.attn, dtype=dtype, **kw)
+        self.ffn_norm = RMSNorm(spec.emb, spec.eps, **kw)
+        self.ffn = MoE(spec.emb, dtype=dtype, seed_for_hash_table=seed_for_hash_table,
+                       **dict(spec.moe), **kw)
+        self.hc_attn = HyperConnection(spec.emb, spec.hc_n, spec.hc_iters, spec.hc_eps, spec.eps, **kw)
+        self.hc_ffn = HyperConnection(spec.emb, spec.hc_n, spec.hc_iters, spec.hc_eps, spec.eps, **kw)
+
+    def __call__(self, x_btnm, tokens_bt, positions_bt, segment_ids_bt, *, dense: bool,
+                 indexer_loss: bool, collect: bool):
+        """[B, T, n, M] -> ([B, T, n, M], aux: lb_loss, load [E] and the attention's aux)."""
+        y_btm, post_btn, comb_btnn = self.hc_attn.pre(x_btnm)
+        out_btm, aux = self.attn(self.attn_norm(y_btm), positions_bt, segment_ids_bt, dense=dense,
+                                 indexer_loss=indexer_loss, collect=collect)
+        x_btnm = HyperConnection.post(out_btm, x_btnm, post_btn, comb_btnn)
+        y_btm, post_btn, comb_btnn = self.hc_ffn.pre(x_btnm)
+        out_btm, moe_aux = self.ffn(self.ffn_norm(y_btm), tokens_bt, segment_ids_bt > 0)
+        x_btnm = HyperConnection.post(out_btm, x_btnm, post_btn, comb_btnn)
+        return x_btnm, {**aux, "lb_loss": moe_aux["lb_loss"], "load": moe_aux["load"]}
+
+
+class BlockGroup(nnx.Module):
+    """The repeating unit of a scanned segment (one or two blocks), created stacked by nnx.vmap."""
+
+    def __init__(self, specs, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32):
+        self.blocks = nnx.List([Block(s, rngs=rngs, param_dtype=param_dtype, dtype=dtype) for s in specs])
+
+    def __call__(self, x_btnm, *args, **flags):
+        auxes = []
+        for block in self.blocks:
+            x_btnm, aux = block(x_btnm, *args, **flags)
+            auxes.append(aux)
+        return x_btnm, auxes
+
+
+def layer_plan(specs, scan: bool):
+    """Cut the layers into segments (start, unit, repeats) in layer order.
+
+    Greedy from layer 0: the 1- or 2-layer unit of identical specs that repeats >= 2 times and
+    covers the most layers becomes a scanned segment (ties: the shorter unit); otherwise the layer
+    stands alone (unit 1, repeats 1). deepseek4-tiny -> [(0, 1, 2), (2, 1, 1), (3, 2, 20)]:
+    the two SWA layers, the hash-routed CSA layer, twenty (HCA, CSA) pairs.
+    """
+    n, segments, i = len(specs), [], 0
+    while i < n:
+        best = (1, 1)
+        for unit in ((1, 2) if scan else ()):
+            r = 1
+            while i + unit * (r + 1) <= n and specs[i + unit * r: i + unit * (r + 1)] == specs[i: i + unit]:
+                r += 1
+            if r >= 2 and unit * r > best[0] * best[1]:
+                best = (unit, r)
+        segments.append((i,) + best)
+        i += best[0] * best[1]
+    return tuple(segments)
+
+
+def _segment(cfg, specs, start, unit, reps, rngs, kw):
+    """One Block, or a BlockGroup stacked over `reps` on a leading "layers" axis."""
+    if reps == 1:
+        return Block(specs[start], seed_for_hash_table=hash_seed(cfg, start), rngs=rngs, **kw)
+
+    @nnx.split_rngs(splits=reps)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=reps, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(r):
+        return BlockGroup(specs[start: start + unit], rngs=r, **kw)
+
+    group = make(rngs)
+    for u, block in enumerate(group.blocks):  # stacked hash layers: one table per layer
+        table = block.ffn.gate.tid2eid
+        if table is not None:
+            table[...] = jnp.stack([
+                hash_table(hash_seed(cfg, start + j * unit + u), cfg.vocab_size, cfg.num_experts,
+                           cfg.num_experts_per_tok) for j in range(reps)])
+    return group
+
+
+class Transformer(nnx.Module):
+    """The decoder: `logits, aux = model(tokens, positions, segment_ids, mode=..., collect=...)`."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        pdt, dt = jnp.dtype(cfg.weight_dtype), jnp.dtype(cfg.dtype)
+        self.dtype, self.n = dt, cfg.mhc_expansion_rate
+        self.num_layers, self.first_hash = cfg.num_layers, cfg.first_num_hash_layers
+        self.csa_layers = cfg.csa_layers if cfg.use_indexer else ()
+        self.loss_scale, self.dense_warmup = cfg.indexer_loss_scaling_factor, cfg.dense_warmup
+        self.dense_pretraining = cfg.dense_pretraining
+        self.joint = cfg.indexer_teacher == "joint"
+        self.remat_policy = cfg.remat_policy
+        specs = [BlockSpec.from_config(cfg, i) for i in range(cfg.num_layers)]
+        self.segments = layer_plan(specs, cfg.scan_layers)
+        kw = dict(param_dtype=pdt, dtype=dt)
+        self.embed = param(rngs, nnx.initializers.normal(0.02), (cfg.vocab_size, cfg.emb),
+                           ("vocab", "embed"), pdt)
+        self.layers = nnx.List([_segment(cfg, specs, *seg, rngs, kw) for seg in self.segments])
+        self.hc_head = HeadCollapse(cfg.emb, self.n, cfg.hc_eps, cfg.normalization_layer_epsilon,
+                                    rngs=rngs, param_dtype=pdt)
+        self.norm = RMSNorm(cfg.emb, cfg.normalization_layer_epsilon, rngs=rngs, param_dtype=pdt)
+        self.head = param(rngs, dense_init(), (cfg.emb, cfg.vocab_size), ("embed", "vocab"), pdt)
+
+    def _flags(self, mode: str):
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is unknown: use one of {', '.join(MODES)}")
+        train = mode == "train"
+        dense = mode == "eval_dense" or (train and (self.dense_warmup or self.dense_pretraining))
+        loss = train and self.loss_scale > 0 and bool(self.csa_layers)
+        return dense, loss, not (train and self.dense_warmup)
+
+    def __call__(self, tokens, positions, segment_ids, *, mode: str = "train", collect: bool = False):
+        """The logits: `hidden` then the head (evaluation and the HF parity test use this).
+
+        Args:
+          tokens, positions, segment_ids: int [B, T] (DESIGN.md's packed rows).
+          mode: "train" | "eval" | "eval_dense" (module docstring).
+          collect: also return every CSA layer's indexer scores, selection and teacher inputs.
+
+        Returns:
+          (logits float32 [B, T, V] or None, aux) with aux["indexer_loss"] (mean over CSA layers
+          of the scaled layer losses, 0.0 when not computed), aux["moe_lb_loss"] (mean over
+          learned-routing layers), aux["expert_load"] [L, E]; with `collect`, per CSA layer in
+          layer order (leading axis len(csa_layers)): index_scores, topk_idx, topk_valid,
+          teacher_query, compressed_kv, visible (+ raw_kv, window, sink for the joint teacher).
+        """
+        h, aux = self.hidden(tokens, positions, segment_ids, mode=mode, collect=collect)
+        return (None if h is None else self.logits(h)), aux
+
+    def logits(self, h_btm):
+        """The head: final hidden states [B, T, M] -> float32 logits [B, T, V]."""
+        return head_logits(h_btm, self.head[...])
+
+    def hidden(self, tokens, positions, segment_ids, *, mode: str = "train", collect: bool = False):
+        """The decoder without its head: (h [B, T, M] = norm(hc_head(x)) or None, aux).
+
+        Same arguments and aux as `__call__`; h is None where the head is not run (dense warm-up).
+        The training step feeds h and `self.head` to the chunked LM loss (core/loss/lm.py).
+        """
+        dense, loss, run_head = self._flags(mode)
+        flags = dict(dense=dense, indexer_loss=loss, collect=collect)
+        args = (tokens, positions, segment_ids)
+        x = expand(self.embed[...][tokens].astype(self.dtype), self.n)
+
+        def body(layer, x_btnm):
+            return layer(x_btnm, *args, **flags)
+
+        policy = REMAT_POLICIES[self.remat_policy]
+        single = body if self.remat_policy == "none" else nnx.remat(body, policy=policy)
+        scanned = body if self.remat_policy == "none" else nnx.remat(body, policy=policy, prevent_cse=False)
+        run_group = nnx.scan(scanned, in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0),
+                             transform_metadata={nnx.PARTITION_NAME: "layers"})
+        auxes = []  # per segment: [aux per unit position], arrays [repeats, ...] when scanned
+        for (_, _, reps), layer in zip(self.segments, self.layers):
+            if reps == 1:
+                x, aux = single(layer, x)
+                auxes.append([aux])
+            else:
+                x, stacked = run_group(layer, x)
+                auxes.append(stacked)
+        h = self.norm(self.hc_head(x)) if run_head else None
+        return h, self._aux(auxes, loss, collect)
+
+    def _layer_values(self, auxes, key, layers):
+        """Stack aux[key] of the given layers in layer order: [len(layers), ...] (None if none)."""
+        parts = []
+        for (start, unit, reps), seg_aux in zip(self.segments, auxes):
+            us = [u for u in range(unit) if start + u in layers]  # same kind in every repeat
+            if not us:
+                continue
+            if reps == 1:
+                parts.append(seg_aux[0][key][None])
+            else:  # layer start + j * unit + u holds seg_aux[u][key][j]
+                arr = jnp.stack([seg_aux[u][key] for u in us], axis=1)
+                parts.append(arr.reshape((-1,) + arr.shape[2:]))
+        return jnp.concatenate(parts) if parts else None
+
+    def _aux(self, auxes, loss: bool, collect: bool):
+        learned = set(range(self.first_hash, self.num_layers))
+        csa = set(self.csa_layers)
+        lb = self._layer_values(auxes, "lb_loss", learned)
+        aux = {
+            "indexer_loss": (jnp.mean(self._layer_values(auxes, "indexer_loss", csa)) if loss
+                             else jnp.zeros((), jnp.float32)),
+            "moe_lb_loss": jnp.mean(lb) if lb is not None else jnp.zeros((), jnp.float32),
+            "expert_load": self._layer_values(auxes, "load", set(range(self.num_layers))),
+        }
+        if collect and csa:
+            for key in COLLECT_KEYS + (JOINT_KEYS if self.joint else ()):
+                aux[key] = self._layer_values(auxes, key, csa)
+        return aux
+
+    def update_router_biases(self, expert_load_le, rate: float) -> None:
+        """After an optimizer step: bias_e += rate * sign(mean - load_e) in every learned layer.
+
+        Args:
+          expert_load_le: aux["expert_load"] [L, E] of the step (hash layers' rows are ignored).
+          rate: routed_bias_update_rate.
+        """
+        for (start, unit, reps), layer in zip(self.segments, self.layers):
+            blocks = [layer] if reps == 1 else list(layer.blocks)
+            for u, block in enumerate(blocks):
+                bias = block.ffn.gate.bias
+                if bias is None:
+                    continue
+                if reps == 1:
+                    bias[...] = update_router_bias(bias[...], expert_load_le[start], rate)
+                else:
+                    rows = expert_load_le[start + u: start + unit * reps: unit]
+                    bias[...] = jax.vmap(update_router_bias, in_axes=(0, 0, None))(bias[...], rows, rate)
+
+
+def abstract(cfg) -> Transformer:
+    """`cfg`'s decoder from `nnx.eval_shape`: every variable a ShapeDtypeStruct, nothing allocated."""
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
+
+
+def param_counts(cfg) -> dict[str, int]:
+    """{"total", "active"} parameter counts of `cfg`'s decoder, computed abstractly.
+
+    total is `core.model.params.count_parameters`'s "parameters" (the official checkpoint's tensor
+    inventory, MTP excluded: every nnx.Param plus the router selection biases; the hash tables
+    are not parameters). active = total - the embedding - the routed experts a token does not
+    choose ((E - k) / E of every expert weight).
+    """
+    from core.tree import shapes
+    from core.model.params import count_parameters
+
+    model = abstract(cfg.replace(scan_layers=True))
+    total = count_parameters(shapes(nnx.to_pure_dict(nnx.state(model))))["parameters"]
+    unchosen = 0
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    for _, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Param) and "experts" in (var.get_metadata().get("out_sharding") or ()):
+            unchosen += math.prod(var.shape) // e * (e - k)
+    embed = cfg.vocab_size * cfg.emb
+    return {"total": total, "active": total - embed - unchosen}

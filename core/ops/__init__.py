@@ -1,0 +1,7 @@
+"""Pure, jit-safe maths that both the model and the losses use: functions of arrays and static ints.
+
+Modules: masks (visibility from positions and segment ids), rope (partial RoPE with YaRN),
+chunked_attention (banded window, gathered top-k, chunked visible blocks), topk (indexer scores,
+top-k block selection), moe_dispatch (drop-free sorted, tiled expert dispatch).
+May import: core.config, core.errors, core.tree. No parameters, no nnx modules.
+"""

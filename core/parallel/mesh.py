@@ -1,0 +1,186 @@
+"""Device meshes and multi-host start-up (DESIGN.md, "Scale").
+
+- `make_mesh(cfg)`: a `jax.sharding.Mesh` with axes (data, fsdp, tensor, expert) from the config's
+  MaxText keys. `ici_*` spans the devices of one granule (a TPU slice, else one process), `dcn_*`
+  the granules; -1 fills the rest; the products must match the devices or a `ConfigError` says
+  how to fix them (`plan_mesh` resolves the sizes without touching devices). Axes are
+  `AxisType.Auto`: jit propagates shardings (GSPMD), the layers stay mesh-agnostic.
+- Multi-host: `initialize_distributed` calls `jax.distributed.initialize` when flags or a cluster
+  environment ask for it; `is_main_process()` gates printing and metrics.
+
+core/parallel/sharding.py places arrays on the mesh.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Mapping, Sequence
+
+import jax
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from core.errors import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+# Environment variables that ask for a multi-process run without command-line flags.
+DISTRIBUTED_ENV = "DSV4_DISTRIBUTED"
+
+
+# ----------------------------------------------------------------------------- mesh
+
+
+def _fill(prefix: str, values: Mapping[str, int], target: int, unit: str, where: str) -> dict[str, int]:
+    """Resolve the (at most one) -1 in `values` so that their product is `target`, else ConfigError."""
+    fixed_keys = ", ".join(f"{prefix}{a}_parallelism={v}" for a, v in values.items() if v not in (1, -1))
+    fixed = math.prod(v for v in values.values() if v != -1)
+    free = [a for a, v in values.items() if v == -1]
+    if free:
+        if target % fixed:
+            raise ConfigError(
+                f"the fixed {prefix}* values ({fixed_keys}) need {fixed} {unit}, which does not divide the {target} {unit} {where}, so "
+                f"{prefix}{free[0]}_parallelism=-1 cannot fill the rest: choose {prefix}* values whose product divides {target}.")
+        return {a: (target // fixed if v == -1 else v) for a, v in values.items()}
+    if fixed != target:
+        raise ConfigError(
+            f"the {prefix}* parallelism values multiply to {fixed} ({fixed_keys or 'all 1'}) but there are {target} {unit} {where}: "
+            f"make them multiply to {target}, or set one of them to -1 to fill the rest.")
+    return dict(values)
+
+
+def plan_mesh(cfg, num_devices: int, num_granules: int = 1) -> tuple[dict[str, int], dict[str, int]]:
+    """The (ici, dcn) axis sizes for `num_devices` devices split into `num_granules` granules.
+
+    Args:
+      cfg: a Config (its ici_* and dcn_* parallelism keys).
+      num_devices: all devices of the run.
+      num_granules: TPU slices, else processes; devices within one talk over ICI/NVLink.
+    Returns:
+      (ici, dcn): dicts over MESH_AXES; the mesh axis size is ici[a] * dcn[a].
+    Raises:
+      ConfigError: when the products cannot match the devices.
+    """
+    if num_devices % num_granules:
+        raise ConfigError(f"{num_devices} devices do not split evenly over {num_granules} hosts/slices: give every process the same number of devices.")
+    per_granule = num_devices // num_granules
+    ici = _fill("ici_", {a: getattr(cfg, f"ici_{a}_parallelism") for a in MESH_AXES}, per_granule, "devices",
+                "in this run" if num_granules == 1 else f"in each of the {num_granules} processes or TPU slices")
+    dcn = _fill("dcn_", {a: getattr(cfg, f"dcn_{a}_parallelism") for a in MESH_AXES}, num_granules,
+                "processes or TPU slices", "in this run (dcn_* spans hosts, ici_* the devices within one)")
+    return ici, dcn
+
+
+def _granules(devices: Sequence[jax.Device]) -> tuple[int, bool]:
+    """(number of granules, process_is_granule): TPU slices when known, else processes."""
+    if devices[0].platform == "tpu" and hasattr(devices[0], "slice_index"):
+        return len({d.slice_index for d in devices}), False
+    return len({d.process_index for d in devices}), True
+
+
+def make_mesh(cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The run's device mesh over `devices` (default: every device of every process).
+
+    Args:
+      cfg: a Config with the ici_* / dcn_* parallelism keys.
+      devices: the devices to use (tests pass a subset, e.g. one device).
+    Returns:
+      a Mesh with axes MESH_AXES (all `AxisType.Auto`).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    granules, process_is_granule = _granules(devices)
+    ici, dcn = plan_mesh(cfg, len(devices), granules)
+    ici_shape = [ici[a] for a in MESH_AXES]
+    if granules > 1:
+        array = mesh_utils.create_hybrid_device_mesh(
+            ici_shape, [dcn[a] for a in MESH_AXES], devices, process_is_granule=process_is_granule,
+            allow_split_physical_axes=True)
+    else:
+        array = mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
+    return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def describe_mesh(mesh: Mesh) -> str:
+    """One line for table headers, e.g. 'fsdp 4 x tensor 2 (8 cpu devices, 1 process)'."""
+    axes = " x ".join(f"{a} {n}" for a, n in mesh.shape.items() if n > 1) or "single device"
+    platform = mesh.devices.flat[0].platform
+    procs = len({d.process_index for d in mesh.devices.flat})
+    return f"{axes} ({mesh.size} {platform} device{'s' * (mesh.size > 1)}, {procs} process{'es' * (procs > 1)})"
+
+
+# ----------------------------------------------------------------------------- multi-host
+
+
+def cluster_environment() -> str | None:
+    """The launcher that asks for a multi-process run through the environment, if any."""
+    env = os.environ
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return "JAX_COORDINATOR_ADDRESS"
+    if "SLURM_JOB_ID" in env and (_env_int("SLURM_NTASKS") or _env_int("SLURM_NPROCS") or 1) > 1:
+        return "slurm"
+    if (_env_int("OMPI_COMM_WORLD_SIZE") or 1) > 1:
+        return "openmpi"
+    if env.get(DISTRIBUTED_ENV, "").lower() in ("1", "true", "yes", "auto"):
+        return DISTRIBUTED_ENV
+    return None
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, *, timeout_s: int = 300) -> bool:
+    """Join a multi-process run (`jax.distributed.initialize`) when asked; call before any JAX work.
+
+    Asked = any argument given (the command's --coordinator-address / --num-processes /
+    --process-id), or `cluster_environment()` finds a launcher (SLURM or Open MPI with more than
+    one task, JAX_COORDINATOR_ADDRESS, or DSV4_DISTRIBUTED=1 for JAX's own detection, e.g. on TPU
+    pods). Missing values come from JAX_NUM_PROCESSES / JAX_PROCESS_ID or JAX's detection.
+
+    Returns:
+      True when this process is part of a multi-process run, False for a plain single process.
+    Raises:
+      ConfigError: incomplete or inconsistent flags, or JAX already started.
+    """
+    if jax.distributed.is_initialized():
+        return True
+    env = os.environ
+    num_processes = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES")
+    process_id = process_id if process_id is not None else _env_int("JAX_PROCESS_ID")
+    given = any(v is not None for v in (coordinator_address, num_processes, process_id))
+    launcher = cluster_environment()
+    if not given and launcher is None:
+        return False
+    if launcher in (None, "JAX_COORDINATOR_ADDRESS"):
+        address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
+        missing = [flag for flag, v in (("--coordinator-address", address), ("--num-processes", num_processes),
+                                        ("--process-id", process_id)) if v is None]
+        if missing:
+            raise ConfigError(f"multi-host run without {', '.join(missing)}: give --coordinator-address HOST:PORT, "
+                              "--num-processes N and --process-id I on every process (or launch under SLURM / Open MPI).")
+    if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
+        raise ConfigError(f"--process-id {process_id} is outside 0..{num_processes - 1}: number the processes 0 to --num-processes - 1.")
+    try:
+        jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                                   initialization_timeout=timeout_s)
+    except RuntimeError as e:
+        if "before any JAX" in str(e) or "must be called before" in str(e):
+            raise ConfigError("jax.distributed.initialize ran after JAX had started: initialise the distributed "
+                              "system first thing in the command.") from e
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"cannot join the multi-host run ({e}): check --coordinator-address, --num-processes and --process-id.") from e
+    return True
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer: set it to a whole number.") from None
+
+
+def is_main_process() -> bool:
+    """True on process 0: the one that prints tables and writes metrics (all processes checkpoint)."""
+    return jax.process_index() == 0

@@ -1,0 +1,72 @@
+"""Stage hand-off and stage checks (DESIGN.md, "Stages"): what `--init-from` takes from another
+run, and when the indexer's top-k cannot bind.
+
+`--init-from` loads every variable of the source checkpoint into the new model. The one tolerated
+difference: a source with no indexer parameters at all (a `use_indexer: false` model, or a
+checkpoint imported without an indexer) into a model that has them; the indexer then keeps its
+fresh initialisation. Any other difference stays `core.checkpoint.store.check_compatible`'s error.
+
+Top-k binds on a query row when the row sees more compressed blocks than `indexer_topk`. A row of
+T tokens sees at most T // 4 CSA blocks (its last query, one document filling the row), so when
+indexer_topk >= max_target_length // 4 no row is ever narrowed: sparse attention equals dense and
+a warm-up's KL scores blocks that attention uses anyway.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from core.checkpoint import store as ckpt
+
+CSA_RATIO = 4
+
+
+def is_indexer(path: str) -> bool:
+    """True for a '/'-joined variable path inside an indexer (`.../attn/indexer/...`)."""
+    return "indexer" in path.split("/")
+
+
+def without_indexer(tree: dict[str, Any]) -> dict[str, Any]:
+    """A nested dict with every "indexer" subtree removed."""
+    return {k: without_indexer(v) if isinstance(v, dict) else v for k, v in tree.items() if k != "indexer"}
+
+
+def source_lacks_indexer(path: str | Path, expected: Iterable[str]) -> bool:
+    """True when the model (variable paths `expected`) has indexer parameters and the checkpoint at
+    `path` (run dir, checkpoints/ dir or step dir) has none. Reads metadata only."""
+    if not any(is_indexer(p) for p in expected):
+        return False
+    _, ckpt_dir, step = ckpt.resolve_checkpoint(path)
+    return not any(is_indexer(p) for p in ckpt.read_tree(ckpt_dir, step))
+
+
+def topk_never_binds(indexer_topk: int, max_target_length: int) -> bool:
+    """True when no query row can see more than `indexer_topk` CSA blocks."""
+    return indexer_topk >= max_target_length // CSA_RATIO
+
+
+def topk_warning(cfg) -> str | None:
+    """The training commands' start-up warning text when top-k cannot bind (None when it can, or the
+    model has no indexer)."""
+    if not (cfg.use_indexer and cfg.csa_layers) or not topk_never_binds(cfg.indexer_topk, cfg.max_target_length):
+        return None
+    blocks = cfg.max_target_length // CSA_RATIO
+    return (f"top-k never binds: indexer_topk={cfg.indexer_topk} >= max_target_length // {CSA_RATIO} = "
+            f"{blocks} blocks, so sparse attention equals dense and the indexer loss scores blocks attention uses anyway; "
+            f"lower indexer_topk below {blocks} or raise max_target_length.")
+
+
+def eval_topk_warnings(ks: Sequence[int], informative_rows: Sequence[int], indexer_topk: int,
+                       max_target_length: int) -> list[str]:
+    """Warning lines when top-k cannot bind: the model's own k on any row of its length, or a
+    swept k on every evaluated row (`informative_rows[j]` = rows with more than ks[j] visible)."""
+    out = []
+    if topk_never_binds(indexer_topk, max_target_length):
+        out.append(f"top-k never binds for this model: indexer_topk={indexer_topk} >= max_target_length // "
+                   f"{CSA_RATIO} = {max_target_length // CSA_RATIO} blocks, so its sparse attention equals dense.")
+    for k, n in zip(ks, informative_rows):
+        if n == 0:
+            out.append(f"top-k never binds at k={k} on these rows (none sees more than {k} blocks): "
+                       f"recall@{k} = oracle = 1 trivially; use a smaller k or longer rows.")
+    return out

@@ -1,0 +1,120 @@
+"""Compile the train step ahead of time, beside the model build (DESIGN.md's "time to step 0").
+
+On a CPU the first step of a run is mostly two serial waits: building the model and optimizer
+eagerly (a few dozen small XLA programs, core/model/init_draws.py) and compiling the train step (one
+large one). The step does not need the values, only their shapes, dtypes and shardings, so
+`StepPrecompile(cfg)` traces and lowers the step from `nnx.eval_shape` state in a background
+thread (the constructor waits for that: tracing is Python and would share the GIL with the
+build), then XLA compiles it there while the main thread builds (XLA releases the GIL), and
+`step(graphdef, state, mesh)` hands the Trainer the compiled executable.
+
+The result goes through the per-process step cache of core/train/step.py (`compiled_step`,
+keyed like `make_train_step`): a second run of an equal config in the same process neither
+starts a thread nor compiles. When the real state does not match what was compiled (another
+graphdef, sharding or shape) the jitted step of `make_train_step` is used, which compiles on
+its first call exactly as without this module; the values of every step are the same either
+way (one jitted program, compiled once).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from core.train import step as ts
+
+
+class StepPrecompile:
+    """The train step of `cfg`, compiled in a background thread from abstract state.
+
+    Errors in the thread (a config the model rejects) are kept, not raised: `build` then raises
+    the same error in the main thread, or `step` falls back to the jitted step. The thread is not
+    a daemon: a process that fails while it compiles (a bad mask found by `build`, a checkpoint
+    that does not restore) prints its error at once and exits when the compile ends; a daemon
+    thread still inside XLA at interpreter exit aborts the process (exit 134 instead of 2).
+    """
+
+    def __init__(self, cfg):
+        self.cfg, self.error = cfg, None
+        self._lowered = threading.Event()
+        self._thread = threading.Thread(target=self._compile, name="dsv4-precompile", daemon=False)
+        self._thread.start()
+        # Tracing is Python: beside the (Python-heavy) model build the two share the GIL and the
+        # trace, the head of the critical path, took twice as long. Wait for it; XLA's compile then
+        # runs beside the build.
+        self._lowered.wait()
+
+    def _compile(self) -> None:
+        try:
+            graphdef, state, batch, mesh = abstract_inputs(self.cfg)
+            ts.compiled_step(self.cfg, graphdef, state, batch, mesh, on_lowered=self._lowered.set)
+        except Exception as e:  # noqa: BLE001  (reported through `step`'s fallback)
+            self.error = e
+        finally:
+            self._lowered.set()
+
+    def step(self, graphdef, state, mesh) -> Callable:
+        """The step for the real `state`: the ahead-of-time executable, or the jitted step.
+
+        Args:
+          graphdef, state: `nnx.split((model, optimizer))` of the built setup.
+          mesh: the setup's mesh.
+        Returns:
+          `(state, batch) -> (state, metrics)`.
+        """
+        self._thread.join()
+        return ahead_or_jitted_step(self.cfg, graphdef, state, mesh)
+
+
+def ahead_or_jitted_step(cfg, graphdef, state, mesh) -> Callable:
+    """The compiled-ahead step of this (config, graphdef, mesh) if the process has one, else the
+    jitted step of `make_train_step` (which compiles on its first call, or already has)."""
+    jitted = ts.make_train_step(cfg, graphdef, state, mesh)
+    compiled = ts.cached_compiled(ts.step_key(cfg, graphdef, mesh))
+    return jitted if compiled is None else AheadStep(compiled, jitted)
+
+
+class AheadStep:
+    """Calls the compiled executable; on an input it was not compiled for, the jitted step."""
+
+    def __init__(self, compiled, jitted):
+        self.compiled, self.jitted = compiled, jitted
+
+    def __call__(self, state, batch):
+        if self.compiled is not None:
+            try:
+                return self.compiled(state, batch)
+            except (TypeError, ValueError):  # checked before anything runs or is donated
+                self.compiled = None
+        return self.jitted(state, batch)
+
+
+def abstract_model_and_optimizer(cfg) -> tuple[Any, Any]:
+    """(graphdef, state) of `nnx.split((model, optimizer))` for `cfg`, from `nnx.eval_shape`:
+    ShapeDtypeStructs without shardings, nothing allocated (also core/bench/train.py's)."""
+    from flax import nnx
+
+    from core.model.transformer import Transformer
+
+    def make():
+        model = Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))
+        return model, nnx.Optimizer(model, ts.make_optimizer(cfg), wrt=nnx.Param)
+
+    return nnx.split(nnx.eval_shape(make))
+
+
+def abstract_inputs(cfg) -> tuple[Any, Any, dict[str, Any], Any]:
+    """(graphdef, state, batch, mesh) of `cfg`'s train step: ShapeDtypeStructs that carry the
+    shardings `build` and `shard_batch` give the real arrays; nothing is allocated."""
+    import jax
+    import jax.numpy as jnp
+
+    from core.data.batches import BATCH_KEYS
+    from core.parallel.sharding import abstract_state, batch_sharding
+    from core.parallel.mesh import make_mesh
+
+    mesh = make_mesh(cfg)
+    graphdef, state = abstract_model_and_optimizer(cfg)
+    spec = jax.ShapeDtypeStruct((cfg.per_device_batch_size * mesh.size, cfg.max_target_length), jnp.int32,
+                                sharding=batch_sharding(mesh))
+    return graphdef, abstract_state(state, mesh), {k: spec for k in BATCH_KEYS}, mesh

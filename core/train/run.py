@@ -1,0 +1,282 @@
+"""Training runs: the run directory, resume, init-from, metrics, TensorBoard, Ctrl-C.
+
+A `Trainer` drives the jitted step of core/train/step.py (losses, optimizer, trainable mask,
+router biases; its docstring holds that maths) over one run directory (DESIGN.md, "Run layout"):
+fresh, resumed from its latest checkpoint (model, optimizer and data position), or initialised
+from another run's weights (with a fresh indexer when that run has none, core/train/handoff.py).
+
+Run safety (core/train/guard.py): a step whose total loss, gradient norm or updated parameters are
+non-finite is not applied and stops the run (abort_on_nan_loss / abort_on_inf_loss); one process
+at a time holds a run directory; write failures become one RunWriteError.
+
+The step itself (`make_train_step`, `build`, `Setup`, ...) is core/train/step.py's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+from flax import nnx
+
+from core.checkpoint import store as ckpt
+from core import tree
+from core.checkpoint import run_files
+from core.train import guard as run_guard
+from core.data.batches import train_batches
+from core.errors import CheckpointError
+from core.model import transformer
+from core.train.precompile import StepPrecompile, ahead_or_jitted_step
+from core.parallel.mesh import describe_mesh
+from core.parallel.sharding import shard_batch
+from core.train.handoff import is_indexer, source_lacks_indexer, topk_warning
+from core.train.tensorboard import EventWriter
+from core.train.step import METRIC_KEYS, abstract_pure, build, check_masks, has_config, load_init_weights, make_train_step
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@contextlib.contextmanager
+def _deferred_sigint() -> Iterator[threading.Event]:
+    """Ctrl-C sets the returned event instead of raising; a second Ctrl-C raises at once."""
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        flag.set()
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield flag
+    finally:
+        if signal.getsignal(signal.SIGINT) is handler:
+            signal.signal(signal.SIGINT, previous)
+
+
+def dsv4_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("dsv4")
+    except Exception:  # not installed (running from a source tree)
+        return "unknown"
+
+
+def _write_metrics(run_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """Replace metrics.jsonl by `rows` (the format of `ckpt.append_metrics`)."""
+    (run_dir / run_files.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+class Trainer:
+    """One run directory: fresh, resumed from its latest checkpoint, or initialised from another run.
+
+    `info` describes the run before it starts; `run()` yields one metrics dict per step (the
+    same object appended to metrics.jsonl) and raises KeyboardInterrupt after saving when Ctrl-C
+    arrived; `summary()` describes the result.
+    """
+
+    @run_guard.releases_lock_on_error
+    def __init__(self, cfg, *, stage: str, run_dir: str | Path, init_from: str | Path | None = None):
+        self.cfg, self.stage, self.run_dir = cfg, stage, Path(run_dir)
+        self.lock = run_guard.RunLock(self.run_dir, f"dsv4 {stage}")
+        if jax.process_index() == 0:  # one writer per run directory; other hosts write only their shards
+            self.lock.acquire()
+        self.saved_config: dict[str, Any] = {}
+        self.ckpt = ckpt.RunCheckpointer(self.run_dir, max_to_keep=cfg.max_checkpoints,
+                                         async_save=cfg.async_checkpointing)
+        self.start_step, self.resumed_from, self.init_step = 0, self.ckpt.latest_step(), None
+        # Cheap checks first (stage, data, shapes from metadata): building and compiling take a while.
+        logged: list[dict[str, Any]] = []
+        metrics_notices: list[str] = []
+        if self.resumed_from is not None:
+            self._check_stage(self.resumed_from)
+            # read once, here: a corrupt metrics.jsonl stops the resume before anything is written
+            logged = run_files.read_metrics(self.run_dir, metrics_notices)
+        self.data = train_batches(cfg, cfg.per_device_batch_size * jax.device_count())
+        notices = ([] if self.resumed_from is None  # changed data stops a resume before the model is built
+                   else self.data.check(ckpt.read_data_state(self.ckpt.dir, self.resumed_from)))
+        fresh_indexer = self._check_sources(init_from)
+        # the step needs only shapes: compile it while the model builds (unless this process already has)
+        ahead = None
+        if cfg.compile_ahead and not has_config(cfg):
+            if cfg.dense_pretraining or cfg.trainable_parameters_mask:  # masks that can be wrong: check them
+                # first, from shapes (a compile under way would hold the error's exit until it ends)
+                check_masks(cfg, self._abstract_model())
+            ahead = StepPrecompile(cfg)
+        self.setup = setup = build(cfg)
+        if self.resumed_from is not None:
+            self._resume(self.resumed_from)
+        elif init_from is not None:
+            self.init_step = load_init_weights(setup, init_from, fresh_indexer)
+        self.init_from = None if self.resumed_from is not None else init_from
+        self.graphdef, self.state = nnx.split((setup.model, setup.optimizer))
+        self.guard = run_guard.WriteGuard(self.run_dir, self.ckpt.dir, run_guard.tree_bytes(self.state),
+                                          self.ckpt.latest_step, self.ckpt.abandon)
+        with self.guard.writing("config", self.run_dir / run_files.CONFIG_FILE):
+            run_files.write_config(self.run_dir, cfg)
+        with self.guard.writing("metrics", self.run_dir / run_files.METRICS_FILE):
+            # steps logged after the checkpoint the run resumes from are dropped (all of them when fresh)
+            _write_metrics(self.run_dir, [r for r in logged if r.get("step", -1) < self.start_step])
+        notices += metrics_notices
+        notice = run_guard.schedule_notice(self.saved_config, cfg) if self.saved_config else None
+        notices += [notice] if notice else []
+        self.events = EventWriter(self.run_dir, self.start_step) if cfg.enable_tensorboard else None
+        self._step_fn = (ahead.step(self.graphdef, self.state, setup.mesh) if ahead is not None
+                         else ahead_or_jitted_step(cfg, self.graphdef, self.state, setup.mesh))
+        self.last_saved = self.resumed_from
+        self.info = self._describe(init_from, fresh_indexer, notices)
+
+    def _abstract_model(self):
+        """The config's model from `nnx.eval_shape` (shapes only), traced once per Trainer."""
+        if getattr(self, "_abstract", None) is None:
+            self._abstract = transformer.abstract(self.cfg)
+        return self._abstract
+
+    def _check_sources(self, init_from: str | Path | None) -> bool:
+        """Check the resumed or init-from checkpoint's shapes against the config (from metadata, nothing
+        built); returns whether `init_from` lacks an indexer, which then starts fresh."""
+        if self.resumed_from is None and init_from is None:
+            return False
+        abstract = self._abstract_model()
+        source = self.ckpt.dir if self.resumed_from is not None else init_from
+        expected = tree.shapes(nnx.to_pure_dict(nnx.state(abstract)))
+        fresh_indexer = self.resumed_from is None and source_lacks_indexer(init_from, list(expected))
+        if fresh_indexer:
+            expected = {p: s for p, s in expected.items() if not is_indexer(p)}
+        ckpt.check_model_shapes(source, expected, self.resumed_from)
+        return fresh_indexer
+
+    def _describe(self, init_from: str | Path | None, fresh_indexer: bool, notices: list[str]) -> dict[str, Any]:
+        """The `info` dict: what the run is, before its first step."""
+        cfg, setup, devices = self.cfg, self.setup, jax.devices()
+        if fresh_indexer:
+            notices = [*notices, f"indexer initialised fresh (init_weights_seed={cfg.init_weights_seed}): "
+                                 f"{init_from} has no indexer parameters; everything else comes from it"]
+        return {
+            "model_name": cfg.model_name, "stage": self.stage, "run_dir": str(self.run_dir),
+            "params_total": setup.params_total, "params_trainable": setup.params_trainable,
+            "batch_size": setup.batch_size, "max_target_length": cfg.max_target_length,
+            "tokens_per_step": setup.batch_size * cfg.max_target_length,
+            "devices": f"{len(devices)} x {devices[0].platform}", "mesh": describe_mesh(setup.mesh), "steps": cfg.steps,
+            "start_step": self.start_step, "resumed_from": self.resumed_from,
+            "init_from": None if self.init_from is None else str(self.init_from), "init_step": self.init_step,
+            "init_from_ignored": init_from is not None and self.resumed_from is not None,
+            "data": self.data.fingerprint["source"],
+            "notices": notices,  # one-line messages for the user before the first step
+            "init_fresh_indexer": fresh_indexer,
+            "warnings": [w for w in (topk_warning(cfg),) if w],
+        }
+
+    def _check_stage(self, step: int) -> None:
+        meta = ckpt.read_metadata(self.ckpt.dir, step)
+        self.saved_config = meta.get("config", {})
+        if meta.get("stage") != self.stage:
+            raise CheckpointError(f"{str(self.run_dir)!r} holds a {meta.get('stage')} run, which dsv4 {self.stage} "
+                                  "cannot resume: choose another --output (and --init-from this run for sparse).")
+
+    def _resume(self, step: int) -> None:
+        setup = self.setup
+        try:
+            out = self.ckpt.restore(step, model=abstract_pure(setup.model, setup.mesh),
+                                    optimizer=abstract_pure(setup.optimizer, setup.mesh))
+        except CheckpointError as e:
+            raise run_guard.optimizer_mismatch(e, self.saved_config, self.cfg, self.run_dir) from None
+        for obj, values in ((setup.model, out["model"]), (setup.optimizer, out["optimizer"])):
+            state = nnx.state(obj)
+            nnx.replace_by_pure_dict(state, values)
+            nnx.update(obj, state)
+        self.data.restore(out["data"])
+        self.start_step = step + 1
+
+    def _save(self, step: int, row: dict[str, Any]) -> None:
+        model, optimizer = nnx.merge(self.graphdef, self.state)
+        metadata = {"config": self.cfg.to_dict(), "stage": self.stage, "step": step, "metrics": row,
+                    "model_name": self.cfg.model_name, "dsv4_version": dsv4_version()}
+        with self.guard.writing("checkpoint", self.ckpt.dir, step):
+            self.ckpt.save(step, model=nnx.to_pure_dict(nnx.state(model)),
+                           optimizer=nnx.to_pure_dict(nnx.state(optimizer)), data=self.data.state(), metadata=metadata)
+        self.last_saved = step
+
+    def run(self) -> Iterator[dict[str, Any]]:
+        cfg, tokens = self.cfg, self.info["tokens_per_step"]
+        row: dict[str, Any] = {}
+        try:
+            with _deferred_sigint() as interrupted, run_guard.quiet_write_errors():
+                for step in range(self.start_step, cfg.steps):
+                    if interrupted.is_set():
+                        break
+                    start = time.perf_counter()
+                    batch = shard_batch(next(self.data), self.setup.mesh)
+                    self.state, metrics = self._step_fn(self.state, batch)
+                    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    run_guard.check_finite(step, metrics, cfg, self.last_saved)
+                    elapsed = time.perf_counter() - start
+                    row = {"step": step, **{k: metrics[k] for k in METRIC_KEYS}, "step_time_s": elapsed,
+                           "tokens_per_s": tokens / elapsed, "compile": step == self.start_step}
+                    if jax.process_index() == 0:
+                        with self.guard.writing("metrics", self.run_dir / run_files.METRICS_FILE):
+                            run_files.append_metrics(self.run_dir, row)
+                        if self.events is not None:
+                            with self.guard.writing("TensorBoard events", self.events.dir):
+                                self.events.write(row)
+                    if step == cfg.steps - 1 or (step + 1) % cfg.checkpoint_period == 0:
+                        self._save(step, row)
+                    yield row
+                if interrupted.is_set():
+                    if row and self.last_saved != row["step"]:
+                        self._save(row["step"], row)
+                    raise KeyboardInterrupt
+        finally:
+            try:
+                if self.events is not None:
+                    self.events.close()
+                with self.guard.writing("checkpoint", self.ckpt.dir, self.last_saved):
+                    self.ckpt.close()  # a failed background save surfaces here, as one RunWriteError
+            finally:
+                self.lock.release()
+
+    def summary(self) -> dict[str, Any]:
+        """First and last rows of the run's metrics and the latest checkpoint directory."""
+        rows = run_files.read_metrics(self.run_dir)
+        latest = self.ckpt.latest_step()
+        return {"run_dir": str(self.run_dir), "first": rows[0] if rows else None, "last": rows[-1] if rows else None,
+                "checkpoint": None if latest is None else str(self.ckpt.dir / str(latest))}
+
+
+def benchmark_train_step(cfg, steps: int) -> dict[str, Any]:
+    """Time `steps` train steps of `cfg` after a compile step (no checkpoints, batches made upfront).
+
+    Returns:
+      {"stage", "compile_s" (first step, compile included), "step_time_s" (median), "tokens_per_step",
+       "tokens_per_s", "params_total", "params_trainable", "devices", "last": metrics of the last step}.
+    """
+    setup = build(cfg)
+    graphdef, state = nnx.split((setup.model, setup.optimizer))
+    step_fn = make_train_step(cfg, graphdef, state, setup.mesh)
+    data = train_batches(cfg, setup.batch_size)
+    batches = [next(data) for _ in range(steps + 1)]
+    times, metrics = [], {}
+    for batch in batches:
+        start = time.perf_counter()
+        state, metrics = step_fn(state, shard_batch(batch, setup.mesh))
+        metrics = jax.device_get(metrics)
+        times.append(time.perf_counter() - start)
+    tokens = setup.batch_size * cfg.max_target_length
+    step_time = float(np.median(times[1:])) if steps else times[0]
+    stage = "warmup" if cfg.dense_warmup else "pretrain" if cfg.dense_pretraining else "sparse"
+    return {"stage": stage, "compile_s": times[0], "step_time_s": step_time,
+            "tokens_per_step": tokens, "tokens_per_s": tokens / step_time, "params_total": setup.params_total,
+            "params_trainable": setup.params_trainable, "devices": jax.device_count(),
+            "last": {k: float(v) for k, v in metrics.items()}}

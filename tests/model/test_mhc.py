@@ -1,0 +1,194 @@
+"""core.model.mhc against the float64 loop references in tests/reference_moe.py, plus properties."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.test_util import check_grads
+
+from core.model import mhc
+from tests import reference_moe as ref
+
+N, M, ITERS, EPS, NORM_EPS = 4, 8, 20, 1e-6, 1e-6
+
+
+def _close(actual, expected, tol, what):
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    diff = float(np.max(np.abs(actual - expected)))
+    assert diff <= tol, f"{what}: max |diff| = {diff:.3e} > {tol:.0e}"
+
+
+def _normal(seed, shape, dtype=jnp.float32, scale=1.0):
+    """Seeded NumPy N(0, scale^2) inputs (jax.random would compile a sampler per shape)."""
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape) * scale, dtype)
+
+
+sinkhorn = jax.jit(mhc.sinkhorn, static_argnums=(1, 2))
+
+
+def _hc(dtype, seed=0):
+    """A HyperConnection with seeded NumPy weights (scales ~ 0.5 so every term matters)."""
+    abstract = nnx.eval_shape(lambda: mhc.HyperConnection(M, N, ITERS, EPS, NORM_EPS,
+                                                          rngs=nnx.Rngs(0), param_dtype=dtype))
+    return ref.materialize(abstract, seed)
+
+
+def _head(dtype, seed=0):
+    abstract = nnx.eval_shape(lambda: mhc.HeadCollapse(M, N, EPS, NORM_EPS, rngs=nnx.Rngs(0),
+                                                       param_dtype=dtype))
+    return ref.materialize(abstract, seed)
+
+
+@nnx.jit
+def _pre(hc, x):
+    return hc.pre(x)
+
+
+_post = jax.jit(mhc.HyperConnection.post)
+
+
+@nnx.jit
+def _collapse(head, x):
+    return head(x)
+
+
+def _stream(dtype, seed=1, shape=(2, 3)):
+    return _normal(seed, (*shape, N, M), dtype, 2.0)
+
+
+# ----------------------------------------------------------------------------- Sinkhorn
+
+
+@pytest.mark.parametrize("iters", [1, 3, 20])
+def test_sinkhorn_matches_reference(x64, iters):
+    logits = _normal(2, (2, 3, N, N), jnp.float64, 3.0)
+    comb = sinkhorn(logits, iters, EPS)
+    expected = np.stack([[ref.sinkhorn(np.asarray(logits[b, t]), iters, EPS) for t in range(3)]
+                         for b in range(2)])
+    _close(comb, expected, 1e-12, f"sinkhorn iters={iters}")
+
+
+def test_sinkhorn_near_doubly_stochastic():
+    # Unit-scale logits: 20 iterations converge the rows to ~1e-4 (much larger logits converge
+    # slower; the official kernel has the same fixed iteration count).
+    logits = _normal(3, (64, N, N))
+    comb = np.asarray(sinkhorn(logits, ITERS, EPS))
+    assert comb.min() > 0
+    _close(comb.sum(-2), np.ones((64, N)), 1e-5, "column sums")       # the last step normalises columns
+    _close(comb.sum(-1), np.ones((64, N)), 1e-3, "row sums")
+
+
+def test_sinkhorn_gradients(x64):
+    logits = _normal(4, (2, N, N), jnp.float64)
+    check_grads(jax.jit(lambda z: mhc.sinkhorn(z, 5, EPS)), (logits,), order=1, modes=("rev",))
+
+
+def _sinkhorn_autodiff(logits, iters, eps):
+    """The plain formulation on [..., n, n] (reduces over the copy axes, a fori_loop, autodiff)."""
+    def normalize(comb, axis):
+        return comb / (jnp.sum(comb, axis=axis, keepdims=True) + eps)
+
+    comb = normalize(jax.nn.softmax(logits, axis=-1) + eps, -2)
+    return jax.lax.fori_loop(0, iters - 1, lambda _, c: normalize(normalize(c, -1), -2), comb)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float64, 1e-12), (jnp.float32, 2e-6)])
+@pytest.mark.parametrize("iters, lead", [(1, (5,)), (20, (2, 3))])
+def test_sinkhorn_custom_vjp_equals_autodiff(request, dtype, tol, iters, lead):
+    # The token-minor layout and its analytic backward against autodiff of the plain loop.
+    if dtype == jnp.float64:
+        request.getfixturevalue("x64")
+    logits = _normal(9 + iters, (*lead, N, N), dtype, 3.0)
+    weights = _normal(10 + iters, (*lead, N, N), dtype)
+
+    def loss(fn):
+        return jax.jit(jax.value_and_grad(lambda z: jnp.sum(fn(z, iters, EPS) * weights)))(logits)
+
+    (value, grad), (r_value, r_grad) = loss(mhc.sinkhorn), loss(_sinkhorn_autodiff)
+    _close(sinkhorn(logits, iters, EPS), _sinkhorn_autodiff(logits, iters, EPS), tol, "comb")
+    _close(value, r_value, tol * 10, "loss")
+    _close(grad, r_grad, tol, "gradient")
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+def _ref_pre(hc, x):
+    fn = ref.fn_official(np.asarray(hc.fn[...]))
+    scale, base = (np.asarray(v[...], np.float64) for v in (hc.scale, hc.base))
+    xs = np.asarray(x, np.float64)
+    out = [[ref.hc_pre(xs[b, t], fn, scale, base, ITERS, EPS, NORM_EPS) for t in range(xs.shape[1])]
+           for b in range(xs.shape[0])]
+    return tuple(np.array([[o[i] for o in row] for row in out]) for i in range(3))
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float64, 1e-10), (jnp.float32, 1e-5)])
+def test_pre_and_post_match_reference(request, dtype, tol):
+    if dtype == jnp.float64:
+        request.getfixturevalue("x64")
+    hc = _hc(dtype)
+    x = _stream(dtype)
+    y, post, comb = _pre(hc, x)
+    r_y, r_post, r_comb = _ref_pre(hc, x)
+    _close(post, r_post, tol, "post")
+    _close(comb, r_comb, tol, "comb")
+    _close(y, r_y, tol * 10, "y")
+    out = _normal(5, y.shape, dtype)
+    new = _post(out, x, post, comb)
+    xs, outs = np.asarray(x, np.float64), np.asarray(out, np.float64)
+    r_new = np.array([[ref.hc_post(outs[b, t], xs[b, t], r_post[b, t], r_comb[b, t])
+                       for t in range(x.shape[1])] for b in range(x.shape[0])])
+    _close(new, r_new, tol * 10, "post stream")
+    assert new.dtype == x.dtype and y.dtype == x.dtype
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float64, 1e-10), (jnp.float32, 1e-5)])
+def test_head_collapse_matches_reference(request, dtype, tol):
+    if dtype == jnp.float64:
+        request.getfixturevalue("x64")
+    head = _head(dtype)
+    x = _stream(dtype, seed=6)
+    y = _collapse(head, x)
+    fn = ref.fn_official(np.asarray(head.fn[...]))
+    scale, base = (np.asarray(v[...], np.float64) for v in (head.scale, head.base))
+    xs = np.asarray(x, np.float64)
+    r_y = np.array([[ref.head_collapse(xs[b, t], fn, scale, base, EPS, NORM_EPS)
+                     for t in range(x.shape[1])] for b in range(x.shape[0])])
+    _close(y, r_y, tol * 10, "head collapse")
+
+
+def test_real_init_and_shapes():
+    @nnx.jit
+    def build(rngs):
+        return (mhc.HyperConnection(M, N, ITERS, EPS, NORM_EPS, rngs=rngs),
+                mhc.HeadCollapse(M, N, EPS, NORM_EPS, rngs=rngs))
+
+    hc, head = build(nnx.Rngs(0))
+    assert hc.fn.shape == (N, M, (2 + N) * N) and hc.base.shape == ((2 + N) * N,) and hc.scale.shape == (3,)
+    assert head.fn.shape == (N, M, N) and head.base.shape == (N,) and head.scale.shape == (1,)
+    paths = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(hc, nnx.Param))}
+    assert paths == {"fn", "base", "scale"}
+    _close(hc.scale[...], np.full(3, mhc.SCALE_INIT, np.float32), 0.0, "scale init")
+    _close(hc.base[...], [-np.log(N - 1)] * N + [0.0] * (N + N * N), 1e-6, "base init")
+    # The base alone (fn's input-dependent part removed) makes y the mean copy, post 1, comb uniform.
+    hc.fn[...] = jnp.zeros_like(hc.fn[...])
+    head.fn[...] = jnp.zeros_like(head.fn[...])
+    x = mhc.expand(_normal(7, (2, 3, M)), N)
+    y, post, comb = _pre(hc, x)
+    _close(y, x[:, :, 0] * (1 + N * EPS), 1e-5, "init pre = mean of copies")
+    _close(post, np.ones((2, 3, N)), 1e-5, "init post")
+    _close(comb, np.full((2, 3, N, N), 1.0 / N), 1e-5, "init comb")
+    _close(_collapse(head, x), x[:, :, 0] * (1 + N * EPS), 1e-5, "init collapse")
+
+
+def test_expand_fills_every_copy():
+    x = _normal(8, (2, 3, M))
+    xs = mhc.expand(x, N)
+    assert xs.shape == (2, 3, N, M)
+    for i in range(N):
+        _close(xs[:, :, i], x, 0.0, f"copy {i}")

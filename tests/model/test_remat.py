@@ -1,0 +1,88 @@
+"""Remat policies in the sparse stage: same loss and gradients, and the named values are not recomputed.
+
+The layer-body policies (core/model/transformer.py, REMAT_POLICIES) keep SAVED_NAMES: the CSA top-k
+selection, the streamed indexer loss's gradients and the MoE routing. A
+shrunken sparse-stage model (two scanned CSA layers, learned routing, four attention chunks of 8,
+indexer loss on) must give the loss and gradients of `none` (no remat) under `full`, and
+the backward must run no top-k again: the differentiated program has as many top_k as the forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from core.config.schema import load_config
+from core.loss.lm import lm_loss_from_hidden
+from core.model.transformer import Transformer
+
+CFG = ["vocab_size=512", "sliding_window_size=8", "indexer_topk=4", "first_num_hash_layers=0",
+       "hc_sinkhorn_iters=3", "compress_ratios=[4,4]", "base_num_decoder_layers=2",
+       "max_target_length=32", "attention_query_chunk_size=8",
+       "indexer_loss_scaling_factor=0.1", "indexer_sparse_training=true"]
+
+
+@functools.lru_cache(maxsize=None)
+def _params():
+    cfg = load_config("deepseek4-tiny", CFG + ["remat_policy=none"])
+    return nnx.state(Transformer(cfg, rngs=nnx.Rngs(5)))
+
+
+def _loss_fn(policy: str):
+    """(loss function of the parameters, parameters) for a model under `policy` (shared parameters)."""
+    cfg = load_config("deepseek4-tiny", CFG + [f"remat_policy={policy}"])
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    model = nnx.merge(graphdef, _params())
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = jax.random.randint(jax.random.key(7), (2, 32), 0, 512)
+    pos = jnp.stack([jnp.arange(32), jnp.concatenate([jnp.arange(18), jnp.arange(14)])]).astype(jnp.int32)
+    seg = jnp.stack([jnp.ones(32), jnp.concatenate([jnp.ones(18), 2 * jnp.ones(14)])]).astype(jnp.int32)
+    targets, mask = jnp.roll(tokens, -1, axis=1), jnp.ones((2, 32), jnp.int32).at[:, -1].set(0)
+
+    def loss(p):
+        m = nnx.merge(graphdef, p, rest, copy=True)
+        h, aux = m.hidden(tokens, pos, seg, mode="train")
+        return lm_loss_from_hidden(h, m.head[...], targets, mask, chunk=7) + aux["indexer_loss"] + aux["moe_lb_loss"]
+
+    return loss, params
+
+
+@functools.lru_cache(maxsize=None)
+def _value_and_grads(policy: str):
+    loss, params = _loss_fn(policy)
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    return float(value), {".".join(map(str, k)): np.asarray(v[...]) for k, v in grads.flat_state()}
+
+
+def test_full_remat_equals_no_remat_in_the_sparse_stage():
+    """Value to float32 rounding; gradients to float32 rounding of the largest gradient entry (the
+    programs fuse and order their sums differently: see test_lm_loss's remat test, which covers
+    every policy on SWA layers; `minimal` keeps the same names, checked by structure below)."""
+    (va, ga), (vb, gb) = _value_and_grads("full"), _value_and_grads("none")
+    np.testing.assert_allclose(va, vb, rtol=1e-6)
+    assert ga.keys() == gb.keys()
+    scale = max(float(np.abs(g).max()) for g in gb.values())
+    assert any(np.any(ga[k] != 0) for k in ga if "indexer" in k)  # the indexer loss reaches its side
+    for k in ga:
+        diff = float(np.abs(ga[k] - gb[k]).max())
+        assert diff <= 1e-6 * scale, f"{k}: max diff {diff} (largest gradient entry {scale})"
+
+
+def _count(fn, args, primitive: str) -> int:
+    return len(re.findall(rf"= {primitive}\[", str(jax.make_jaxpr(fn)(*args))))
+
+
+@pytest.mark.parametrize("policy", ["full", "minimal"])
+def test_backward_recomputes_no_selection(policy):
+    """Every top_k (indexer selection, the indexer loss's own selection, MoE routing) runs once
+    per step: the gradient program has exactly the forward's count (recomputing them doubled it)."""
+    loss, params = _loss_fn(policy)
+    forward = _count(loss, (params,), "top_k")
+    assert forward == 3  # the scanned CSA body: its selection, the loss's selection, the router
+    assert _count(jax.value_and_grad(loss), (params,), "top_k") == forward

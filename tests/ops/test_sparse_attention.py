@@ -1,0 +1,197 @@
+"""Chunked attention and chunked top-k (core.ops.chunked_attention, core.model.indexer) vs the dense masked path.
+
+Every case checks value AND gradient against `core.model.attention.attention` with the dense masks, on
+packed documents with padding, T not a multiple of the chunk, and T < S.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from core.model.attention import Attention, attention, compressed_visibility
+from core.ops.topk import indexer_scores, select_topk, select_topk_chunked, selection_mask
+from core.ops.masks import sliding_window_mask
+from core.ops.chunked_attention import chunked_attention
+from tests.attention_memory import layer_train_temp_bytes
+from tests.model.test_attention import make_layer, packed, spec
+
+H, D = 3, 8
+# (name, row document lengths, T, window S, chunk C, ratio, gathered top-k)
+CASES = [
+    ("swa packed, T % C != 0", [[9, 8], [13]], 22, 5, 4, 0, 0),
+    ("csa top-k packed", [[9, 8], [13]], 22, 5, 4, 4, 2),
+    ("hca-like ratio 8", [[17, 5], [22]], 22, 5, 4, 8, 0),
+    ("T < S, several chunks", [[7], [4, 3]], 7, 9, 3, 4, 1),
+    ("T < ratio: no block", [[6], [2, 3]], 6, 5, 4, 8, 0),
+]
+
+
+def _inputs(rows, t, ratio, dtype, seed):
+    rng = np.random.default_rng(seed)
+    pos, seg = (jnp.asarray(a) for a in packed(rows, t))
+    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    w = t // ratio if ratio else 0
+    return pos, seg, arr(2, t, H, D), arr(2, t, D), arr(2, w, D) if ratio else None, arr(H), arr(2, t, H, D)
+
+
+def _selection(pos, seg, ratio, k, seed):
+    """A top-k selection of random scores (the attention does not care where it came from)."""
+    vis = compressed_visibility(pos, seg, ratio)
+    scores = jax.random.normal(jax.random.key(seed), vis.shape)
+    return vis, select_topk(scores, vis, k)
+
+
+def _both(case, dtype, seed=0):
+    """(chunked, dense) loss functions of (q, kv, ckv, sink) and the inputs."""
+    _, rows, t, window, chunk, ratio, k = case
+    pos, seg, q, kv, ckv, sink, cot = _inputs(rows, t, ratio, dtype, seed)
+    win = sliding_window_mask(pos, seg, window)
+    sel, allowed = (None, None), None
+    if ratio:
+        allowed = compressed_visibility(pos, seg, ratio)
+        if k:
+            _, sel = _selection(pos, seg, ratio, k, seed)
+            allowed = allowed & selection_mask(*sel, allowed.shape[-1])
+
+    def chunked(q, kv, ckv, sink):
+        o = chunked_attention(q, kv, pos, seg, sink, window=window, chunk=chunk, ckv_bwd=ckv,
+                              ratio=ratio, topk_idx_btk=sel[0], topk_valid_btk=sel[1])
+        return jnp.sum(o * cot), o
+
+    def dense(q, kv, ckv, sink):
+        o = attention(q, kv, win, sink, ckv, allowed)
+        return jnp.sum(o * cot), o
+
+    return chunked, dense, (q, kv, ckv, sink)
+
+
+def _compare(case, dtype, tol):
+    chunked, dense, args = _both(case, dtype)
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(*args)
+    (_, o_c), g_c = grad(chunked)
+    (_, o_d), g_d = grad(dense)
+    seg = packed(case[1], case[2])[1]
+    np.testing.assert_array_equal(np.asarray(o_c)[seg == 0], 0.0)  # padding rows see nothing
+    err = float(jnp.max(jnp.abs(o_c - o_d)))
+    assert err < tol, f"{case[0]}: value max diff {err}"
+    for name, a, b in zip(("q", "kv", "ckv", "sink"), g_c, g_d):
+        if b is not None and b.size:
+            err = float(jnp.max(jnp.abs(a - b)))
+            assert err < tol, f"{case[0]}: d{name} max diff {err}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_chunked_attention_equals_dense_float32(case):
+    _compare(case, jnp.float32, 1e-5)
+
+
+@pytest.mark.parametrize("case", CASES[1:2], ids=[c[0] for c in CASES[1:2]])
+def test_chunked_attention_equals_dense_float64(x64, case):
+    _compare(case, jnp.float64, 1e-12)
+
+
+@pytest.mark.parametrize("t,chunk", [(22, 4), (24, 24), (9, 5)])
+def test_select_topk_chunked_equals_dense(t, chunk):
+    """Same indices and validity as select_topk of the dense scores, ties to the lower index.
+
+    Integer-valued inputs make equal scores common, so the tie rule is exercised.
+    """
+    rng = np.random.default_rng(t)
+    pos, seg = (jnp.asarray(a) for a in packed([[t - 6, 5], [t]], t))
+    w = t // 4
+    q = jnp.asarray(rng.integers(-1, 2, (2, t, 2, 4)), jnp.float32)
+    k = jnp.asarray(rng.integers(-1, 2, (2, w, 4)), jnp.float32)
+    wt = jnp.asarray(rng.integers(0, 2, (2, t, 2)), jnp.float32)
+    vis = compressed_visibility(pos, seg, 4)
+    want_idx, want_valid = select_topk(indexer_scores(q, k, wt, vis), vis, 3)
+    got_idx, got_valid = jax.jit(functools.partial(
+        select_topk_chunked, ratio=4, k=3, chunk=chunk, head_chunk=1))(q, k, wt, pos, seg)
+    np.testing.assert_array_equal(got_valid, want_valid)
+    np.testing.assert_array_equal(jnp.where(got_valid, got_idx, -1), jnp.where(want_valid, want_idx, -1))
+    np.testing.assert_array_equal(got_idx, want_idx)  # invalid slots agree too (same top_k order)
+
+
+def _layer_pair(ratio, seed, **kw):
+    """The same random layer as the chunked (chunk 5) and the masked implementation."""
+    base, _ = make_layer(spec(ratio, attention="masked", **kw), jnp.float32, seed=seed)
+    state = nnx.state(base)
+    chunked_spec = spec(ratio, attention="chunked", attention_chunk=5, **kw)
+    chunked = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Attention(chunked_spec, rngs=nnx.Rngs(0)))), state)
+    return chunked, base
+
+
+LAYER_CASES = [  # (ratio, dense, indexer_loss, extra spec fields); SWA and HCA: CASES
+    (4, False, True, dict(loss_scale=0.1)),  # csa_query_chunk_size=0: streams in blocks of 4 (24 % 5)
+    (4, True, True, dict(loss_scale=0.1, query_chunk=8, teacher="joint")),
+]
+
+
+@pytest.mark.parametrize("ratio,dense,loss,kw", LAYER_CASES)
+def test_layer_chunked_equals_masked(ratio, dense, loss, kw):
+    """Whole layer, chunked vs masked: output, indexer loss and every parameter's gradient."""
+    chunked, masked = _layer_pair(ratio, seed=7 + ratio, **kw)
+    t = 24  # the streamed loss needs T % W == 0; the chunk (5) does not divide T
+    pos, seg = (jnp.asarray(a) for a in packed([[13, 9], [24]], t))
+    x = jax.random.normal(jax.random.key(ratio), (2, t, 16))
+    cot = jax.random.normal(jax.random.key(99), (2, t, 16))
+
+    @nnx.jit
+    def run(layer, x):
+        def f(layer, x):
+            y, aux = layer(x, pos, seg, dense=dense, indexer_loss=loss)
+            return jnp.sum(y * cot) + aux.get("indexer_loss", 0.0), (y, aux)
+        return nnx.value_and_grad(f, argnums=(0, 1), has_aux=True)(layer, x)
+
+    (_, (y_c, aux_c)), (g_c, gx_c) = run(chunked, x)
+    (_, (y_m, aux_m)), (g_m, gx_m) = run(masked, x)
+    err = float(jnp.max(jnp.abs(y_c - y_m)))
+    assert err < 1e-5, f"output max diff {err}"
+    if loss:
+        assert float(aux_m["indexer_loss"]) > 0
+        np.testing.assert_allclose(aux_c["indexer_loss"], aux_m["indexer_loss"], rtol=1e-5)
+    err = float(jnp.max(jnp.abs(gx_c - gx_m)))
+    assert err < 1e-5, f"dx max diff {err}"
+    flat_m = dict(nnx.to_flat_state(g_m))
+    for path, v in nnx.to_flat_state(g_c):
+        err = float(jnp.max(jnp.abs(v[...] - flat_m[path][...])))
+        assert err < 1e-5, f"d{'.'.join(map(str, path))} max diff {err}"
+
+
+def test_layer_chunked_collect_equals_masked():
+    """`collect` (eval) and the unstreamed loss: the same dense aux and output from both paths."""
+    chunked, masked = _layer_pair(4, seed=3, loss_scale=0.1)
+    pos, seg = (jnp.asarray(a) for a in packed([[13, 9], [22]], 22))
+    x = jax.random.normal(jax.random.key(5), (2, 22, 16))
+    run = nnx.jit(lambda layer, x: layer(x, pos, seg, collect=True, indexer_loss=True))
+    (y_c, aux_c), (y_m, aux_m) = run(chunked, x), run(masked, x)
+    np.testing.assert_allclose(y_c, y_m, atol=1e-5)
+    assert set(aux_c) == set(aux_m)
+    for key in aux_m:
+        np.testing.assert_allclose(aux_c[key], aux_m[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_layer_memory_grows_linearly_in_t():
+    """CSA layer with top-k: doubling T doubles the compiled temp memory of its train step; the
+    masked reference quadruples it, so the check can fail. (With the streamed indexer loss too:
+    1.99x at T 512 -> 1024, docs/benchmarks.md; the Flash test below compiles that path.)"""
+    chunked = [layer_train_temp_bytes(spec(4, attention_chunk=32), t) for t in (512, 1024)]
+    assert chunked[1] <= 2.1 * chunked[0], f"temp {chunked[0]} -> {chunked[1]} bytes for T 512 -> 1024"
+    masked = [layer_train_temp_bytes(spec(4, attention="masked"), t) for t in (512, 1024)]
+    assert masked[1] > 3.5 * masked[0], f"masked temp {masked[0]} -> {masked[1]} bytes"
+
+
+@pytest.mark.slow
+def test_flash_csa_layer_memory_at_32k():
+    """DeepSeek-V4-Flash shapes (H=64, D=512, k=512): one CSA layer's sparse-stage train step (top-k,
+    streamed indexer loss) at T=32K, compiled ahead of time, needs <= 4 GiB of temp memory."""
+    from core.model.attention import AttentionSpec
+    from core.config.schema import load_config
+
+    cfg = load_config("deepseek4-284b", ["max_target_length=32768", "indexer_loss_scaling_factor=0.1",
+                                         "csa_query_chunk_size=256", "csa_qk_head_chunk_size=8"])
+    temp = layer_train_temp_bytes(AttentionSpec.from_config(cfg, 2), 32768, indexer_loss=True)
+    assert temp <= 4 * 2**30, f"temp {temp / 2**30:.2f} GiB"

@@ -1,0 +1,293 @@
+"""Run safety through the CLI (core/train/guard.py, core/train/tensorboard.py): a diverging run stops with
+exit 3 and keeps its good checkpoints, learning_rate_schedule_steps extends a run bitwise,
+TensorBoard events hold every step once across a resume, an optimizer change on resume names the
+key, a full disk or failed write is one line with exit 4, and one process at a time owns a run
+directory.
+
+Every run is a 2-layer warm-up (SWA + CSA, 64 tokens, one row) so that a compile takes seconds;
+runs of equal configs share their compiled step within the session.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from flax import nnx
+from typer.testing import CliRunner
+
+from core.checkpoint import store as ckpt
+from core import tree
+from core.checkpoint import run_files
+from dsv4cli.main import app
+
+runner = CliRunner()
+SMALL = ("compress_ratios=[0,4]", "base_num_decoder_layers=2", "first_num_hash_layers=1", "vocab_size=512",
+         "max_target_length=64", "per_device_batch_size=1", "checkpoint_period=2")
+FIXED = "learning_rate_schedule_steps=6"  # the schedule of a 6-step run, whatever --steps says
+
+
+def _warmup(run, steps, *extra):
+    return runner.invoke(app, ["warmup", "--steps", str(steps), "--output", str(run), *SMALL, *extra])
+
+
+def _one_error_line(result, code):
+    assert result.exit_code == code, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    return lines[0]
+
+
+def _snapshot(run):
+    """Bytes of every file in a run directory, except the lock file's pid line."""
+    return {p.relative_to(run): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def _variables(run, step=None):
+    model, _, meta = ckpt.restore_model(run, step)
+    return {k: np.asarray(v) for k, v in tree.flatten(nnx.to_pure_dict(nnx.state(model))).items()}, meta
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """A straight 6-step warm-up with the schedule fixed at 6 steps (checkpoints 1, 3, 5)."""
+    run = tmp_path_factory.mktemp("safety") / "straight"
+    result = _warmup(run, 6, FIXED)
+    assert result.exit_code == 0, result.output
+    assert "step 5 " in result.output and "[6/6 steps  elapsed" in result.output  # the plain progress figures
+    return run
+
+
+# ----------------------------------------------------------------------------- 1. divergence
+
+
+def test_diverging_run_stops_with_exit_3_and_keeps_the_good_checkpoint(tmp_path):
+    run = tmp_path / "diverge"
+    args = ("learning_rate=1e30", "gradient_clipping_threshold=0", "checkpoint_period=1")
+    line = _one_error_line(_warmup(run, 6, *args), 3)
+    bad = int(re.search(r"step (\d+) diverged", line).group(1))
+    assert bad >= 1 and "not applied" in line and "learning_rate=1e+30" in line, line
+    assert "gradient_clipping_threshold=0" in line and f"checkpoint (step {bad - 1}) is kept" in line, line
+    assert ckpt.finished_steps(run / "checkpoints") == list(range(bad))[-3:]  # max_checkpoints=3
+    assert [r["step"] for r in run_files.read_metrics(run)] == list(range(bad))
+    saved, meta = _variables(run)
+    assert meta["step"] == bad - 1 and all(np.isfinite(v).all() for v in saved.values() if v.dtype.kind == "f")
+    before = _snapshot(run / "checkpoints")
+
+    again = _warmup(run, 6, *args)  # the same command resumes from the last good step and meets the same stop
+    assert f"resuming from checkpoint step {bad - 1}" in again.output
+    assert _one_error_line(again, 3) == line
+    assert _snapshot(run / "checkpoints") == before
+
+    # inside the step: the state the diverged step returns is the resumed one, bit for bit
+    import jax
+
+    from core.config.schema import load_config
+    from core.errors import DivergenceError
+    from core.train.run import Trainer
+
+    trainer = Trainer(load_config("deepseek4-tiny", [*SMALL, *args], stage="warmup", options={"steps": 6}),
+                      stage="warmup", run_dir=run)
+    resumed = [np.asarray(x).tobytes() for x in jax.tree.leaves(trainer.state)]
+    with pytest.raises(DivergenceError, match=f"step {bad} diverged"):
+        list(trainer.run())
+    assert [np.asarray(x).tobytes() for x in jax.tree.leaves(trainer.state)] == resumed
+
+
+# ----------------------------------------------------------------------------- 6. schedule length
+
+
+def test_fixed_schedule_extends_a_run_bitwise(straight, tmp_path):
+    run = tmp_path / "extended"
+    first = _warmup(run, 3, FIXED)
+    assert first.exit_code == 0, first.output
+    second = _warmup(run, 6, FIXED)
+    assert second.exit_code == 0 and "resuming from checkpoint step 2" in second.output, second.output
+    assert "schedule changes" not in second.output
+    keys = ("total_loss", "indexer_loss", "moe_lb_loss", "grad_norm", "learning_rate")
+    want, got = run_files.read_metrics(straight), run_files.read_metrics(run)
+    assert [r["step"] for r in got] == list(range(6))
+    assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want]
+    (a, _), (b, _) = _variables(straight), _variables(run)
+    assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def test_resume_that_changes_the_schedule_says_so(straight, tmp_path):
+    run = tmp_path / "longer"
+    shutil.copytree(straight, run)
+    result = _warmup(run, 8)  # learning_rate_schedule_steps=-1: the schedule now spans 8 steps, not 6
+    assert result.exit_code == 0, result.output
+    text = result.output.replace("\n", " ")
+    notice = text.index("notice: the learning-rate schedule changes on resume: it spanned 6 steps and now spans 8")
+    assert "learning_rate_schedule_steps=6 to keep it" in text and notice < text.index("step 6 ")
+
+
+# ----------------------------------------------------------------------------- 8. TensorBoard
+
+
+def _events(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_has_every_step_once_after_a_resume(straight, tmp_path):
+    run = tmp_path / "crashed"
+    shutil.copytree(straight, run)
+    shutil.rmtree(run / "checkpoints" / "5")  # as if killed after logging step 5, before its checkpoint
+    result = _warmup(run, 6, FIXED)
+    assert result.exit_code == 0 and "resuming from checkpoint step 3" in result.output, result.output
+    assert len(list((run / "tensorboard").iterdir())) == 2  # appended: a second event file
+    rows = run_files.read_metrics(run)
+    events = _events(run)
+    assert {"total_loss", "indexer_loss", "grad_norm", "learning_rate", "tokens_per_s"} <= set(events)
+    for tag, points in events.items():
+        assert [s for s, _ in points] == list(range(6)), (tag, points)
+    np.testing.assert_allclose([v for _, v in events["total_loss"]], [r["total_loss"] for r in rows], rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- 9. optimizer change
+
+
+def test_resume_with_another_optimizer_structure_names_the_key(straight):
+    before = _snapshot(straight)
+    line = _one_error_line(_warmup(straight, 8, FIXED, "gradient_clipping_threshold=0"), 2)
+    assert "gradient_clipping_threshold=1 (its config.yml)" in line and "gradient_clipping_threshold=0" in line, line
+    assert "keep gradient_clipping_threshold=1" in line and "new --output" in line, line
+    assert _snapshot(straight) == before
+
+
+# ----------------------------------------------------------------------------- 10. write failures
+
+
+def _mount_tmpfs(path, size_kib):
+    path.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)],
+                         capture_output=True, text=True)
+    return out.returncode == 0
+
+
+def test_full_disk_is_one_line_exit_4(straight, tmp_path, monkeypatch):
+    """On a tmpfs that holds one checkpoint (or, where mounting is not allowed, an injected ENOSPC)."""
+    size = sum(p.stat().st_size for p in (straight / "checkpoints" / "1").rglob("*") if p.is_file())
+    disk = tmp_path / "disk"
+    mounted = _mount_tmpfs(disk, int(1.6 * size) // 1024)
+    try:
+        if not mounted:
+            original = ckpt.RunCheckpointer.save
+
+            def save(self, step, **kwargs):
+                if step == 3:
+                    (self.dir / "3.orbax-checkpoint-tmp-0").mkdir()
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                return original(self, step, **kwargs)
+
+            monkeypatch.setattr(ckpt.RunCheckpointer, "save", save)
+        run = disk / "run"
+        line = _one_error_line(_warmup(run, 6, FIXED), 4)
+        assert "checkpoint step 3" in line and "No space left on device" in line, line
+        assert " MiB or point --output elsewhere; rerun the same command to resume from checkpoint step 1" in line, line
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["1"]  # the partial step removed
+        (a, meta), (b, _) = _variables(run), _variables(straight, 1)
+        assert meta["step"] == 1 and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_failed_metrics_write_is_one_line_exit_4(tmp_path, monkeypatch):
+    calls = []
+
+    def append(run_dir, row):
+        calls.append(row["step"])
+        if row["step"] == 2:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(run_dir / run_files.METRICS_FILE))
+        with open(run_dir / run_files.METRICS_FILE, "a") as f:
+            f.write("{}\n".format(__import__("json").dumps(dict(row))))
+
+    monkeypatch.setattr(run_files, "append_metrics", append)
+    run = tmp_path / "run"
+    line = _one_error_line(_warmup(run, 6, FIXED), 4)
+    assert f"cannot write metrics to {str(run / 'metrics.jsonl')!r}: Permission denied" in line, line
+    assert "make it writable or point --output elsewhere; rerun the same command to resume from checkpoint step 1" in line
+    assert calls == [0, 1, 2] and ckpt.finished_steps(run / "checkpoints") == [1]
+
+
+# ----------------------------------------------------------------------------- 11. one writer
+
+
+def test_second_process_on_a_run_directory_is_refused(straight):
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from core.train.guard import RunLock
+        lock = RunLock({str(straight)!r}, "dsv4 warmup").acquire()
+        print("locked", flush=True)
+        time.sleep(120)
+    """)], stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = _snapshot(straight)
+        line = _one_error_line(_warmup(straight, 6, FIXED), 2)
+        assert f"run directory {str(straight)!r} is in use by process {holder.pid} (dsv4 warmup)" in line, line
+        assert _snapshot(straight) == before
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    after = _warmup(straight, 6, FIXED)  # kill -9 leaves no stale lock
+    assert after.exit_code == 0 and "nothing to do" in after.output, after.output
+
+
+def test_a_refused_start_leaves_no_run_directory_behind(tmp_path):
+    run = tmp_path / "new" / "run"
+    line = _one_error_line(_warmup(run, 6, "hf_path=/nonexistent/data.jsonl"), 2)
+    assert "/nonexistent/data.jsonl" in line and not run.exists()
+
+
+# ----------------------------------------------------------------------------- 7. progress
+
+
+def _info(**changes):
+    info = dict(model_name="deepseek4-tiny", stage="warmup", run_dir="runs/x", params_total=10, params_trainable=5,
+                batch_size=1, max_target_length=64, tokens_per_step=64, mesh="1 cpu", data="synthetic", steps=6,
+                start_step=2, resumed_from=1, init_from=None, init_step=None, init_from_ignored=False, notices=[])
+    return {**info, **changes}
+
+
+def test_progress_bar_under_the_live_table_and_plain_lines():
+    import io
+
+    from rich.console import Console
+
+    from dsv4cli.display import TrainDisplay
+
+    row = dict(step=0, total_loss=1.0, lm_loss=0.9, indexer_loss=0.01, moe_lb_loss=4e-4, step_time_s=0.5,
+               tokens_per_s=128.0, compile=False)
+    view = TrainDisplay(Console(force_terminal=True, width=160))
+    view.header(_info())
+    with view.steps():
+        for s in range(2, 5):
+            view.row({**row, "step": s})
+        screen = Console(record=True, width=160, force_terminal=True)
+        screen.print(view._view())  # what the live display shows now: the table, the bar under it
+    lines = screen.export_text().splitlines()
+    assert lines[-2].split()[0] == "4" and "5/6" in lines[-1] and "ETA" in lines[-1], lines
+    assert lines[-1].lstrip().startswith("steps") and "128 tokens/s" in lines[-1], lines
+
+    plain = TrainDisplay(Console(file=io.StringIO(), width=80))
+    plain.header(_info())
+    with plain.steps():
+        for s in range(2, 4):
+            plain.row({**row, "step": s})
+    lines = plain.console.file.getvalue().splitlines()
+    assert lines[-2].startswith("step 2 ") and "[3/6 steps  elapsed 0:00:00  ETA -:--:--  128 tokens/s]" in lines[-2]
+    assert lines[-1].startswith("step 3 ") and "[4/6 steps  elapsed" in lines[-1] and "ETA 0:00:0" in lines[-1]

@@ -1,0 +1,264 @@
+"""Training end to end through the CLI (`dsv4 warmup`, `dsv4 sparse`) on a shrunken deepseek4-tiny,
+plus float64 references for the LM loss and the learning-rate schedule.
+
+The runs are shared by several tests: a fresh warm-up (6 steps, a module fixture) and the session's
+stage chain (conftest.stage_chain: pretrain, then a warm-up and a sparse run with the same steps and
+checkpoint period, so one compiled step each); the interrupted + resumed sparse run restarts the
+chain's sparse run from the chain's warm-up and must match it row for row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from typer.testing import CliRunner
+
+from conftest import CHAIN_STEPS, TINY_OVERRIDES, tiny_config
+from core.checkpoint import store as ckpt
+from core import tree
+from core.checkpoint import run_files
+from core.train import run as train
+from core.loss import lm as lm_loss
+from core.train import step as train_step
+from core.errors import ConfigError
+from dsv4cli import display
+from dsv4cli.main import app
+
+runner = CliRunner()
+LOSS_KEYS = ("total_loss", "lm_loss", "indexer_loss", "moe_lb_loss", "grad_norm", "learning_rate")
+WARMUP_STEPS, SPARSE_STEPS = CHAIN_STEPS["warmup"], CHAIN_STEPS["sparse"]
+
+
+def _invoke(*args):
+    return runner.invoke(app, [*args, *TINY_OVERRIDES, "checkpoint_period=4"])
+
+
+def _variables(model) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in tree.flatten(nnx.to_pure_dict(nnx.state(model))).items()}
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "warm"
+    result = _invoke("warmup", "--steps", str(WARMUP_STEPS), "--output", str(run))
+    assert result.exit_code == 0, result.output
+    return run, result.output
+
+
+@pytest.fixture(scope="module")
+def chain_warm(stage_chain):
+    """(run dir, CLI output) of the chain's warm-up: WARMUP_STEPS steps --init-from its pretrain run."""
+    return stage_chain["warmup"]
+
+
+@pytest.fixture(scope="module")
+def sparse(stage_chain):
+    """(run dir, CLI output) of the chain's sparse run: SPARSE_STEPS steps --init-from `chain_warm`."""
+    return stage_chain["sparse"]
+
+
+# ----------------------------------------------------------------------------- the warm-up
+
+
+def test_warmup_trains_only_the_indexer(warm):
+    run, output = warm
+    rows = run_files.read_metrics(run)
+    assert [r["step"] for r in rows] == list(range(WARMUP_STEPS))
+    for r in rows:
+        assert r["lm_loss"] == 0.0
+        assert 0 < r["indexer_loss"] < 1 and math.isfinite(r["indexer_loss"]) and r["moe_lb_loss"] > 0
+        np.testing.assert_allclose(r["total_loss"], r["indexer_loss"] + r["moe_lb_loss"], rtol=1e-6)
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [3, 5]
+    assert "(compile)" in output and "lm_loss" in output and "checkpoint" in output
+
+    model, cfg, meta = ckpt.restore_model(run)
+    assert meta["stage"] == "warmup" and meta["step"] == WARMUP_STEPS - 1
+    trained = _variables(model)
+    initial = _variables(train.Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
+    assert trained.keys() == initial.keys()
+    indexer = [k for k in trained if "indexer" in k]
+    assert indexer and len(indexer) < len(trained)
+    for k in trained:
+        if "indexer" in k:
+            assert not np.array_equal(trained[k], initial[k]), f"{k} did not train"
+        else:  # frozen weights and the router biases stay bit for bit
+            assert trained[k].tobytes() == initial[k].tobytes(), f"{k} changed in the warm-up"
+    opt_paths = ckpt.read_tree(run, item="optimizer")
+    assert any(p.endswith("/mu/" + k) for p in opt_paths for k in indexer[:1])
+    assert all("indexer" in p or p.split("/")[-1] in ("count", "step") for p in opt_paths), \
+        [p for p in opt_paths if "indexer" not in p][:5]
+
+
+# ----------------------------------------------------------------------------- sparse
+
+
+def test_sparse_from_warmup_trains_everything(chain_warm, sparse):
+    warm, (run, output) = chain_warm, sparse
+    assert f"initialised from {warm[0]} (step {WARMUP_STEPS - 1})" in output.replace("\n", "")
+    rows = run_files.read_metrics(run)
+    assert len(rows) == SPARSE_STEPS and all(r["lm_loss"] > 0 and r["indexer_loss"] > 0 for r in rows)
+    first, last = np.mean([r["total_loss"] for r in rows[:5]]), np.mean([r["total_loss"] for r in rows[-5:]])
+    assert last < first - 0.1, (first, last)
+
+    start, _, _ = ckpt.restore_model(warm[0])
+    end, _, meta = ckpt.restore_model(run)
+    assert meta["stage"] == "sparse"
+    before, after = _variables(start), _variables(end)
+    moved = {k: not np.array_equal(before[k], after[k]) for k in before}
+    fixed = [k for k, m in moved.items() if not m]
+    assert fixed == [k for k in before if k.endswith("tid2eid")], fixed  # only the hash tables stay
+    assert any(k.endswith("gate/bias") and moved[k] for k in moved)  # router biases moved too
+    opt_paths = ckpt.read_tree(run, item="optimizer")
+    assert any(p.endswith("/mu/embed") for p in opt_paths) and any("/mu/" in p and "indexer" in p for p in opt_paths)
+
+
+def test_interrupted_and_resumed_run_matches_the_straight_one(chain_warm, sparse, tmp_path, monkeypatch):
+    run = tmp_path / "resumed"
+    original = display.TrainDisplay.row
+
+    def row_then_ctrl_c(self, row):
+        original(self, row)
+        if row["step"] == 5:  # not a checkpoint_period step: the interrupt itself must save
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(display.TrainDisplay, "row", row_then_ctrl_c)
+    args = ("sparse", "--steps", str(SPARSE_STEPS), "--output", str(run), "--init-from", str(chain_warm[0]))
+    first = _invoke(*args)
+    assert first.exit_code == 130, first.output
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [3, 5]
+    monkeypatch.setattr(display.TrainDisplay, "row", original)
+    reads = []
+    read_metrics = run_files.read_metrics
+    monkeypatch.setattr(run_files, "read_metrics", lambda *a, **k: reads.append(a) or read_metrics(*a, **k))
+    second = _invoke(*args)
+    assert second.exit_code == 0, second.output
+    assert len(reads) == 2, reads  # metrics.jsonl read once to resume, once for the summary
+    monkeypatch.setattr(run_files, "read_metrics", read_metrics)
+    assert "resuming from checkpoint step 5" in second.output
+    straight, resumed = run_files.read_metrics(sparse[0]), run_files.read_metrics(run)
+    assert [r["step"] for r in resumed] == list(range(SPARSE_STEPS))
+    for a, b in zip(straight, resumed):
+        for k in LOSS_KEYS:
+            assert a[k] == b[k], (a["step"], k, a[k], b[k])
+    again = _invoke(*args)  # the run is complete: nothing to do, nothing overwritten
+    assert again.exit_code == 0 and "nothing to do" in again.output
+    assert run_files.read_metrics(run) == resumed
+
+
+# ----------------------------------------------------------------------------- data and errors
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "txt"])
+def test_local_data_files(tmp_path, warm, kind):
+    texts = [f"local document number {i}. " * 20 for i in range(8)]
+    path = tmp_path / f"docs.{kind}"
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    elif kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": texts}), path)
+    else:
+        path.write_text("\n\n".join(texts))
+    result = _invoke("warmup", "--steps", str(WARMUP_STEPS), "--output", str(tmp_path / "run"), f"hf_path={path}")
+    assert result.exit_code == 0, result.output
+    assert str(path) in result.output and len(run_files.read_metrics(tmp_path / "run")) == WARMUP_STEPS
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["warmup", "hf_path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
+    (["warmup", "tokenizer_path=/nonexistent/tokenizer.json"], "/nonexistent/tokenizer.json"),
+    (["warmup", "vocab_size=200"], "vocab_size=200"),
+    (["warmup", "trainable_parameters_mask=[nothing]"], "matches no parameter"),
+    (["sparse", "--init-from", "/nonexistent/run"], "/nonexistent/run"),
+])
+def test_bad_inputs_exit_2_with_one_line(tmp_path, args, needle):
+    command, *rest = args
+    result = runner.invoke(app, [command, "--steps", str(WARMUP_STEPS), "--output", str(tmp_path / "run"),
+                                 *TINY_OVERRIDES, *rest])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], result.stderr
+
+
+def test_resume_with_another_shape_names_the_parameter(warm):
+    result = runner.invoke(app, ["warmup", "--steps", str(WARMUP_STEPS + 2), "--output", str(warm[0]),
+                                 *TINY_OVERRIDES, "base_moe_mlp_dim=32"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "ffn/experts/w1' of shape" in lines[0], result.stderr
+    assert len(run_files.read_metrics(warm[0])) == WARMUP_STEPS  # nothing overwritten
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def test_lm_loss_matches_float64_reference(x64):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 5, 7)) * 3
+    targets = rng.integers(0, 7, size=(2, 5))
+    mask = rng.integers(0, 2, size=(2, 5))
+    mask[0, 0] = 1
+    total, count = 0.0, 0
+    for b in range(2):
+        for t in range(5):
+            if mask[b, t]:
+                row = logits[b, t]
+                total += math.log(sum(math.exp(x) for x in row)) - row[targets[b, t]]
+                count += 1
+    got = float(lm_loss.lm_loss(jax.numpy.asarray(logits), jax.numpy.asarray(targets), jax.numpy.asarray(mask)))
+    np.testing.assert_allclose(got, total / count, rtol=1e-12)
+    assert float(lm_loss.lm_loss(np.zeros((1, 2, 3)), np.zeros((1, 2), np.int32), np.zeros((1, 2)))) == 0.0
+
+
+def test_learning_rate_schedule_matches_reference():
+    cfg = tiny_config("sparse", "warmup_steps_fraction=0.1", "cosine_learning_rate_final_fraction=0.2",
+                      "learning_rate=0.01", steps=50)
+    warm = 5
+    for step in range(50):
+        if step < warm:
+            want = 0.01 * (step + 1) / warm
+        else:
+            frac = (step - warm) / (50 - 1 - warm)
+            want = 0.002 + 0.5 * (0.01 - 0.002) * (1 + math.cos(math.pi * frac))
+        np.testing.assert_allclose(float(train_step.learning_rate_schedule(cfg)(step)), want, rtol=1e-6)
+
+
+def test_trainable_mask_fully_matches_paths():
+    match = train_step.path_matcher([".*indexer.*", "embed"])
+    assert match(("layers", 1, "attn", "indexer", "wq_b")) and match(("embed",))
+    assert not match(("layers", 1, "attn", "wq_a")) and not match(("embedder",))
+    assert train_step.path_matcher([])(("anything",))
+    model = train.Transformer(tiny_config(), rngs=nnx.Rngs(0))
+    with pytest.raises(ConfigError, match="matches no parameter"):
+        train_step.trainable_labels(model, ["indexer"])
+
+
+def test_benchmark_train_step(warm):
+    cfg = tiny_config("warmup", "dataset_type=synthetic", steps=WARMUP_STEPS)
+    out = train.benchmark_train_step(cfg, 2)
+    assert out["stage"] == "warmup" and out["tokens_per_step"] == 2 * 128
+    assert out["step_time_s"] > 0 and out["tokens_per_s"] > 0 and out["last"]["lm_loss"] == 0.0
+    assert 0 < out["params_trainable"] < out["params_total"]
+
+
+def test_live_table_keeps_the_compile_step():
+    from rich.console import Console
+
+    console = Console(force_terminal=True, record=True, width=160)
+    view = display.TrainDisplay(console)
+    row = dict(step=0, total_loss=1.0, lm_loss=0.9, indexer_loss=0.01, moe_lb_loss=4e-4, step_time_s=9.0,
+               tokens_per_s=10.0, compile=True)
+    with view.steps():
+        for s in range(30):
+            view.row({**row, "step": s, "compile": s == 0})
+    text = console.export_text()
+    assert "(compile)" in text and "⋮" in text and " 29 " in text
