@@ -31,7 +31,7 @@ HELPERS = {"model/layers", "model/init_draws", "ops/rope", "ops/masks", "paralle
 # wiring and drivers: no arithmetic of their own beyond what they call (their frames pass up too)
 GLUE = {
     "errors", "model/transformer", "model/params",
-    "config/schema", "config/files", "config/values", "config/validate",
+    "config/schema", "config/files", "config/values", "config/validate", "config/stages",
     "data/batches", "data/sources", "data/identity",
     "checkpoint/store", "checkpoint/run_files", "checkpoint/host_tree", "checkpoint/inspect",
     "train/step", "train/run", "train/precompile", "train/compile_cache", "train/guard", "train/handoff",
