@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from tests.conftest import tiny_config
 from core.data import batches as data
 from core.data import sources as data_sources
 from core.errors import DataError

@@ -16,12 +16,12 @@ from jax.test_util import check_grads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import reference_loss as ref
+from tests import reference_loss as ref
 from core.ops.topk import indexer_scores, select_topk, selection_mask
 from core.loss.indexer_kl import csa_indexer_loss
 from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed
 from core.ops.masks import csa_visible, sliding_window_mask
-from conftest import packed
+from tests.conftest import packed
 
 RATIO, WINDOW, TOPK = 4, 5, 2
 # Chunk settings shared by the tests so jit's cache is hit: (head_chunk, query_chunk).

@@ -11,7 +11,7 @@ from core import tree
 from core.model import init_draws
 from core.model.init_draws import MIN_BUCKET, FanInTruncatedNormal, bucket, bucketed_draws
 from core.model.transformer import Transformer
-from conftest import tiny_config
+from tests.conftest import tiny_config
 
 
 def _weights(cfg) -> dict[str, np.ndarray]:

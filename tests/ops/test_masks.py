@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import reference_loss as ref
+from tests import reference_loss as ref
 from core.ops.topk import indexer_scores, select_topk, selection_mask
 from core.ops.masks import NEG, block_segment_ids, csa_visible, sliding_window_mask
-from conftest import packed
+from tests.conftest import packed
 
 visible = jax.jit(csa_visible, static_argnums=2)
 window = jax.jit(sliding_window_mask, static_argnums=2)

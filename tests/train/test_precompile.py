@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from conftest import tiny_config
+from tests.conftest import tiny_config
 from core.train import precompile
 from core.train import step as ts
 from core.data.batches import train_batches

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import tiny_config
+from tests.conftest import tiny_config
 from core.train import step as ts
 from core.errors import ConfigError
 

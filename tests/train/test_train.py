@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 from typer.testing import CliRunner
 
-from conftest import CHAIN_STEPS, TINY_OVERRIDES, tiny_config
+from tests.conftest import CHAIN_STEPS, TINY_OVERRIDES, tiny_config
 from core.checkpoint import store as ckpt
 from core import tree
 from core.checkpoint import run_files
