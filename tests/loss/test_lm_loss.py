@@ -167,7 +167,7 @@ def _train_loss(model, chunk, via_logits=False):
 
     compiled = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
     value, grads = compiled(params)
-    grads = {".".join(map(str, k)): np.asarray(v[...]) for k, v in grads.flat_state()}
+    grads = {".".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(grads)}
     return float(value), grads, compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -92,7 +92,7 @@ def random_module(factory, dtype, seed):
     graphdef, state = nnx.split(abstract)
     rng = np.random.default_rng(seed)
     params = {}
-    for path, var in state.flat_state():
+    for path, var in nnx.to_flat_state(state):
         name = ".".join(str(p) for p in path).removesuffix(".weight")
         if len(var.shape) == 1:
             value = (name.endswith("norm")) + 0.3 * rng.standard_normal(var.shape)
@@ -206,7 +206,7 @@ def test_layer_packing_equals_each_document_alone():
 
 def test_parameter_names_and_shapes():
     layer = nnx.eval_shape(lambda: Attention(spec(4), rngs=nnx.Rngs(0)))
-    names = {".".join(map(str, p)): v.shape for p, v in nnx.state(layer, nnx.Param).flat_state()}
+    names = {".".join(map(str, p)): v.shape for p, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
     assert names == {
         "wq_a": (16, 8), "q_norm.weight": (8,), "wq_b": (8, 4, 8), "wkv": (16, 8),
         "kv_norm.weight": (8,), "wo_a": (2, 16, 6), "wo_b": (12, 16), "attn_sink": (4,),
@@ -216,7 +216,7 @@ def test_parameter_names_and_shapes():
         "indexer.compressor.ape": (4, 16), "indexer.compressor.norm.weight": (8,),
     }
     plain = nnx.eval_shape(lambda: Attention(spec(4, indexer=False), rngs=nnx.Rngs(0)))
-    assert not any("indexer" in map(str, p) for p, _ in nnx.state(plain, nnx.Param).flat_state())
+    assert not any("indexer" in map(str, p) for p, _ in nnx.to_flat_state(nnx.state(plain, nnx.Param)))
 
 
 def test_layer_indexer_loss_wiring():

@@ -95,7 +95,7 @@ def stacked_from_unrolled(cfg, src):
     """A scanned model of `cfg` whose parameters are those of the unrolled model `src`."""
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    src_flat = {k: np.asarray(v[...]) for k, v in nnx.state(src).flat_state()}  # host: no compiles
+    src_flat = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(src))}  # host: no compiles
 
     def source(path):
         if path[0] != "layers":
@@ -106,7 +106,7 @@ def stacked_from_unrolled(cfg, src):
         u = path[3]  # ("layers", s, "blocks", u, ...): stack layers start + j * unit + u
         return np.stack([src_flat[("layers", start + j * unit + u) + path[4:]] for j in range(reps)])
 
-    for path, var in state.flat_state():
+    for path, var in nnx.to_flat_state(state):
         var.set_value(jnp.asarray(source(path)))
     return nnx.merge(graphdef, state)
 
@@ -121,7 +121,7 @@ def random_model(cfg, seed):
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     rng = np.random.default_rng(seed)
-    for path, var in state.flat_state():
+    for path, var in nnx.to_flat_state(state):
         stacked = (var.get_metadata().get("out_sharding") or (None,))[0] == "layers"
         core = var.shape[1:] if stacked else var.shape
         name = path[-1]
@@ -241,8 +241,8 @@ def split_grads(model, tokens, pos, seg, mode):
         return lm, idx, grads
 
     lm, idx, grads = run(params, rest)
-    g_lm = {".".join(map(str, k)): np.asarray(v[...][0]) for k, v in grads.flat_state()}
-    g_idx = {".".join(map(str, k)): np.asarray(v[...][1]) for k, v in grads.flat_state()}
+    g_lm = {".".join(map(str, k)): np.asarray(v[...][0]) for k, v in nnx.to_flat_state(grads)}
+    g_idx = {".".join(map(str, k)): np.asarray(v[...][1]) for k, v in nnx.to_flat_state(grads)}
     return float(lm), float(idx), g_lm, g_idx
 
 
@@ -292,7 +292,7 @@ def test_stage_table():
     assert no_indexer("train") == (False, False, True)
     cfg = load_config("deepseek4-tiny", CFG_B + ["use_indexer=false"])
     assert not any("indexer" in ".".join(map(str, p)) for p, _ in
-                   nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))).flat_state())
+                   nnx.to_flat_state(nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))))
 
 
 def test_dense_warmup_runs_no_head_and_isolates():
@@ -332,7 +332,7 @@ def test_initialisation():
 def test_parameter_paths_and_axes():
     cfg = load_config("deepseek4-tiny", CFG_A)
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    state = nnx.state(model, nnx.Param).flat_state()
+    state = nnx.to_flat_state(nnx.state(model, nnx.Param))
     paths = {".".join(map(str, k)): v for k, v in state}
     assert "layers.1.blocks.0.attn.indexer.wq_b" in paths and "layers.2.attn.indexer.weights_proj" in paths
     assert "layers.0.ffn.gate.weight" in paths and "layers.1.blocks.1.attn.compressor.ape" in paths

@@ -57,7 +57,7 @@ def _loss_fn(policy: str):
 def _value_and_grads(policy: str):
     loss, params = _loss_fn(policy)
     value, grads = jax.jit(jax.value_and_grad(loss))(params)
-    return float(value), {".".join(map(str, k)): np.asarray(v[...]) for k, v in grads.flat_state()}
+    return float(value), {".".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(grads)}
 
 
 def test_full_remat_equals_no_remat_in_the_sparse_stage():

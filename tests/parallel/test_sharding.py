@@ -202,7 +202,7 @@ def test_every_logical_axis_of_the_model_has_a_rule():
     names = set()
     for cfg in (load_config("deepseek4-tiny"), _cfg("one", "sparse")):
         model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-        for _, v in nnx.state(model).flat_state():
+        for _, v in nnx.to_flat_state(nnx.state(model)):
             names |= {a for a in (v.get_metadata().get("out_sharding") or ()) if a is not None}
     assert names - {r for r, _ in LOGICAL_AXIS_RULES} == set()
 
@@ -347,8 +347,8 @@ def _param_report(trainer, name: str) -> dict:
 
     model, optimizer = nnx.merge(trainer.graphdef, trainer.state)
     mesh = trainer.setup.mesh
-    params = {"/".join(map(str, p)): v.get_value() for p, v in nnx.state(model).flat_state()}
-    moments = {"/".join(map(str, p)): v.get_value() for p, v in nnx.state(optimizer).flat_state()}
+    params = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
+    moments = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(optimizer))}
     report = {}
     for path, (spec, _) in EXPECTED.get(name, {}).items():
         x = params[path]
