@@ -6,7 +6,7 @@ then the indexer parameters' gradients of the warm-up loss on one training batch
 One held-out batch (4 x max_target_length) for the per-layer lines; `allzero` is the share of rows
 whose every visible score is exactly 0 (every head's ReLU off on every block: a dead row, which
 gets no gradient). Gradient lines: RMS and median |g| per parameter (compare with adam_eps).
-Figures: docs/benchmarks.md, issue 11.
+Figures: docs/benchmarks.md#why-the-defaults (the warm-up preset).
 """
 import sys
 import numpy as np, jax, jax.numpy as jnp

@@ -6,9 +6,9 @@ and routed experts: hidden 4096, 64 heads x 512, q/o low rank 1024, 8 output gro
 weights, FP4 experts, BF16/F32 rest, one shard per layer, index file, an MTP block), written one
 shard at a time by tests/hf_checkpoints.py.
 
-    .venv/bin/python tools/make_flash_width_checkpoint.py /tmp/flash4 --layers 4 --experts 2
+    .venv/bin/python tools/make_flash_width_checkpoint.py runs/flash4-src --layers 4 --experts 2
     .venv/bin/python tools/make_flash_width_checkpoint.py DeepSeek-V4-Small --small   # toy width, seconds
-    /usr/bin/time -v .venv/bin/dsv4 import-hf /tmp/flash4 --output /tmp/runs/flash4
+    /usr/bin/time -v .venv/bin/dsv4 import-hf runs/flash4-src --output runs/flash4   # docs/benchmarks.md
 """
 
 from __future__ import annotations

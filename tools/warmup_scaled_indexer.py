@@ -6,7 +6,7 @@ SCALE 0 is the warm-up from an indexer with weights_init="zeros" (core.model.ind
 pre-training stage never reads or trains the indexer, so its checkpoint with weights_proj zeroed
 is what a pre-training with that init would have written. Prints step, indexer_loss, grad_norm,
 step time every 10 steps; OUTPUT is an ordinary warm-up run (dsv4 eval-indexer OUTPUT).
-Figures: docs/benchmarks.md, issue 11.
+Figures: docs/benchmarks.md#why-the-defaults (the warm-up preset).
 """
 import sys
 

@@ -12,7 +12,7 @@ bounds what learning the keys and queries from scratch costs the ordinary warm-u
 only the compressor, `queries` only wq_b (the other part keeps its random init). Not a preset:
 it needs HI = H and DI = D, which no real DeepSeek-V4 has. Prints step, indexer_loss, grad_norm
 every 10 steps; OUTPUT is an ordinary warm-up run (dsv4 eval-indexer OUTPUT).
-Figures: docs/benchmarks.md, issue 11 (kl_captured sweep).
+Figures: docs/benchmarks.md#recipe-quality.
 """
 import sys
 

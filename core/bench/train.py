@@ -167,7 +167,7 @@ def measure_shape(cfg, steps: int, trace_steps: int = 0) -> dict[str, Any]:
     Returns:
       {"compile_s" (lower + compile), "first_step_s", "step_time_s" (median of the timed steps),
        "tokens_per_step", "tokens_per_s", "temp_bytes", "peak_rss_bytes" (this process's max RSS),
-       "last": the last step's metrics, and with trace_steps "time": bench_time.trace_step's dict}.
+       "last": the last step's metrics, and with trace_steps "time": core.bench.trace.trace_step's dict}.
     """
     import jax
     import numpy as np

@@ -1,6 +1,6 @@
 """Indexer-quality metrics of one CSA layer against its dense teacher: pure, jit-safe maths.
 
-Part of `dsv4 eval-indexer` (issue 6; the driver, the pooling over batches and the derived
+Part of `dsv4 eval-indexer` (the driver, the pooling over batches and the derived
 ratios kl_captured and gain@k are in core/eval/evaluate.py), on top of DESIGN.md, "The indexer loss".
 Per CSA layer, the *dense teacher* is the loss's "compressed" teacher with every visible block
 allowed: P[t, :] = sum_h softmax_w(Q_h[t] . K[w] over visible w), L1-normalised (+1e-8, as in

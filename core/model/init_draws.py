@@ -1,8 +1,8 @@
 """Fan-in truncated-normal initialisers that share a few XLA programs across parameter shapes.
 
 Eagerly, `jax.random.truncated_normal(key, -2, 2, shape)` is one jitted program per distinct
-(shape, key batch) pair: deepseek4-tiny's build compiled 25 of them, ~1 CPU s each, most of its
-time to step 0 (docs/benchmarks.md, session 5). With the partitionable threefry
+(shape, key batch) pair, and compiling those programs was most of the model build's share of the
+time to step 0 (docs/benchmarks.md#why-the-defaults). With the partitionable threefry
 (`jax_threefry_partitionable`, JAX's default) the random bits of element i of a draw are a
 function of the key and of i, the element's row-major flat index, alone; uniform -> erf_inv ->
 clip is elementwise. So the draw of `shape` equals the first prod(shape) elements of a flat draw of

@@ -16,7 +16,8 @@ sigmoid(mixes * scale + base) + eps from its own fn [n*M, n] (one scale). All mi
 float32 whatever the compute dtype; the sublayer's RMSNorm (attn_norm/ffn_norm) comes after
 `pre`, outside these modules.
 
-Implementation (XLA CPU runs this op-count bound: ~80 call sites of [B, T, 4, 4] maths per step):
+Implementation (XLA CPU runs this op-count bound: many tiny [B, T, 4, 4] ops in every layer;
+docs/benchmarks.md#why-the-defaults):
 Sinkhorn runs on the token-minor layout [n, n, B*T], its row / column sums as adds of n slices,
 so one iteration is one elementwise fusion, with a custom VJP (the analytic backward of each
 normalisation in one reverse loop); the mixes are scaled after the projection, and the post's
@@ -58,7 +59,8 @@ def sum_copies(x, axis: int):
 
     XLA CPU runs a reduce over a size-4 axis as its own tiny thunk; a sum of slices is
     elementwise, so a whole normalisation fuses into one loop (equal to float32 rounding). The
-    hyper-connection mixes stay einsums: as slice sums they measured slower on XLA CPU.
+    hyper-connection mixes stay einsums: as slice sums they run slower on XLA CPU
+    (docs/benchmarks.md#why-the-defaults).
     """
     return _fold_copies(operator.add, x, axis)
 

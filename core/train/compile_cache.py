@@ -3,11 +3,12 @@
 A compiled train step is written to the cache directory, keyed by the program (its HLO), the
 backend and the JAX / XLA versions, so a second run of the same shape and config reads the
 executable back instead of compiling it (DESIGN.md's "time to step 0": the compile is most of
-it on a CPU). Every program is written by default (`min_compile_time_s=0`), the small ones of
-model building too: deepseek4-tiny's ~85 eager programs (a few shared jax.random draws,
-core/model/init_draws.py, per-shape cuts and constants, one program for the optimizer state), ~8 CPU s
-together; a rerun reads them back. A threshold of JAX's default kind (1 s) cached a
-load-dependent subset of them.
+it on a CPU). Every program is written by default (`min_compile_time_s=0`), the small eager ones
+of model building too (a few shared jax.random draws, core/model/init_draws.py, per-shape cuts
+and constants, one program for the optimizer state), so a rerun reads those back as well. A
+compile-time threshold such as JAX's default of 1 s would cache whichever of them happened to
+compile slowly under the machine's load: a different subset on every run
+(docs/benchmarks.md#why-the-defaults).
 
 Deviation from MaxText: the default is a per-user directory (`~/.cache/dsv4/jax`, or
 `$XDG_CACHE_HOME/dsv4/jax`), not `~/jax_cache`; an empty value turns the cache off. The cache is

@@ -138,10 +138,10 @@ def step_ok(total, grad_norm, params, *, abort_on_nan: bool, abort_on_inf: bool)
 def keep_if_ok(ok, new_state, old_state):
     """Jit-safe: `new_state` where `ok`, else `old_state` (same tree).
 
-    One `lax.cond` over the whole state, not a `where` per leaf: the same values, but a per-leaf
-    select makes every updated array wait on the all-parameter finiteness test, which more than
-    doubled XLA's compile of the deepseek4-tiny train step (102 -> 48 CPU s, docs/benchmarks.md,
-    "Time to step 0"); the compiled temp memory is unchanged.
+    One `lax.cond` over the whole state, not a `where` per leaf: the same values and the same
+    compiled temp memory, but a per-leaf select makes every updated array wait on the
+    all-parameter finiteness test, which makes XLA's fusion and copy-insertion passes over the
+    train step far slower (docs/benchmarks.md#why-the-defaults).
     """
     import jax
 
