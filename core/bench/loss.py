@@ -1,4 +1,4 @@
-"""Speed and memory of the CSA indexer loss, direct vs chunked vs streamed (`dsv4 bench`, issue 7).
+"""Speed and memory of the CSA indexer loss, direct vs chunked vs streamed (`dsv4 bench`).
 
 For each sequence length the loss step (forward + backward to the indexer's queries, keys and
 weights, with the top-k selection of sparse training) is built four ways, plus the teacher and KL
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from core.config.schema import load_config
-from core.errors import ConfigError, DsvError
+from core.errors import ConfigError
 from core.ops.topk import indexer_scores, select_topk, selection_mask
 from core.loss.indexer_kl import csa_indexer_loss
 from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed
@@ -325,14 +325,3 @@ def run_loss_bench(shape: LossShape, seqs: list[int], *, head_chunk: int | None 
     device = f"{jax.devices()[0].platform}:{jax.devices()[0].device_kind} x{jax.device_count()}"
     matmul = max(row.matmul_gflops for row in rows)
     return LossBenchResult(shape, head_chunk, query_chunk, repeats, device, budget, matmul, rows)
-
-
-def run_train_bench(steps: int = 5) -> dict[str, Any]:
-    """Tokens/s and step time of the deepseek4-tiny training step, warm-up and sparse."""
-    try:
-        from core.train.run import benchmark_train_step
-    except ImportError:
-        raise DsvError("dsv4 bench --train needs core.train.run.benchmark_train_step, which is not built yet: "
-                       "run dsv4 bench without --train.") from None
-    return {stage: benchmark_train_step(load_config("deepseek4-tiny", stage=stage), steps)
-            for stage in ("warmup", "sparse")}

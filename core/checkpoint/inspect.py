@@ -1,4 +1,4 @@
-"""What a checkpoint holds, from Orbax metadata only: no array is read (`dsv4 inspect-ckpt`, issue 6).
+"""What a checkpoint holds, from Orbax metadata only: no array is read (`dsv4 inspect-ckpt`).
 
 Built on `core.checkpoint.store`'s public readers: `resolve_checkpoint` (which step), `read_metadata`
 (the JSON item: config, stage, step, metrics), `read_tree` (shapes and dtypes of the model and
@@ -10,8 +10,9 @@ load-balance update, not by gradients), everything else an `nnx.Param`. Totals a
 `core.model.params.count_parameters`, the one count the training header and `core.model.transformer.param_counts`
 also use: parameters = the nnx.Params + the router biases (the official inventory, MTP excluded)
 = trainable + frozen + router bias; the hash tables are listed beside it, not counted. Trainable
-follows `core.train.run.path_matcher`: a `trainable_parameters_mask` regex fully matches the
-'/'-joined path (empty mask = all) and no `frozen_parameters_mask` regex does.
+is `core.model.params.mask_matcher`, the rule the train step applies too: a
+`trainable_parameters_mask` regex fully matches the '/'-joined path (empty mask = all) and no
+`frozen_parameters_mask` regex does.
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ from typing import Any
 
 import yaml
 
+from core.config.stages import STAGE_COMMANDS
 from core.errors import ConfigError
 
-STAGES = ("warmup", "sparse", "pretrain")
+STAGES = tuple(STAGE_COMMANDS)  # the stage commands, each with a preset under base.yml's `stages:`
 
 
 def configs_dir() -> Path:

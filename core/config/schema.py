@@ -21,6 +21,7 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from core.config.files import base_defaults, model_file, read_yaml, stage_presets
+from core.config.stages import WARMUP, stage_of
 from core.config.validate import LAYER_KINDS, validate
 from core.config.values import coerce, parse_override
 from core.config.values import plain as _plain
@@ -174,8 +175,8 @@ class Config:
 
     @property
     def dense_warmup(self) -> bool:
-        """DESIGN.md's stage table: training with an indexer loss but not through the top-k."""
-        return self.indexer_loss_scaling_factor > 0 and not self.indexer_sparse_training
+        """Whether the config is the warm-up row of the stage table (core/config/stages.py)."""
+        return stage_of(self) is WARMUP
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -194,7 +195,16 @@ _HINTS = typing.get_type_hints(Config)
 # ----------------------------------------------------------------------------- entry points
 
 
-def _canonical_key(key: str, source: str) -> str:
+def canonical_key(key: str, source: str) -> str:
+    """The Config field `key` names, through `ALIASES`.
+
+    Args:
+      key: a key as written in a file, an override or an option.
+      source: where it was written, for the message (e.g. "override 'steps=3'").
+    Returns:
+      The field name. An unknown key raises ConfigError with a did-you-mean (difflib over the
+      fields and the aliases) or, with no close match, a pointer to configs/base.yml.
+    """
     key = ALIASES.get(key, key)
     if key not in FIELDS:
         hint = difflib.get_close_matches(key, list(FIELDS) + list(ALIASES), n=1)
@@ -207,7 +217,7 @@ def _merge(into: dict[str, Any], data: Mapping[str, Any], source: str) -> None:
     for key, value in data.items():
         if key == "stages" and source.startswith("base"):
             continue
-        into[_canonical_key(str(key), source)] = value
+        into[canonical_key(str(key), source)] = value
 
 
 def from_values(values: Mapping[str, Any], stage: str | None = None) -> Config:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+
+from core.config.stages import STAGE_COMMANDS, stage_of
 from core.errors import ConfigError
 
 LAYER_KINDS = {0: "swa", 4: "csa", 128: "hca"}  # compress ratio -> layer kind
@@ -155,18 +157,33 @@ def _check_masks(cfg) -> None:
 
 
 def _check_stage(cfg, stage: str | None) -> None:
-    """DESIGN.md's stage table: pre-training leaves the indexer idle, the warm-up is dense."""
-    if cfg.dense_pretraining:
-        _check(cfg.indexer_loss_scaling_factor == 0 and not cfg.indexer_sparse_training,
-               f"dense_pretraining=true with indexer_loss_scaling_factor={cfg.indexer_loss_scaling_factor} "
-               f"indexer_sparse_training={cfg.indexer_sparse_training}: pre-training leaves the indexer idle; "
-               "set the factor to 0 and indexer_sparse_training=false (or use dsv4 warmup / dsv4 sparse).")
-    if stage == "pretrain":
-        _check(cfg.dense_pretraining,
-               "dense_pretraining=false in dsv4 pretrain: stage 1 attends every visible block; "
-               "use dsv4 sparse to train through the top-k.")
-    if stage == "warmup":
-        _check(cfg.indexer_loss_scaling_factor > 0,
-               "indexer_loss_scaling_factor=0 in a warm-up trains nothing (the LM loss is not run there): give it a value > 0, e.g. 0.01.")
-        _check(not cfg.indexer_sparse_training,
-               "indexer_sparse_training=true in dsv4 warmup: the warm-up is dense; use dsv4 sparse for sparse training.")
+    """DESIGN.md's stage table (core/config/stages.py): the config matches a row, and a stage
+    command's config resolves to that command's row (`STAGE_COMMANDS`)."""
+    _check(not cfg.dense_pretraining or (cfg.indexer_loss_scaling_factor == 0 and not cfg.indexer_sparse_training),
+           f"dense_pretraining=true with indexer_loss_scaling_factor={cfg.indexer_loss_scaling_factor} "
+           f"indexer_sparse_training={cfg.indexer_sparse_training}: pre-training leaves the indexer idle; "
+           "set the factor to 0 and indexer_sparse_training=false (or use dsv4 warmup / dsv4 sparse).")
+    if stage is None:
+        return
+    row = stage_of(cfg)
+    if row is not STAGE_COMMANDS[stage]:
+        raise ConfigError(_STAGE_FIXES[stage, row.name])
+
+
+# (stage command, the other row its config resolved to) -> the key that moved it there, and the fix
+_STAGE_FIXES = {
+    **dict.fromkeys([("pretrain", "warmup"), ("pretrain", "sparse"), ("pretrain", "no_indexer_loss")],
+                    "dense_pretraining=false in dsv4 pretrain: stage 1 attends every visible block; "
+                    "use dsv4 sparse to train through the top-k."),
+    **dict.fromkeys([("warmup", "pretrain"), ("warmup", "no_indexer_loss")],
+                    "indexer_loss_scaling_factor=0 in a warm-up trains nothing (the LM loss is not run there): "
+                    "give it a value > 0, e.g. 0.01."),
+    ("warmup", "sparse"): "indexer_sparse_training=true in dsv4 warmup: the warm-up is dense; "
+                          "use dsv4 sparse for sparse training.",
+    ("sparse", "pretrain"): "dense_pretraining=true in dsv4 sparse: the sparse stage trains through the top-k; "
+                            "set dense_pretraining=false (or use dsv4 pretrain for dense pre-training).",
+    ("sparse", "warmup"): "indexer_sparse_training=false in dsv4 sparse: the sparse stage trains through the top-k; "
+                          "set indexer_sparse_training=true (or use dsv4 warmup for the dense warm-up).",
+    ("sparse", "no_indexer_loss"): "indexer_loss_scaling_factor=0 in dsv4 sparse: the sparse stage trains the "
+                                   "indexer by its KL loss; give it a value > 0, e.g. 0.1.",
+}

@@ -1,7 +1,7 @@
 """Indexer quality against the dense teacher: KL, recall@k, overlap@k, baselines, kl_captured,
 gain@k, LM-loss gap.
 
-Implements `dsv4 eval-indexer` (issue 6) on top of DESIGN.md, "The indexer loss". The per-row
+Implements `dsv4 eval-indexer` on top of DESIGN.md, "The indexer loss". The per-row
 metrics of one CSA layer and their definitions (dense teacher, valid and informative rows, kl,
 recall@k, overlap@k, the oracle, recent and random baselines, kl_uniform) are the pure maths of
 core/eval/metrics.py; this module pools them over batches and layers and runs
@@ -259,21 +259,15 @@ def evaluate_indexer(model, cfg, batches: Iterable[dict[str, Any]], *, ks: Seque
 
 
 def with_overrides(cfg, overrides: Sequence[str]):
-    """cfg with "KEY=VALUE" overrides applied (validated; unknown keys get a did-you-mean)."""
-    import difflib
-
-    from core.config.schema import ALIASES, FIELDS, parse_override
-    from core.errors import ConfigError
+    """cfg with "KEY=VALUE" overrides applied (validated; aliases accepted, unknown keys get a
+    did-you-mean: `core.config.schema.canonical_key`)."""
+    from core.config.schema import canonical_key
+    from core.config.values import parse_override
 
     changes = {}
     for text in overrides:
         key, value = parse_override(text)
-        key = ALIASES.get(key, key)
-        if key not in FIELDS:
-            hint = difflib.get_close_matches(key, list(FIELDS), n=1)
-            fix = f"did you mean {hint[0]!r}?" if hint else "see configs/base.yml for every key."
-            raise ConfigError(f"unknown config key {key!r} (from override {text!r}): {fix}")
-        changes[key] = value
+        changes[canonical_key(key, f"override {text!r}")] = value
     return cfg.replace(**changes) if changes else cfg
 
 

@@ -36,7 +36,15 @@ def variable_kind(path: str) -> str:
 
 
 def mask_matcher(patterns: Sequence[str], frozen: Sequence[str] = ()) -> Callable[[str], bool]:
-    """path -> trainable?, the rule of core.train.run.path_matcher on '/'-joined paths."""
+    """The one trainable rule (the train step's optimizer and gradients, the counts, inspect-ckpt).
+
+    Args:
+      patterns: `trainable_parameters_mask` regexes; empty = every parameter.
+      frozen: `frozen_parameters_mask` regexes, which win over `patterns`.
+    Returns:
+      '/'-joined path -> True when one of `patterns` fully matches it (or there are none) and no
+      `frozen` pattern does.
+    """
     compiled, never = [re.compile(p) for p in patterns], [re.compile(p) for p in frozen]
     return lambda path: ((not compiled or any(c.fullmatch(path) for c in compiled))
                          and not any(c.fullmatch(path) for c in never))

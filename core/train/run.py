@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import jax
-import numpy as np
 from flax import nnx
 
 from core.checkpoint import store as ckpt
+from core.config.stages import stage_of
 from core import tree
 from core.checkpoint import run_files
 from core.train import guard as run_guard
@@ -38,7 +38,7 @@ from core.parallel.mesh import describe_mesh
 from core.parallel.sharding import shard_batch
 from core.train.handoff import is_indexer, source_lacks_indexer, topk_warning
 from core.train.tensorboard import EventWriter
-from core.train.step import METRIC_KEYS, abstract_pure, build, check_masks, has_config, load_init_weights, make_train_step
+from core.train.step import METRIC_KEYS, abstract_pure, build, check_masks, has_config, load_init_weights
 
 
 # ----------------------------------------------------------------------------- the run
@@ -111,8 +111,8 @@ class Trainer:
         # the step needs only shapes: compile it while the model builds (unless this process already has)
         ahead = None
         if cfg.compile_ahead and not has_config(cfg):
-            if cfg.dense_pretraining or cfg.trainable_parameters_mask:  # masks that can be wrong: check them
-                # first, from shapes (a compile under way would hold the error's exit until it ends)
+            if not stage_of(cfg).trains_indexer or cfg.trainable_parameters_mask:  # masks that can be wrong:
+                # check them first, from shapes (a compile under way would hold the error's exit until it ends)
                 check_masks(cfg, self._abstract_model())
             ahead = StepPrecompile(cfg)
         self.setup = setup = build(cfg)
@@ -253,30 +253,3 @@ class Trainer:
         latest = self.ckpt.latest_step()
         return {"run_dir": str(self.run_dir), "first": rows[0] if rows else None, "last": rows[-1] if rows else None,
                 "checkpoint": None if latest is None else str(self.ckpt.dir / str(latest))}
-
-
-def benchmark_train_step(cfg, steps: int) -> dict[str, Any]:
-    """Time `steps` train steps of `cfg` after a compile step (no checkpoints, batches made upfront).
-
-    Returns:
-      {"stage", "compile_s" (first step, compile included), "step_time_s" (median), "tokens_per_step",
-       "tokens_per_s", "params_total", "params_trainable", "devices", "last": metrics of the last step}.
-    """
-    setup = build(cfg)
-    graphdef, state = nnx.split((setup.model, setup.optimizer))
-    step_fn = make_train_step(cfg, graphdef, state, setup.mesh)
-    data = train_batches(cfg, setup.batch_size)
-    batches = [next(data) for _ in range(steps + 1)]
-    times, metrics = [], {}
-    for batch in batches:
-        start = time.perf_counter()
-        state, metrics = step_fn(state, shard_batch(batch, setup.mesh))
-        metrics = jax.device_get(metrics)
-        times.append(time.perf_counter() - start)
-    tokens = setup.batch_size * cfg.max_target_length
-    step_time = float(np.median(times[1:])) if steps else times[0]
-    stage = "warmup" if cfg.dense_warmup else "pretrain" if cfg.dense_pretraining else "sparse"
-    return {"stage": stage, "compile_s": times[0], "step_time_s": step_time,
-            "tokens_per_step": tokens, "tokens_per_s": tokens / step_time, "params_total": setup.params_total,
-            "params_trainable": setup.params_trainable, "devices": jax.device_count(),
-            "last": {k: float(v) for k, v in metrics.items()}}

@@ -1,15 +1,16 @@
 """The training step: losses, AdamW with the trainable mask, router-bias updates, the jit, building.
 
-DESIGN.md's stage table decides what a step computes (the model routes by the config):
+DESIGN.md's stage table (`core.config.stages.stage_of`) decides what a step computes:
 total_loss = lm_loss + indexer_loss + moe_lb_loss, where lm_loss is the mean next-token
-cross-entropy over `loss_mask` and exactly 0.0 (not computed) when the model skips its head in
-the dense warm-up.
+cross-entropy over `loss_mask`, and exactly 0.0 (not computed: the model skips its head) in a row
+without an LM loss (the warm-up).
 
 Optimizer: AdamW (decoupled weight decay) on a linear warm-up then cosine schedule, after
 global-norm clipping, inside `optax.multi_transform({"train": ..., "frozen": set_to_zero()})`
 keyed by `trainable_parameters_mask` (regexes fully matching '/'-joined parameter paths such as
 `layers/3/attn/indexer/wq_b`; empty = everything) minus `frozen_parameters_mask` (the same kind of
-regexes; dsv4 pretrain freezes '.*indexer.*'). Frozen parameters hold no optimizer state.
+regexes; dsv4 pretrain freezes '.*indexer.*'): `core.model.params.mask_matcher`, the rule the counts
+and inspect-ckpt use too. Frozen parameters hold no optimizer state.
 Gradients are only taken with respect to trainable parameters, so XLA never builds the frozen
 part of the backward pass (in the warm-up only the indexer's own small backward runs); frozen
 parameters get an explicit zero gradient for the optimizer's tree and stay bitwise unchanged.
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -41,16 +41,17 @@ from flax import nnx
 
 from core.checkpoint import store as ckpt
 from core import tree
+from core.config.stages import stage_of
 from core.train import guard as run_guard
 from core.errors import ConfigError
 from core.model.init_draws import bucketed_draws
 from core.loss.lm import lm_loss_from_hidden
 from core.model.transformer import Transformer
 from core.model.moe import RouterBias
-from core.model.params import count_parameters
+from core.model.params import count_parameters, mask_matcher
 from core.parallel.sharding import abstract_state, create_sharded, shard_state, state_shardings
 from core.parallel.mesh import make_mesh
-from core.train.handoff import without_indexer
+from core.train.handoff import is_indexer, without_indexer
 
 METRIC_KEYS = ("total_loss", "lm_loss", "indexer_loss", "moe_lb_loss", "grad_norm", "learning_rate")
 
@@ -80,26 +81,11 @@ def learning_rate_schedule(cfg) -> Callable[[Any], Any]:
 # ----------------------------------------------------------------------------- trainable mask
 
 
-def _path(path: Sequence[Any]) -> str:
-    """'/'-joined parameter path from nnx (str/int) or pytree (DictKey, SequenceKey, .value) keys."""
-    names = []
-    for k in path:
-        name = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
-        if not (hasattr(k, "name") and name == "value"):  # a Variable's own value attribute
-            names.append(str(name))
-    return "/".join(names)
-
-
 def path_matcher(patterns: Sequence[str], frozen: Sequence[str] = ()) -> Callable[[Sequence[Any]], bool]:
-    """path -> True if it is trainable: (empty patterns, or one fully matches the '/'-joined path)
-    and no `frozen` pattern fully matches it."""
-    compiled, never = [re.compile(p) for p in patterns], [re.compile(p) for p in frozen]
-
-    def trainable(path):
-        name = _path(path)
-        return (not compiled or any(c.fullmatch(name) for c in compiled)) and not any(c.fullmatch(name) for c in never)
-
-    return trainable
+    """`mask_matcher` on key paths (nnx's str/int entries, or a pytree's DictKey, SequenceKey, ...),
+    `tree.join`ed as a checkpoint names them."""
+    trainable = mask_matcher(patterns, frozen)
+    return lambda path: trainable(tree.join(path))
 
 
 def config_matcher(cfg) -> Callable[[Sequence[Any]], bool]:
@@ -109,9 +95,9 @@ def config_matcher(cfg) -> Callable[[Sequence[Any]], bool]:
 
 def trainable_labels(model: nnx.Module, patterns: Sequence[str], frozen: Sequence[str] = ()) -> dict[str, bool]:
     """{parameter path: trainable?}; ConfigError if the masks leave nothing to train."""
-    trainable = path_matcher(patterns, frozen)
+    trainable = mask_matcher(patterns, frozen)
     paths = list(tree.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
-    labels = {p: trainable(p.split("/")) for p in paths}
+    labels = {p: trainable(p) for p in paths}
     if not any(labels.values()):
         outside = f" outside frozen_parameters_mask={list(frozen)}" if frozen else ""
         raise ConfigError(f"trainable_parameters_mask={list(patterns)} matches no parameter{outside}: paths look like "
@@ -186,9 +172,10 @@ def step_compiler_options(cfg, backend: str | None = None) -> dict[str, Any]:
     """XLA options of the train step's compile (the jitted and the ahead-of-time step alike; JAX's
     persistent cache keys on them): LLVM's `xla_backend_optimization_level`.
 
-    -1 (the default) is `AUTO_CPU_LEVEL` on the CPU backend, where it compiles the step 10-25% faster
-    and runs it as fast (docs/benchmarks.md, session 5), and XLA's own level elsewhere (not
-    measured there); 0-3 apply on any backend. A --xla_backend_optimization_level in XLA_FLAGS wins.
+    -1 (the default) is `AUTO_CPU_LEVEL` on the CPU backend, where the step compiles faster than at
+    XLA's default and runs as fast (docs/benchmarks.md#why-the-defaults), and XLA's own level on
+    other backends (not measured there); 0-3 apply on any backend. A
+    --xla_backend_optimization_level in XLA_FLAGS wins.
 
     Args:
       backend: the JAX backend the step compiles for (default: `jax.default_backend()`).
@@ -238,6 +225,7 @@ def cached_compiled(key):
 
 def step_fn(cfg, graphdef):
     trainable = config_matcher(cfg)
+    lm_loss = stage_of(cfg).lm_loss  # False in the warm-up: the model returns no hidden states for the head
     grad_filter = nnx.All(nnx.Param, lambda path, _: trainable(path))
     frozen_filter = nnx.All(nnx.Param, nnx.Not(grad_filter))
     # A router bias moves unless its router is frozen: neither it nor the router weight is trainable.
@@ -252,8 +240,8 @@ def step_fn(cfg, graphdef):
 
         def loss_fn(model):
             h, aux = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], mode="train")
-            lm = (jnp.zeros((), jnp.float32) if h is None else lm_loss_from_hidden(
-                h, model.head[...], batch["targets"], batch["loss_mask"], chunk=cfg.lm_loss_chunk_size))
+            lm = (lm_loss_from_hidden(h, model.head[...], batch["targets"], batch["loss_mask"],
+                                      chunk=cfg.lm_loss_chunk_size) if lm_loss else jnp.zeros((), jnp.float32))
             return lm + aux["indexer_loss"] + aux["moe_lb_loss"], (lm, aux)
 
         grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, grad_filter), has_aux=True)
@@ -297,11 +285,11 @@ class Setup:
 def build(cfg) -> Setup:
     """Model and optimizer on the config's mesh, with their rule-given shardings.
 
-    On a single CPU process the model is built eagerly and then placed (`shard_state`): compiling
-    the initialiser of a 43-layer model as one XLA program takes minutes on a CPU, op-by-op creation
-    seconds. Its optimizer state (zeros) is the opposite: one small jitted program instead of one
-    per distinct parameter shape (~1 CPU s less of the build beside the step's compile). Elsewhere
-    `create_sharded` builds both directly into their shards.
+    On a single CPU process the model is built eagerly and then placed (`shard_state`): the CPU
+    compiles a many-layer model's initialiser as one XLA program far more slowly than it creates
+    the parameters op by op. Its optimizer state (zeros) is the opposite: one small jitted program
+    is cheaper than one per distinct parameter shape (docs/benchmarks.md#why-the-defaults).
+    Elsewhere `create_sharded` builds both directly into their shards.
     """
     mesh = make_mesh(cfg)
     make_model = lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))  # noqa: E731
@@ -323,9 +311,10 @@ def build(cfg) -> Setup:
 
 def check_masks(cfg, model) -> dict[str, bool]:
     """`trainable_labels` of `model` (concrete or `nnx.eval_shape`), and ConfigError when the masks
-    train the indexer of a dense pre-training run, which leaves it idle."""
+    train the indexer in a stage-table row that does not (`Stage.trains_indexer`: pre-training,
+    where no loss reaches it)."""
     labels = trainable_labels(model, cfg.trainable_parameters_mask, cfg.frozen_parameters_mask)
-    if cfg.dense_pretraining and any(v for p, v in labels.items() if "/indexer/" in f"/{p}/"):
+    if not stage_of(cfg).trains_indexer and any(v for p, v in labels.items() if is_indexer(p)):
         raise ConfigError("dense_pretraining=true leaves the indexer idle, yet the masks train its parameters "
                           "(weight decay alone would move them): add '.*indexer.*' to frozen_parameters_mask.")
     return labels

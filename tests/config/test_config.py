@@ -10,6 +10,8 @@ import yaml
 
 from core.config import schema as C
 from core.config import files as config_files
+from core.config import stages
+from core.config.stages import stage_of
 from core.errors import ConfigError
 
 MODELS = config_files.model_names()
@@ -65,11 +67,34 @@ def test_precedence(tmp_path):
 
 def test_stage_presets():
     warm = C.load_config(stage="warmup")
-    assert warm.dense_warmup and not warm.indexer_sparse_training
+    assert stage_of(warm) is stages.WARMUP and not warm.indexer_sparse_training
     sparse = C.load_config(stage="sparse")
     assert sparse.indexer_sparse_training and sparse.indexer_loss_scaling_factor == 0.1
-    assert sparse.trainable_parameters_mask == () and not sparse.dense_warmup
-    assert not C.load_config().dense_warmup  # default scale 0
+    assert sparse.trainable_parameters_mask == () and stage_of(sparse) is stages.SPARSE
+    assert stage_of(C.load_config()) is stages.NO_INDEXER_LOSS  # default scale 0
+    for command, row in stages.STAGE_COMMANDS.items():  # each command's preset resolves to its row
+        assert stage_of(C.load_config(stage=command)) is row, command
+    assert config_files.STAGES == tuple(stages.STAGE_COMMANDS)
+
+
+@pytest.mark.parametrize("stage,overrides,message", [
+    ("pretrain", ["dense_pretraining=false"], "dense_pretraining=false in dsv4 pretrain"),
+    ("pretrain", ["indexer_loss_scaling_factor=0.1"], "dense_pretraining=true with indexer_loss_scaling_factor=0.1"),
+    ("warmup", ["indexer_loss_scaling_factor=0"], "indexer_loss_scaling_factor=0 in a warm-up trains nothing"),
+    ("warmup", ["indexer_loss_scaling_factor=0", "dense_pretraining=true"], "in a warm-up trains nothing"),
+    ("warmup", ["indexer_sparse_training=true"], "indexer_sparse_training=true in dsv4 warmup"),
+    ("sparse", ["indexer_sparse_training=false"], "indexer_sparse_training=false in dsv4 sparse"),
+    ("sparse", ["indexer_loss_scaling_factor=0"], "indexer_loss_scaling_factor=0 in dsv4 sparse"),
+    ("sparse", ["indexer_loss_scaling_factor=0", "indexer_sparse_training=false", "dense_pretraining=true"],
+     "dense_pretraining=true in dsv4 sparse"),
+    (None, ["dense_pretraining=true", "indexer_sparse_training=true"], "pre-training leaves the indexer idle"),
+])
+def test_stage_commands_refuse_other_rows(stage, overrides, message):
+    """A stage command's config must resolve to its row of the stage table (core/config/stages.py),
+    and every config to some row; the message names the key, its value and the fix."""
+    with pytest.raises(ConfigError, match=message) as e:
+        C.load_config(stage=stage, overrides=overrides)
+    assert len(str(e.value).splitlines()) == 1 and ("use dsv4" in str(e.value) or "give it" in str(e.value))
 
 
 def test_seed_repro_command_parses():

@@ -265,3 +265,20 @@ def test_topk_warnings_fire_exactly_when_topk_cannot_bind(topk, length, binds):
     assert bool(eval_topk_warnings((topk,), [1], topk, length)) == (not binds)
     rows = eval_topk_warnings((4, topk), [5, 0], 4, length)  # k=topk binds on no evaluated row
     assert len(rows) == 1 and f"k={topk}" in rows[0]
+
+
+def test_overrides_accept_aliases_and_hint_typos():
+    """eval-indexer's KEY=VALUE overrides go through the config's own key check: an alias names its
+    field, a typo gets the did-you-mean, an alias typo the alias."""
+    from core.config.schema import load_config
+    from core.errors import ConfigError
+
+    cfg = load_config("deepseek4-tiny")
+    assert ev.with_overrides(cfg, ["mla_qk_head_chunk_size=2"]).csa_qk_head_chunk_size == 2
+    assert ev.with_overrides(cfg, ["indexer_topk=8", "steps=3"]) == cfg.replace(indexer_topk=8, steps=3)
+    assert ev.with_overrides(cfg, []) is cfg
+    with pytest.raises(ConfigError, match=r"unknown config key 'indexr_topk' \(from override 'indexr_topk=3'\): "
+                                          r"did you mean 'indexer_topk'\?"):
+        ev.with_overrides(cfg, ["indexr_topk=3"])
+    with pytest.raises(ConfigError, match="did you mean 'mla_qk_head_chunk_size'"):
+        ev.with_overrides(cfg, ["mla_qk_head_chunk_sizes=2"])

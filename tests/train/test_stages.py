@@ -18,6 +18,7 @@ from core.checkpoint import run_files
 from core.train import run as train
 from core.train import step as train_step
 from core.errors import CheckpointError
+from core.model.transformer import Transformer
 from core.train.handoff import is_indexer, topk_warning
 from dsv4cli.main import app
 
@@ -36,7 +37,7 @@ def test_pretrain_trains_all_but_the_indexer(stage_chain):
     run, output = stage_chain["pretrain"]
     model, cfg, meta = ckpt.restore_model(run)
     assert meta["stage"] == "pretrain" and cfg.dense_pretraining and cfg.frozen_parameters_mask == (".*indexer.*",)
-    initial = _params(train.Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
+    initial = _params(Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
     trained = _params(model)
     indexer = [k for k in trained if is_indexer(k)]
     assert indexer and len(indexer) < len(trained)
@@ -153,7 +154,7 @@ def test_pretrain_forward_is_dense_with_the_head_and_no_indexer_loss():
     import jax.numpy as jnp
 
     cfg = tiny_config("pretrain", "indexer_topk=2", "per_device_batch_size=1")
-    model = train.Transformer(cfg, rngs=nnx.Rngs(0))
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (1, cfg.max_target_length), 0, cfg.vocab_size)
     positions = jnp.arange(cfg.max_target_length)[None]
     segments = jnp.ones_like(tokens)
