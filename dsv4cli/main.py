@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import glob
+import os
 from typing import Annotated, Optional
 
 import typer
@@ -34,7 +36,7 @@ def _root(
 
 
 def _register() -> None:
-    from dsv4cli import bench, eval_indexer, export_hf, import_hf, inspect_ckpt, train_cmds
+    from dsv4cli import bench, eval_indexer, export_hf, import_hf, inspect_ckpt, plan, train_cmds
 
     app.command("pretrain", help=train_cmds.PRETRAIN_HELP, short_help=train_cmds.PRETRAIN_HELP.split(":")[0] + ".", epilog=train_cmds.PRETRAIN_EPILOG)(train_cmds.pretrain)
     app.command("warmup", help=train_cmds.WARMUP_HELP, short_help=train_cmds.WARMUP_HELP.split(":")[0] + ".", epilog=train_cmds.WARMUP_EPILOG)(train_cmds.warmup)
@@ -44,12 +46,30 @@ def _register() -> None:
     app.command("bench", help=bench.HELP, short_help=bench.HELP.split(":")[0] + ".", epilog=bench.EPILOG)(bench.command)
     app.command("import-hf", help=import_hf.HELP, short_help=import_hf.HELP.split(":")[0] + ".", epilog=import_hf.EPILOG)(import_hf.command)
     app.command("export-hf", help=export_hf.HELP, short_help=export_hf.HELP.split(" (")[0] + ".", epilog=export_hf.EPILOG)(export_hf.command)
+    app.command("plan", help=plan.HELP, short_help=plan.HELP.split(":")[0] + ".", epilog=plan.EPILOG)(plan.command)
 
 
 _register()
 
 
+# device files of the accelerators whose JAX plugins the tpu and cuda extras install
+ACCELERATOR_DEVICES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*")
+
+
+def pin_cpu_without_accelerators() -> None:
+    """Pin JAX to the CPU on a machine with no TPU or NVIDIA device, unless JAX_PLATFORMS is set.
+
+    With the tpu or cuda extra installed (for `dsv4 plan`), JAX's start-up on a machine without
+    those devices tries each plugin and prints its failure (a cuInit traceback, libtpu's warnings)
+    to stderr: noise before every command's output and inside its one-line errors. The planner
+    compiles for those targets in child processes of its own, so the commands lose nothing.
+    """
+    if not os.environ.get("JAX_PLATFORMS") and not any(glob.glob(p) for p in ACCELERATOR_DEVICES):
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def main() -> None:
+    pin_cpu_without_accelerators()
     app()
 
 

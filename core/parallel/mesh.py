@@ -73,9 +73,13 @@ def plan_mesh(cfg, num_devices: int, num_granules: int = 1) -> tuple[dict[str, i
 
 
 def _granules(devices: Sequence[jax.Device]) -> tuple[int, bool]:
-    """(number of granules, process_is_granule): TPU slices when known, else processes."""
-    if devices[0].platform == "tpu" and hasattr(devices[0], "slice_index"):
-        return len({d.slice_index for d in devices}), False
+    """(number of granules, process_is_granule): TPU slices, else processes.
+
+    On TPU the granule is the slice, whatever hosts it spans. Compile-only devices of a single-slice
+    topology (`dsv4 plan`) carry no `slice_index`: they are one slice, not one granule per host.
+    """
+    if devices[0].platform == "tpu":
+        return len({getattr(d, "slice_index", 0) for d in devices}), False
     return len({d.process_index for d in devices}), True
 
 

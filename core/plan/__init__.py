@@ -1,0 +1,9 @@
+"""Planning (`dsv4 plan`, DESIGN.md "Planning"): the training step compiled ahead of time for a target.
+
+Modules: targets (TPU topologies by MaxText's names, NVIDIA GPUs from XLA's GpuTargetConfigProto
+specs in specs/, fake CPU devices; the extra each needs), compile (the child process that builds
+the compile-only devices and compiles the step; its parent side), report (state bytes from shapes
+and shardings, the compiler's memory, largest temporaries, FLOPs, collectives, roofline, verdict).
+May import: core.train and everything below (core.bench for the component attribution); nothing
+imports it.
+"""

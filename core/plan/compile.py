@@ -1,0 +1,184 @@
+"""The training step compiled ahead of time for a target, in a child process (DESIGN.md, "Planning").
+
+The program is the training commands' own: core/train/precompile.py's abstract (model,
+optimizer), core/parallel/sharding.py's shardings on `make_mesh`'s mesh over the target's
+devices, core/train/step.py's `step_fn` jitted as `make_train_step` jits it (donated state, the
+state's rule shardings out, `step_compiler_options` for the target's backend). Nothing is
+allocated: the inputs are ShapeDtypeStructs.
+
+Parent side, `plan(...)`: validates the config and the mesh (bad input fails here, exit 2), then
+runs `python -m core.plan.compile` with `targets.child_env(target)`, so the platform and the fake
+device count are set before JAX starts and an extra's start-up messages stay in the child. The
+child prints one JSON line (marker `__PLAN__`): the report of core/plan/report.py, or an error.
+XLA's buffer assignment, for the largest temporaries, is read from an XLA dump in a temporary
+directory of the child (a dump does not change the program).
+
+One deviation from `make_mesh`: compile-only TPU devices of one slice carry no `slice_index`,
+and `make_mesh` would count their hosts as granules (dcn_* would then span ICI). For that case
+`device_mesh` builds the one-granule mesh as `make_mesh` builds it for one granule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import core
+from core.plan import targets as tg
+
+MARKER = "__PLAN__"
+
+
+# ----------------------------------------------------------------------------- parent side
+
+
+def load(model: str, stage: str | None, overrides: Sequence[str], config_file: str | None = None):
+    """The Config of a plan, exactly as the training command of `stage` resolves it."""
+    from core.config.schema import load_config
+
+    return load_config(model, list(overrides), config_file=config_file, stage=stage)
+
+
+def plan(model: str, stage: str | None, target_name: str, overrides: Sequence[str] = (), *,
+         config_file: str | None = None, top: int = 10, analytic: bool = True,
+         timeout_s: float | None = None, on_start: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Compile `model`'s train step of `stage` for `target_name` in a child process and report.
+
+    Args:
+      top: how many of the largest temporaries to list; analytic: also count the step's FLOPs from
+        its jaxpr (core.bench.train), a second trace of the step beside the compile.
+      on_start: called once the input is valid, before the child starts compiling.
+    Returns:
+      core/plan/report.py's report (a dict; its `fits` is the verdict).
+    Raises:
+      ConfigError: unknown target, bad config, a mesh that does not divide the target's devices.
+      MissingExtraError: the target's extra is not installed.
+    """
+    from core.errors import ConfigError
+    from core.parallel.mesh import plan_mesh
+
+    target = tg.parse_target(target_name)
+    cfg = load(model, stage, overrides, config_file)
+    plan_mesh(cfg, target.devices, target.slices)  # a mesh that does not divide fails before any compile
+    tg.require_extra(target)
+    if on_start is not None:
+        on_start()
+    args = {"model": model, "stage": stage, "overrides": list(overrides), "config_file": config_file,
+            "target": target_name, "top": top, "analytic": analytic}
+    with tempfile.TemporaryDirectory(prefix="dsv4-plan-") as dump:
+        env = tg.child_env(target)
+        root = str(Path(core.__file__).parent.parent)  # the checkout or site-packages that holds this core
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
+        env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} --xla_dump_to={dump} --xla_dump_hlo_module_re=.*jit_step.*".strip()
+        try:
+            proc = subprocess.run([sys.executable, "-m", "core.plan.compile", json.dumps({**args, "dump": dump})],
+                                  capture_output=True, text=True, env=env, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"--target {target_name}: the compile ran past {timeout_s:.0f} s.") from None
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARKER):
+            out = json.loads(line[len(MARKER):])
+            if "error" in out:
+                raise ConfigError(out["error"])
+            return out
+    lines = proc.stderr.strip().splitlines()
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
+    tail = (errors or lines or [f"exit code {proc.returncode}"])[-1]
+    raise ConfigError(f"--target {target_name}: the compile failed (exit code {proc.returncode}): {tail[:400]}")
+
+
+# ----------------------------------------------------------------------------- child side
+
+
+def device_mesh(cfg, devices: Sequence[Any]):
+    """`make_mesh(cfg, devices)`, with one granule for compile-only TPU devices without slice_index."""
+    from core.parallel.mesh import make_mesh
+
+    if devices[0].platform != "tpu" or hasattr(devices[0], "slice_index"):
+        return make_mesh(cfg, devices)
+    from jax.experimental import mesh_utils
+    from jax.sharding import AxisType, Mesh
+
+    from core.parallel.mesh import MESH_AXES, plan_mesh
+
+    ici, _ = plan_mesh(cfg, len(devices), 1)
+    array = mesh_utils.create_device_mesh([ici[a] for a in MESH_AXES], list(devices), allow_split_physical_axes=True)
+    return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def step_inputs(cfg, mesh) -> tuple[Any, Any, dict[str, Any]]:
+    """(graphdef, abstract state, abstract batch) of the train step on `mesh`, as
+    core/train/precompile.py's `abstract_inputs` builds them for the run's own mesh."""
+    import jax
+    import jax.numpy as jnp
+
+    from core.data.batches import BATCH_KEYS
+    from core.parallel.sharding import abstract_state, batch_sharding
+    from core.train.precompile import abstract_model_and_optimizer
+
+    graphdef, state = abstract_model_and_optimizer(cfg)
+    spec = jax.ShapeDtypeStruct((cfg.per_device_batch_size * mesh.size, cfg.max_target_length), jnp.int32,
+                                sharding=batch_sharding(mesh))
+    return graphdef, abstract_state(state, mesh), {k: spec for k in BATCH_KEYS}
+
+
+def lower_step(cfg, graphdef, state, batch, mesh, backend: str):
+    """The train step lowered as `make_train_step` jits it, with `backend`'s compiler options."""
+    import jax
+
+    from core.parallel.sharding import state_shardings
+    from core.train.step import step_compiler_options, step_fn
+
+    jitted = jax.jit(step_fn(cfg, graphdef), donate_argnums=0, out_shardings=(state_shardings(state, mesh), None),
+                     compiler_options=step_compiler_options(cfg, backend) or None)
+    return jitted.lower(state, batch)
+
+
+def compile_plan(cfg, target: tg.Target, *, top: int = 10, analytic: bool = True,
+                 dump: str | None = None) -> dict[str, Any]:
+    """In the child: compile the step for `target` and build the report (core/plan/report.py)."""
+    from core.plan import report
+
+    devices = tg.compile_devices(target)
+    mesh = device_mesh(cfg, devices)
+    graphdef, state, batch = step_inputs(cfg, mesh)
+    lowered = lower_step(cfg, graphdef, state, batch, mesh, target.platform)
+    state_info = report.state_bytes(cfg, state, batch)
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # noqa: BLE001  (only an out-of-memory refusal is a verdict)
+        refusal = report.refusal(str(e))
+        if refusal is None:
+            raise
+        return report.refused_report(cfg, target, mesh, state_info, refusal)
+    return report.compiled_report(cfg, target, mesh, state_info, compiled, top=top, analytic=analytic,
+                                  buffer_text=read_buffer_assignment(dump))
+
+
+def read_buffer_assignment(dump: str | None) -> str:
+    """The train step's buffer assignment text from an XLA dump directory ("" if none)."""
+    if not dump:
+        return ""
+    files = sorted(Path(dump).glob("*jit_step*after_optimizations-buffer-assignment.txt"))
+    return files[-1].read_text() if files else ""
+
+
+def _child(args: dict[str, Any]) -> dict[str, Any]:
+    from core.errors import DsvError
+
+    try:
+        cfg = load(args["model"], args["stage"], args["overrides"], args["config_file"])
+        return compile_plan(cfg, tg.parse_target(args["target"]), top=args["top"], analytic=args["analytic"],
+                            dump=args.get("dump"))
+    except DsvError as e:
+        return {"error": str(e)}
+
+
+if __name__ == "__main__":  # python -m core.plan.compile '{"model": ..., "target": ..., ...}'
+    print(MARKER + json.dumps(_child(json.loads(sys.argv[1]))), flush=True)

@@ -1,0 +1,112 @@
+"""`dsv4 plan`: will a training run fit on a target, and how fast might it go (the step compiled ahead of time)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Optional
+
+import typer
+
+from dsv4cli import display
+from dsv4cli import options as opt
+from dsv4cli.errors import handle_errors
+
+HELP = ("Plan a training run: compile the training command's own step ahead of time for a TPU slice, NVIDIA GPUs "
+        "or fake CPU devices, and report per device the exact state bytes, the compiler's temporaries and code, "
+        "the verdict against the usable memory, the largest temporaries, FLOPs and a roofline estimate. "
+        "Exit codes: 0 fits, 1 does not fit, 2 bad input (unknown target, a mesh that does not divide, "
+        "a missing extra: pip install \"dsv4[tpu]\" or \"dsv4[cuda]\").")
+EPILOG = ("Example: dsv4 plan --target cpu:8 ici_fsdp_parallelism=-1    |    "
+          "dsv4 plan --model deepseek4-284b --stage warmup --target v5p-128 ici_fsdp_parallelism=-1 --top 5")
+
+Target = Annotated[str, typer.Option("--target", "-t", help="v4-N, v5e-N, v5p-N, v6e-N (MaxText's TPU names), h100xN, h200xN, b200xN (8 per host) or cpu:N.")]
+Stage = Annotated[str, typer.Option("--stage", help="The training command whose step is planned: pretrain, warmup or sparse.")]
+Top = Annotated[int, typer.Option("--top", min=0, help="How many of the largest temporaries to list.")]
+
+
+@handle_errors
+def command(target: Target, overrides: opt.Overrides = None, model: opt.Model = "deepseek4-tiny", stage: Stage = "sparse",
+            config: opt.ConfigFile = None, top: Top = 5, json_out: opt.Json = False) -> None:
+    from core.config.files import STAGES
+    from core.errors import ConfigError
+    from core.plan import compile as plan_compile
+
+    if stage not in STAGES:
+        raise ConfigError(f"--stage {stage!r}: use one of {', '.join(STAGES)}.")
+    def started() -> None:
+        if not json_out:
+            display.console().print(f"[dim]compiling {model} {stage} for {target} (a TPU compile of a full-size "
+                                    "model takes minutes)...[/dim]")
+
+    result = plan_compile.plan(model, stage, target, overrides or [], config_file=None if config is None else str(config),
+                               top=top, on_start=started)
+    typer.echo(json.dumps(result, indent=2)) if json_out else render(display.console(), result)
+    raise typer.Exit(0 if result["fits"] else 1)
+
+
+def _bytes(n: Any) -> str:
+    return "-" if n is None else display.fmt_bytes(n)
+
+
+def render(console, r: dict[str, Any]) -> None:
+    """The plan as a table per device, the verdict, the largest temporaries and the estimate."""
+    from rich.table import Table
+
+    mesh = " x ".join(f"{a} {n}" for a, n in r["mesh"].items() if n > 1) or "single device"
+    console.print(f"[bold]{r['model']} {r['stage']} step on {r['target']}[/bold]  ·  {r['devices']} {r['platform']} "
+                  f"devices, mesh {mesh}  ·  batch {r['per_device_batch_size']} x {r['max_target_length']} per device")
+    d = r["per_device"]
+    table = Table(box=None, pad_edge=False, header_style="bold", title_justify="left")
+    table.add_column("per device")
+    table.add_column("bytes", justify="right")
+    table.add_column("from")
+    rows = (("parameters, trainable", d["trainable_parameter_bytes"], "shapes and shardings (exact)"),
+            ("parameters, frozen", d["frozen_parameter_bytes"], "shapes and shardings (exact)"),
+            ("router biases, other model state", d["other_model_bytes"], "shapes and shardings (exact)"),
+            ("optimizer state", d["optimizer_bytes"], "shapes and shardings (exact)"),
+            ("batch", d["batch_bytes"], "shapes and shardings (exact)"),
+            ("arguments", d["argument_bytes"], "the compiler"), ("temporaries", d["temp_bytes"], "the compiler"),
+            ("generated code", d["code_bytes"], "the compiler"), ("total", d["total_bytes"], "the compiler"),
+            ("usable", d["usable_bytes"], r["usable_rule"]))
+    for name, value, source in rows:
+        table.add_row(name, _bytes(value), source)
+    console.print(table)
+    if r.get("refused"):
+        console.print(f"[red]does not fit[/red]: the compiler refused the step: {r['refused']['message']}")
+    elif r["fits"]:
+        console.print(f"[green]fits[/green]: headroom {_bytes(r['headroom_bytes'])}"
+                      + (" (approximate: fake CPU devices)" if r["approximate"] else ""))
+    else:
+        console.print(f"[red]does not fit[/red]: {_bytes(-r['headroom_bytes'])} over the usable memory")
+    if r["top_temporaries"]:
+        top = Table(box=None, pad_edge=False, header_style="bold")
+        for title in ("largest temporaries", "bytes", "shape", "component"):
+            top.add_column(title, justify="right" if title == "bytes" else "left")
+        for t in r["top_temporaries"]:
+            top.add_row(t.get("instruction") or t.get("op_name", "")[-60:], _bytes(t["bytes"]), t["shape"], t["component"])
+        console.print(top)
+    _estimate(console, r)
+
+
+def _estimate(console, r: dict[str, Any]) -> None:
+    if r.get("flops_per_step") is None:
+        return
+    analytic = r.get("analytic_flops_per_device")
+    check = f" (analytic count {analytic / 1e9:.2f} GFLOP)" if analytic else ""
+    console.print(f"FLOPs per step per device: {r['flops_per_step'] / 1e9:.2f} GFLOP from the compiler's cost analysis{check}")
+    if r.get("collective_bytes"):
+        moved = ", ".join(f"{axis} {_bytes(n)}" for axis, n in sorted(r["collective_bytes"].items()))
+        console.print(f"collectives per step per device, by mesh axis: {moved}")
+    roof = r.get("roofline")
+    if isinstance(roof, dict):
+        console.print(f"estimated step {r['estimated_step_s']:.4f} s, {r['estimated_tokens_per_s']:,.0f} tokens/s "
+                      f"(compute {roof['compute_s']:.4f} s, HBM {roof['hbm_s']:.4f} s, collectives "
+                      f"{roof['collective_s']:.4f} s); {roof['assumptions']}")
+    elif roof:
+        console.print(roof)
+
+
+if __name__ == "__main__":  # python -m dsv4cli.plan ... (the command before dsv4cli/main.py registers it)
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command(help=HELP, epilog=EPILOG)(command)
+    app()

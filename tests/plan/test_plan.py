@@ -1,0 +1,242 @@
+"""`dsv4 plan`: the planner's figures against the training command's own build and compiled step.
+
+- cpu:1 through the child process, compared with `build` and `make_train_step` in this process;
+- cpu:8 inside one child process with 8 fake devices (the planner's in-process half and the real
+  build side by side);
+- v5p-8 through libtpu (skipped without the tpu extra);
+- bad input: one line, exit 2, before anything compiles.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.conftest import TINY_OVERRIDES
+
+FIELDS = ("parameter_bytes", "optimizer_bytes", "batch_bytes", "argument_bytes", "temp_bytes", "code_bytes",
+          "total_bytes", "usable_bytes")
+
+
+def _app():
+    import typer
+
+    from dsv4cli import plan as plan_cmd
+
+    app = typer.Typer(add_completion=False)
+    app.command()(plan_cmd.command)
+    return app
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(_app(), list(args))
+
+
+def _one_line_exit_2(result, *needles: str) -> None:
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def real_state_bytes(setup) -> int:
+    """The most loaded device's bytes of the built model and optimizer, from the real shards."""
+    import jax
+    from flax import nnx
+
+    per_device: dict = {}
+    for leaf in jax.tree.leaves(nnx.state((setup.model, setup.optimizer))):
+        for shard in getattr(leaf, "addressable_shards", ()):
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values())
+
+
+def real_temp_bytes(cfg, setup) -> int:
+    """Temp bytes of the training command's own jitted step (`make_train_step`) on the real state."""
+    from flax import nnx
+
+    from core.train.precompile import abstract_inputs
+    from core.train.step import make_train_step
+
+    graphdef, state = nnx.split((setup.model, setup.optimizer))
+    _, _, batch, _ = abstract_inputs(cfg)
+    compiled = make_train_step(cfg, graphdef, state, setup.mesh).lower(state, batch).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+# ----------------------------------------------------------------------------- targets and bad input
+
+
+def test_targets_by_name():
+    from core.plan.targets import GIB, parse_target
+
+    v5p = parse_target("v5p-128")
+    assert (v5p.devices, v5p.topology, v5p.chip_config, v5p.extra) == (64, "v5:4x4x4", "megacore", "tpu")
+    assert v5p.chip.hbm_bytes == int(95.74 * GIB)
+    assert (parse_target("v4-8").devices, parse_target("v5e-16").devices, parse_target("v6e-8").topology) == (4, 16, "v6e:2x4")
+    h200 = parse_target("h200x16")
+    assert (h200.devices, h200.topology, h200.platform, h200.chip.hbm_bytes) == (16, "1x2x8", "cuda", 151397597184)
+    assert parse_target("cpu:8").approximate and parse_target("cpu:8").devices == 8
+
+
+def test_gpu_specs_parse_without_fields_jax_rejects():
+    from core.plan.targets import GPUS, gpu_spec_text
+
+    for spec, _, _ in GPUS.values():
+        text = "\n".join(line for line in gpu_spec_text(spec).splitlines() if not line.startswith("#"))
+        assert "gpu_device_info {" in text and "collective_memory_granularity" not in text
+        assert text.count("{") == text.count("}"), spec
+
+
+@pytest.mark.parametrize("target", ["v5p-7", "tpu-8", "h200x12", "cpu:0"])
+def test_unknown_target_is_one_line_exit_2(target):
+    _one_line_exit_2(_invoke("--target", target), "--target")
+
+
+def test_mesh_that_does_not_divide_is_one_line_exit_2():
+    _one_line_exit_2(_invoke("--target", "cpu:8", *TINY_OVERRIDES, "ici_data_parallelism=3"), "ici_")
+
+
+def test_missing_extra_is_one_line_exit_2(monkeypatch):
+    from core.plan import targets
+
+    monkeypatch.setattr(targets, "extra_installed", lambda target: False)
+    _one_line_exit_2(_invoke("--target", "v5p-8", *TINY_OVERRIDES), 'pip install "dsv4[tpu]"')
+    _one_line_exit_2(_invoke("--target", "h200x8", *TINY_OVERRIDES), 'pip install "dsv4[cuda]"')
+
+
+def test_out_of_memory_refusal_is_a_verdict():
+    from core.plan.report import refusal
+
+    message = textwrap.dedent("""\
+        RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 605.03G of 95.74G hbm. Exceeded hbm capacity by 509.29G.
+
+        Total hbm usage >= 605.53G:
+            reserved        530.00M
+            program         605.00G
+            arguments        14.60G
+
+        Program hbm requirement 605.00G:
+            global            1.2K
+            HLO temp        604.99G (100.0% utilization)
+
+          Largest program allocations in hbm:
+
+          1. Size: 16.00G
+             Operator: op_name="jit(step)/transpose(jvp())/dot_general" source_file="/x/core/model/moe.py" source_line=10
+             Shape: f32[64,4096,16384]{2,1,0}
+             Allocation type: HLO temp
+          2. Size: 8.00G
+             Shape: bf16[8,4096,131072]{2,1,0}
+        """)
+    r = refusal(message)
+    assert r["used_bytes"] == int(605.03 * (1 << 30)) and r["limit_bytes"] == int(95.74 * (1 << 30))
+    assert r["reserved_bytes"] == 530 << 20 and r["arguments_bytes"] == int(14.6 * (1 << 30))
+    assert [a["bytes"] for a in r["allocations"]] == [16 << 30, 8 << 30]
+    assert r["allocations"][0]["shape"].startswith("f32[64,4096,16384]")
+    assert refusal("INVALID_ARGUMENT: something else") is None
+
+
+# ----------------------------------------------------------------------------- cpu:1 and cpu:8
+
+
+def test_cpu1_state_bytes_and_temp_equal_the_training_commands_own():
+    from core.config.schema import load_config
+    from core.plan.compile import plan
+    from core.train.step import build
+
+    result = plan("deepseek4-tiny", "sparse", "cpu:1", TINY_OVERRIDES, top=3, analytic=False)
+    assert set(FIELDS) <= set(result["per_device"]), sorted(result["per_device"])
+    assert {"target", "devices", "mesh", "fits", "flops_per_step", "estimated_step_s", "estimated_tokens_per_s",
+            "top_temporaries"} <= set(result)
+    cfg = load_config("deepseek4-tiny", list(TINY_OVERRIDES), stage="sparse")
+    setup = build(cfg)
+    d = result["per_device"]
+    state = d["parameter_bytes"] + d["optimizer_bytes"]
+    assert state == real_state_bytes(setup), (state, real_state_bytes(setup))
+    assert d["argument_bytes"] == state + d["batch_bytes"]
+    assert d["temp_bytes"] == real_temp_bytes(cfg, setup)
+    assert result["fits"] and result["flops_per_step"] > 0 and result["approximate"]
+    assert result["top_temporaries"] and all(t["bytes"] > 0 and t["shape"] for t in result["top_temporaries"])
+
+
+_CPU8 = """
+import json
+from core.config.schema import load_config
+from core.plan.compile import compile_plan
+from core.plan.targets import parse_target
+from core.train.step import build
+from tests.plan.test_plan import real_state_bytes, real_temp_bytes
+from tests.conftest import TINY_OVERRIDES
+
+cfg = load_config("deepseek4-tiny", [*TINY_OVERRIDES, "ici_data_parallelism=2", "ici_fsdp_parallelism=4"], stage="warmup")
+r = compile_plan(cfg, parse_target("cpu:8"), top=0, analytic=False)
+setup = build(cfg)
+print("__OUT__" + json.dumps({"plan": r["per_device"], "mesh": r["mesh"], "state": real_state_bytes(setup),
+                              "temp": real_temp_bytes(cfg, setup)}))
+"""
+
+
+def test_cpu8_state_bytes_and_temp_equal_the_training_commands_own():
+    from core.plan.targets import child_env, parse_target
+
+    env = child_env(parse_target("cpu:8"))
+    proc = subprocess.run([sys.executable, "-c", _CPU8], capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = [line for line in proc.stdout.splitlines() if line.startswith("__OUT__")]
+    assert out, proc.stderr[-3000:]
+    r = json.loads(out[0][len("__OUT__"):])
+    d = r["plan"]
+    assert r["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1, "expert": 1}
+    assert d["parameter_bytes"] + d["optimizer_bytes"] == r["state"], r
+    assert d["frozen_parameter_bytes"] > 0 and d["trainable_parameter_bytes"] > 0  # the warm-up trains the indexer only
+    assert d["temp_bytes"] == r["temp"], r
+
+
+# ----------------------------------------------------------------------------- TPU
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install "dsv4[tpu]"')
+def test_v5p8_compiles_with_libtpu_and_fits():
+    from core.plan.compile import plan
+    from core.plan.targets import GIB
+
+    result = plan("deepseek4-tiny", "sparse", "v5p-8", TINY_OVERRIDES, top=3, analytic=False)
+    assert result["platform"] == "tpu" and result["devices"] == 4
+    assert result["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1, "expert": 1}
+    d = result["per_device"]
+    assert result["fits"] and d["usable_bytes"] == int(95.74 * GIB) and d["temp_bytes"] > 0 and d["code_bytes"] > 0
+    assert result["flops_per_step"] > 0 and result["estimated_tokens_per_s"] > 0
+    assert result["top_temporaries"]
+
+
+def test_collective_bytes_per_mesh_axis_from_hlo():
+    import collections
+
+    from core.plan.report import collectives
+
+    class Mesh:  # what collectives reads of a jax Mesh
+        shape = collections.OrderedDict(data=2, fsdp=4, tensor=1, expert=1)
+        size = 8
+
+    hlo = textwrap.dedent("""\
+        %body.1 (p: f32[4]) -> f32[4] {
+          %ag = bf16[8,16]{1,0} all-gather(bf16[2,16]{1,0} %x), replica_groups=[2,4]<=[8], dimensions={0}
+        }
+
+        ENTRY %main.2 (a: f32[4]) -> f32[4] {
+          %w = f32[4] while(f32[4] %a), condition=%cond.1, body=%body.1, backend_config={"known_trip_count":{"n":"3"}}
+          %ar = f32[100]{0} all-reduce(f32[100]{0} %y), replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add
+          %m = f32[10]{0} all-reduce(f32[10]{0} %z), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1'}
+        }
+        """)
+    assert collectives(hlo, Mesh) == {"fsdp": 3 * 8 * 16 * 2, "data": 400, "data+fsdp": 40}
