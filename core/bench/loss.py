@@ -34,10 +34,12 @@ import jax.numpy as jnp
 
 from core.config.schema import load_config
 from core.errors import ConfigError
-from core.ops.topk import indexer_scores, select_topk, selection_mask
 from core.loss.indexer_kl import csa_indexer_loss
+from core.loss.indexer_kl_rows import Teacher
 from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed
-from core.ops.masks import csa_visible
+from core.ops.chunked_attention import RowQueries
+from core.ops.masks import Packing, csa_visible
+from core.ops.topk import IndexerInputs, indexer_scores, select_topk, selection_mask
 
 SHAPE_MODELS = {"flash": "deepseek4-284b", "tiny": "deepseek4-tiny"}
 VARIANTS = ("direct", "head", "head+query", "streamed", "teacher+kl")
@@ -178,7 +180,8 @@ def _loss_fn(shape: LossShape, variant: str, head_chunk: int, query_chunk: int) 
                                                                    query_chunk=qc)
     if variant == "streamed":
         return lambda q_idx, k_idx, w_idx, query, kv, pos, seg: csa_indexer_loss_streamed(
-            q_idx, k_idx, w_idx, query, kv, pos, seg, topk=shape.topk, head_chunk=hc, query_chunk=qc)
+            IndexerInputs(RowQueries.given(q_idx), k_idx, w_idx), Teacher(RowQueries.given(query), kv),
+            Packing(pos, seg), topk=shape.topk, head_chunk=hc, query_chunk=qc)
 
     def loss(q_idx, k_idx, w_idx, query, kv, pos, seg):
         visible = csa_visible(pos, seg, shape.ratio)

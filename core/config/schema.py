@@ -21,7 +21,6 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from core.config.files import base_defaults, model_file, read_yaml, stage_presets
-from core.config.stages import WARMUP, stage_of
 from core.config.validate import LAYER_KINDS, validate
 from core.config.values import coerce, parse_override
 from core.config.values import plain as _plain
@@ -172,11 +171,6 @@ class Config:
     @property
     def csa_layers(self) -> tuple[int, ...]:
         return tuple(i for i, r in enumerate(self.compress_ratios) if r == 4)
-
-    @property
-    def dense_warmup(self) -> bool:
-        """Whether the config is the warm-up row of the stage table (core/config/stages.py)."""
-        return stage_of(self) is WARMUP
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -8,9 +8,10 @@ the KL(P || student) averaged over the rows that have anything allowed, times `s
 Two entry points, one maths:
 
 - `csa_indexer_loss(index_scores, ...)`: the scores [B,T,W] are given.
-- `csa_indexer_loss_streamed(q_idx, k_idx, w_idx, ...)` (core/loss/indexer_kl_streamed.py): each query block computes its own visibility, indexer scores, top-k
-  selection, teacher rows and KL, so neither [B,T,W] nor [B,H,T,W] is ever materialised; peak
-  memory grows with the chunk sizes, linearly in T.
+- `csa_indexer_loss_streamed(index, teacher, packing, ...)` (core/loss/indexer_kl_streamed.py):
+  computed from the indexer's and the teacher's inputs, each query block building its own
+  queries, visibility, indexer scores, top-k selection, teacher rows and KL, so neither [B,T,W]
+  nor [B,H,T,W] is ever materialised; peak memory grows with the chunk sizes, linearly in T.
 
 Both chunk the teacher over head groups (`head_chunk`) and query blocks (`query_chunk`) with
 `lax.scan`; every combination equals the direct computation to float32 rounding. The teacher
@@ -39,8 +40,12 @@ from core.loss.indexer_kl_rows import Spec, check_teacher, compute_dtype, kl_row
 # ----------------------------------------------------------------------------- given scores
 
 
-def _scores_pass(spec: Spec, scores, allowed, window, q, kv, raw_kv, sink, with_grad: bool):
-    """(mean KL over valid rows, its gradient w.r.t. the scores or None), scanning query blocks."""
+def _scores_pass(spec: Spec, scores, allowed, window, teacher, with_grad: bool):
+    """(mean KL over valid rows, its gradient w.r.t. the scores or None), scanning query blocks.
+
+    teacher = (q, kv, raw_kv, sink), the detached teacher inputs (raw_kv, sink None unless joint).
+    """
+    q, kv, raw_kv, sink = teacher
     b, t, w = scores.shape
     qc = spec.query_chunk
 
@@ -63,11 +68,11 @@ def _scores_pass(spec: Spec, scores, allowed, window, q, kv, raw_kv, sink, with_
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _mean_kl(spec, scores, allowed, window, q, kv, raw_kv, sink):
-    return _scores_pass(spec, scores, allowed, window, q, kv, raw_kv, sink, with_grad=False)[0]
+    return _scores_pass(spec, scores, allowed, window, (q, kv, raw_kv, sink), with_grad=False)[0]
 
 
 def _mean_kl_fwd(spec, scores, allowed, window, q, kv, raw_kv, sink):
-    loss, grad_btw = _scores_pass(spec, scores, allowed, window, q, kv, raw_kv, sink, with_grad=True)
+    loss, grad_btw = _scores_pass(spec, scores, allowed, window, (q, kv, raw_kv, sink), with_grad=True)
     return loss, (grad_btw.astype(scores.dtype), (q, kv, raw_kv, sink))
 
 

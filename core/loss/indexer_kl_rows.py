@@ -4,17 +4,20 @@ Shared by both entry points of core/loss/indexer_kl.py (given scores) and core/l
 (streamed from the indexer's inputs); the maths and its gradient are described there. Per query
 block of qc rows and head group of hc heads, `teacher_rows` holds the [B, qc, hc, W] logits of one
 group at a time and `kl_rows` the [B, qc, W] rows of one block; `scan_blocks` runs a block function
-over the query blocks with `lax.scan` (a plain call for a single block).
+over the query blocks with `lax.scan` (a plain call for a single block). `Teacher` groups the
+main attention's inputs that the streamed loss builds its target from.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from core.ops.chunked_attention import RowQueries
 from core.ops.masks import NEG
 
 TEACHERS = ("compressed", "joint")
@@ -30,8 +33,25 @@ class Spec(NamedTuple):
     topk: int | None = None   # streamed only: sparse selection
     window: int = 0           # streamed only: sliding window S for the joint teacher
     index_chunk: int = 0      # streamed only: indexer heads per scan step (divides HI)
-    query_fn: Any = None      # streamed only: builds each block's teacher queries (see below)
-    index_query_fn: Any = None  # streamed only: builds each block's indexer queries
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["queries", "compressed_bwd", "raw_bsd", "sink_h"],
+                   meta_fields=["kind", "window"])
+@dataclasses.dataclass(frozen=True)
+class Teacher:
+    """The main attention's inputs the streamed loss builds its target from (detached there).
+
+    kind "compressed": softmax over the allowed blocks; "joint": each head's normaliser also covers
+    the raw window keys (within `window` tokens) and its sink, so raw_bsd, sink_h and window > 0
+    are needed.
+    """
+
+    queries: RowQueries        # main-attention queries [B, T, H, D], scaled by D^-1/2, per run of rows
+    compressed_bwd: Any        # main compressed keys [B, W, D]
+    raw_bsd: Any = None        # joint: raw window keys [B, T, D], shared by all heads
+    sink_h: Any = None         # joint: per-head sink logit [H]
+    kind: str = "compressed"
+    window: int = 0            # joint: sliding window S (tokens)
 
 
 def resolve_chunk(chunk: int, size: int, name: str, what: str) -> int:

@@ -1,13 +1,14 @@
 """The streamed CSA indexer KL loss: `csa_indexer_loss_streamed` (DESIGN.md, "The indexer loss" and "Memory").
 
-Each query block computes its own visibility, indexer scores, top-k selection, teacher rows and
-KL, so neither [B,T,W] nor [B,H,T,W] is ever materialised; peak memory grows with the chunk sizes,
-linearly in T. It equals core/loss/indexer_kl.py's `csa_indexer_loss` on the scores the indexer would
+"Streamed" means one thing here: the loss is computed from the indexer's and the teacher's inputs
+one query block at a time. Each block builds its own indexer and teacher queries (`RowQueries`),
+visibility, indexer scores, top-k selection, teacher rows and KL, so neither [B,T,W] nor
+[B,H,T,W] is ever materialised; peak memory grows with the chunk sizes, linearly in T. It equals
+core/loss/indexer_kl.py's `csa_indexer_loss` (the direct path) on the scores the indexer would
 give, to float32 rounding in value and gradient, and shares its teacher and KL rows
 (core/loss/indexer_kl_rows.py). Gradients (custom VJP): the forward pass of the differentiated call
-pulls the closed-form d loss / d scores of each block back through that block's indexer scores,
-so the backward pass is one multiply; exactly zero reaches the teacher inputs. core/loss/indexer_kl.py
-is the direct path it equals.
+pulls the closed-form d loss / d scores of each block back through that block's indexer scores
+and queries, so the backward pass is one multiply; exactly zero reaches the teacher inputs.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from core.ops.topk import indexer_scores, select_topk, selection_mask
-from core.loss.indexer_kl_rows import (Spec, check_teacher, compute_dtype, kl_rows, per_valid_row, resolve_chunk,
-                                    scan_blocks, slice_t, teacher_input, teacher_rows)
-from core.ops.masks import block_last_positions, block_segment_ids, visible_rows, window_rows
+from core.loss.indexer_kl_rows import (Spec, Teacher, check_teacher, compute_dtype, kl_rows, per_valid_row,
+                                       resolve_chunk, scan_blocks, slice_t, teacher_input, teacher_rows)
+from core.ops.chunked_attention import RowQueries
+from core.ops.masks import Packing, block_last_positions, block_segment_ids, visible_rows, window_rows
+from core.ops.topk import IndexerInputs, indexer_scores, select_topk, selection_mask
 
 
 def _indexer_vjp(q_btid, k_bwd, w_bti, visible_btw, grad_btw, head_chunk: int):
@@ -50,31 +52,22 @@ def _indexer_vjp(q_btid, k_bwd, w_bti, visible_btw, grad_btw, head_chunk: int):
     return grads
 
 
-def _block_query(spec: Spec, query, t0, pos_bt):
-    """The teacher queries of one block: a slice of `query`, or `spec.query_fn` of its inputs."""
-    if spec.query_fn is None:
-        return slice_t(query, t0, spec.query_chunk)
-    per_token, params = query
-    return spec.query_fn(slice_t(per_token, t0, spec.query_chunk), params, pos_bt)
-
-
 def _stream_block(spec: Spec, t0, inputs, block_masks, with_grad: bool):
-    """One query block: visibility, scores, selection, teacher rows, KL (and its pull-back)."""
-    q_idx, k_idx, w_idx, query, kv, raw_kv, sink, positions, segment_ids = inputs
+    """One query block: visibility, scores, selection, teacher rows, KL (and its pull-back).
+
+    The gradient w.r.t. the indexer queries comes back as (d inputs of the block, d params).
+    """
+    (queries_i, k_idx, w_idx), (query, kv, raw_kv, sink), positions, segment_ids = inputs
     seg_bw, last_bw = block_masks
     qc, num_blocks = spec.query_chunk, k_idx.shape[1]
     pos_bt, seg_bt = slice_t(positions, t0, qc), slice_t(segment_ids, t0, qc)
-    w_blk, q_pull = slice_t(w_idx, t0, qc), None
-    if spec.index_query_fn is None:
-        q_blk = slice_t(q_idx, t0, qc)
-    else:  # the block's indexer queries from their inputs; the pull-back goes to those inputs
-        fn = lambda per_token, params: spec.index_query_fn(per_token, params, pos_bt)
-        q_args = (slice_t(q_idx[0], t0, qc), q_idx[1])
-        q_blk, q_pull = jax.vjp(fn, *q_args) if with_grad else (fn(*q_args), None)
-    heads_i = q_blk.shape[2]
+    w_blk = slice_t(w_idx, t0, qc)
+    fn = lambda per_token, params: queries_i.fn(per_token, params, pos_bt)
+    q_args = (slice_t(queries_i.inputs, t0, qc), queries_i.params)
+    q_blk, q_pull = jax.vjp(fn, *q_args) if with_grad else (fn(*q_args), None)
     visible_btw = visible_rows(pos_bt, seg_bt, seg_bw, last_bw)
     pull = None
-    if with_grad and spec.index_chunk == heads_i:  # one group: keep its residuals, no recompute
+    if with_grad and spec.index_chunk == q_blk.shape[2]:  # one group: keep its residuals, no recompute
         scores_btw, pull = jax.vjp(lambda q, k, w: indexer_scores(q, k, w, visible_btw), q_blk, k_idx, w_blk)
     else:
         scores_btw = indexer_scores(q_blk, k_idx, w_blk, visible_btw, head_chunk=spec.index_chunk)
@@ -85,7 +78,7 @@ def _stream_block(spec: Spec, t0, inputs, block_masks, with_grad: bool):
     window_bts = None
     if spec.joint:
         window_bts = window_rows(pos_bt, seg_bt, positions, segment_ids, spec.window)
-    query_btd = _block_query(spec, query, t0, pos_bt).astype(kv.dtype)
+    query_btd = query.rows(t0, qc, pos_bt).astype(kv.dtype)
     psum_btw = teacher_rows(spec, query_btd, kv, allowed_btw, raw_kv, window_bts, sink)
     kl, n, grad_btw = kl_rows(scores_btw, psum_btw, allowed_btw, with_grad)
     if not with_grad:
@@ -95,14 +88,12 @@ def _stream_block(spec: Spec, t0, inputs, block_masks, with_grad: bool):
         grads = pull(grad_btw)
     else:
         grads = _indexer_vjp(q_blk, k_idx, w_blk, visible_btw, grad_btw, spec.index_chunk)
-    if q_pull is not None:
-        grads = (q_pull(grads[0]), *grads[1:])
-    return kl, n, grads
+    return kl, n, (q_pull(grads[0]), *grads[1:])
 
 
 def _streamed_pass(spec: Spec, inputs, with_grad: bool):
-    """(mean KL over valid rows, its gradients w.r.t. (q_idx, k_idx, w_idx) or None)."""
-    q_idx, k_idx, w_idx, _, _, _, _, positions, segment_ids = inputs
+    """(mean KL over valid rows, its gradients ((d q inputs, d q params), d k_idx, d w_idx) or None)."""
+    (queries_i, k_idx, w_idx), teacher, positions, segment_ids = inputs
     t, ratio = positions.shape[1], positions.shape[1] // k_idx.shape[1]
     block_masks = (block_segment_ids(segment_ids, ratio), block_last_positions(positions, ratio))
     qc = spec.query_chunk
@@ -112,105 +103,96 @@ def _streamed_pass(spec: Spec, inputs, with_grad: bool):
         kl_j, n_j, grads_j = _stream_block(spec, t0, inputs, block_masks, with_grad)
         if with_grad:  # accumulate in (at least) float32 whatever the inputs' dtype
             grads_j = jax.tree.map(lambda g, z: g.astype(z.dtype), grads_j, grads)
-            dq, dk, dw = grads
+            (dq_in, dq_params), dk, dw = grads
             put = lambda acc, g: jax.lax.dynamic_update_slice_in_dim(acc, g, t0, axis=1)
-            if spec.index_query_fn is None:
-                dq = put(dq, grads_j[0])
-            else:  # per-token inputs get their rows, the parameters a sum over blocks
-                dq = (put(dq[0], grads_j[0][0]), jax.tree.map(jnp.add, dq[1], grads_j[0][1]))
-            dw = put(dw, grads_j[2])
-            grads = (dq, dk + grads_j[1], dw)
+            # per-token inputs get their rows, the parameters a sum over blocks
+            dq = (put(dq_in, grads_j[0][0]), jax.tree.map(jnp.add, dq_params, grads_j[0][1]))
+            grads = (dq, dk + grads_j[1], put(dw, grads_j[2]))
         return kl + kl_j, n + n_j, grads
 
-    primal = (q_idx, k_idx, w_idx)
-    dtype = inputs[4].dtype  # the teacher's compute dtype
+    primal = ((queries_i.inputs, queries_i.params), k_idx, w_idx)
+    dtype = teacher[1].dtype  # the teacher's compute dtype
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, compute_dtype(x)), primal) if with_grad else None
     kl, n, grads = scan_blocks(block, (jnp.zeros((), dtype), jnp.int32(0), zeros), t // qc, qc)
     inv = per_valid_row(n, dtype)
     if grads is None:
         return kl * inv, None
-    return kl * inv, jax.tree.map(lambda g, x: (g * inv).astype(x.dtype), grads, primal)
+    (dq_in, dq_params), dk, dw = jax.tree.map(lambda g, x: (g * inv).astype(x.dtype), grads, primal)
+    return kl * inv, IndexerInputs(RowQueries(queries_i.fn, dq_in, dq_params), dk, dw)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _streamed_mean_kl(spec, q_idx, k_idx, w_idx, query, kv, raw_kv, sink, positions, segment_ids):
-    inputs = (q_idx, k_idx, w_idx, query, kv, raw_kv, sink, positions, segment_ids)
-    return _streamed_pass(spec, inputs, with_grad=False)[0]
+def _streamed_mean_kl(spec, index, teacher, positions, segment_ids):
+    return _streamed_pass(spec, (index, teacher, positions, segment_ids), with_grad=False)[0]
 
 
-def _streamed_fwd(spec, *inputs):
-    loss, grads = _streamed_pass(spec, inputs, with_grad=True)
+def _streamed_fwd(spec, index, teacher, positions, segment_ids):
+    loss, grads = _streamed_pass(spec, (index, teacher, positions, segment_ids), with_grad=True)
     grads = jax.tree.map(lambda g: checkpoint_name(g, "indexer_loss_grads"), grads)
-    return loss, (grads, inputs[3:7])
+    return loss, (grads, teacher)
 
 
 def _streamed_bwd(spec, res, g):
-    grads, teacher_inputs = res
-    zeros = jax.tree.map(jnp.zeros_like, teacher_inputs)
-    return (*jax.tree.map(lambda x: (g * x).astype(x.dtype), grads), *zeros, None, None)
+    grads, teacher = res
+    zeros = jax.tree.map(jnp.zeros_like, teacher)
+    return jax.tree.map(lambda x: (g * x).astype(x.dtype), grads), zeros, None, None
 
 
 _streamed_mean_kl.defvjp(_streamed_fwd, _streamed_bwd)
 
 
-def csa_indexer_loss_streamed(q_idx, k_idx, w_idx, query, compressed_kv, positions, segment_ids, *,
-                              topk: int | None = None, scale=1.0, head_chunk: int = 0,
-                              query_chunk: int = 0, teacher: str = "compressed", raw_kv=None,
-                              window: int = 0, sink=None, query_fn=None, index_query_fn=None):
+def _heads(queries: RowQueries, positions_bt) -> int:
+    """The number of heads `queries` builds (traced abstractly for one row)."""
+    return jax.eval_shape(lambda q, pos: q.rows(0, 1, pos), queries, positions_bt[:, :1]).shape[2]
+
+
+def csa_indexer_loss_streamed(index: IndexerInputs, teacher: Teacher, packing: Packing, *,
+                              topk: int | None = None, scale=1.0, head_chunk: int = 0, query_chunk: int = 0):
     """`csa_indexer_loss` computed from the indexer's inputs, one query block at a time.
 
-    Equals `csa_indexer_loss(indexer_scores(q_idx, k_idx, w_idx, visible), query, compressed_kv,
-    allowed)` with visible = csa_visible(positions, segment_ids, T // W) and allowed = visible
-    (dense) or visible & top-k selected (sparse), but neither the [B,T,W] scores nor the
-    [B,T,H,W] teacher logits ever exist whole.
+    Equals `csa_indexer_loss(indexer_scores(q_I, k_I, w_I, visible), query, compressed_kv, allowed)`
+    with visible = csa_visible(positions, segment_ids, T // W) and allowed = visible (dense) or
+    visible & top-k selected (sparse), but neither the [B,T,W] scores nor the [B,T,H,W] teacher
+    logits ever exist whole.
 
     Args:
-      q_idx: indexer queries [B, T, HI, DI]; k_idx: indexer compressed keys [B, W, DI];
-        w_idx: indexer head weights [B, T, HI] (already scaled).
-      query, compressed_kv: the teacher, as in `csa_indexer_loss` (detached here).
-      positions, segment_ids: int [B, T] (DESIGN.md, "Visibility"); the ratio is T // W.
+      index: the indexer's queries q_I (`RowQueries`, built per block), compressed keys k_I
+        [B, W, DI] and head weights [B, T, HI] (already scaled). The gradient reaches all three:
+        the queries' per-token inputs and params (params summed over blocks).
+      teacher: the main attention's queries (`RowQueries`, per block), compressed keys, and for
+        the joint teacher the raw window keys, sinks and window (detached here).
+      packing: positions and segment ids [B, T] (DESIGN.md, "Visibility"); the ratio is T // W.
       topk: None = dense (all visible blocks); k = sparse (the block's own top-k selection).
-      scale, teacher, sink: as in `csa_indexer_loss`; raw_kv [B, T, D] and window (the sliding
-        window size S, in tokens) feed the joint teacher.
+      scale: indexer_loss_scaling_factor.
       head_chunk: heads per scan step (0 = all; must divide H and HI). With a head chunk the
         indexer's backward recomputes its logits per head group instead of storing [B,qc,W,HI].
       query_chunk: query positions per scan step (0 = all; must divide T).
-      query_fn: None, or a pure function (per_token [B, qc, ...], params, positions [B, qc]) ->
-        teacher queries [B, qc, H, D]; `query` is then the pair (per_token [B, T, ...], params)
-        (e.g. the main attention's c_q and W_qb), so the [B, T, H, D] queries never exist whole.
-      index_query_fn: the same for the indexer queries: `q_idx` is then (per_token, params) and
-        index_query_fn(per_token [B, qc, ...], params, positions [B, qc]) -> [B, qc, HI, DI]; the
-        gradient reaches per_token and params (params summed over blocks).
 
     Returns:
-      A float32 scalar (as in `csa_indexer_loss`); gradient to q_idx, k_idx, w_idx only (exactly
-      zero to the teacher inputs). The scores are float32 (`indexer_scores`) in every case.
+      A float32 scalar (as in `csa_indexer_loss`); gradient to `index` only (exactly zero to the
+      teacher inputs). The scores are float32 (`indexer_scores`) in every case.
 
     Shapes (per query block of qc rows):
-      1. visible_btw, scores_btw = indexer_scores(q_idx[blk], k_idx, w_idx[blk])   [B, qc, W]
+      1. q_I of the block; visible_btw, scores_btw = indexer_scores(q_I, k_I, w_I[blk])   [B, qc, W]
       2. allowed_btw = visible (& top-k of the scores)
       3. psum_btw from the teacher's head groups; KL rows and d KL / d scores       [B, qc, W]
-      4. d KL / d (q_idx[blk], k_idx, w_idx[blk]) through indexer_scores (differentiated calls)
+      4. d KL / d (q_I inputs, k_I, w_I[blk]) through indexer_scores and q_I (differentiated calls)
     """
+    positions, segment_ids = packing
     t = positions.shape[1]
-    heads_i = q_idx.shape[2] if index_query_fn is None else jax.eval_shape(
-        index_query_fn, q_idx[0][:, :1], q_idx[1], positions[:, :1]).shape[2]
-    num_blocks = k_idx.shape[1]
+    heads_i = _heads(index.queries, positions)
+    num_blocks = index.keys_bwd.shape[1]
     if num_blocks == 0 or t % num_blocks:
         raise ValueError(f"T={t} must be a multiple of the W={num_blocks} compressed blocks")
-    joint = check_teacher(teacher, raw_kv, sink, window > 0, "window > 0")
-    heads = query.shape[2] if query_fn is None else jax.eval_shape(
-        query_fn, query[0][:, :1], query[1], positions[:, :1]).shape[2]
+    joint = check_teacher(teacher.kind, teacher.raw_bsd, teacher.sink_h, teacher.window > 0, "window > 0")
     spec = Spec(
-        head_chunk=resolve_chunk(head_chunk, heads, "head_chunk", "query heads"),
+        head_chunk=resolve_chunk(head_chunk, _heads(teacher.queries, positions), "head_chunk", "query heads"),
         query_chunk=resolve_chunk(query_chunk, t, "query_chunk", "query positions"),
-        joint=joint, topk=topk, window=window if joint else 0,
+        joint=joint, topk=topk, window=teacher.window if joint else 0,
         index_chunk=resolve_chunk(head_chunk, heads_i, "head_chunk", "indexer heads"),
-        query_fn=query_fn, index_query_fn=index_query_fn,
     )
-    if not joint:
-        raw_kv, sink = None, None
-    dtype = compute_dtype(*jax.tree.leaves(query), compressed_kv, raw_kv, sink)
-    teacher_inputs = [teacher_input(x, dtype) for x in (query, compressed_kv, raw_kv, sink)]
-    loss = _streamed_mean_kl(spec, q_idx, k_idx, w_idx, *teacher_inputs, positions, segment_ids)
+    raw_kv, sink = (teacher.raw_bsd, teacher.sink_h) if joint else (None, None)
+    dtype = compute_dtype(*jax.tree.leaves(teacher.queries), teacher.compressed_bwd, raw_kv, sink)
+    teacher_inputs = tuple(teacher_input(x, dtype) for x in (teacher.queries, teacher.compressed_bwd, raw_kv, sink))
+    loss = _streamed_mean_kl(spec, index, teacher_inputs, positions, segment_ids)
     return jnp.asarray(scale, loss.dtype) * loss

@@ -1,8 +1,9 @@
-"""The lightning indexer (DESIGN.md, "Lightning indexer"): scores, top-k selection, the module.
+"""The lightning indexer module (DESIGN.md, "Lightning indexer").
 
-Pure, jit-safe functions of arrays and static ints (`indexer_scores`, `select_topk`,
-`selection_mask`), then the `Indexer` nnx.Module that owns the indexer's parameters. Scores,
-selection and everything downstream are float32 whatever the compute dtype.
+`indexer_queries` is the indexer's query projection as a pure function; `Indexer` owns the
+indexer's parameters and hands its projections out as `IndexerInputs` (queries per run of rows,
+compressed keys, head weights) to the pure scoring and top-k of core.ops.topk and to the indexer
+loss. Scores, selection and everything downstream are float32 whatever the compute dtype.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from flax import nnx
 from core.model.compressor import Compressor
 from core.model.layers import dense_init, param
 from core.ops.rope import RopeSpec, apply_rope
-from core.ops.topk import indexer_scores
+from core.ops.chunked_attention import RowQueries
+from core.ops.topk import IndexerInputs, indexer_scores
 
 
 def indexer_queries(c_q_btr, wq_b_rid, positions_bt, *, rope: RopeSpec, dtype):
@@ -42,10 +44,8 @@ class Indexer(nnx.Module):
 
     weights_init: "fan_in" (the default: weights_proj ~ variance 1/M) or "zeros" (weights_proj = 0:
     every score 0, a uniform student; the first step's gradient reaches weights_proj only, the next
-    ones q and k too). Measured on deepseek4-tiny (docs/benchmarks.md, issue 11): a 100-step warm-up
-    from a pre-trained model reaches gain@16 0.85 / kl_captured 0.72 from "zeros" against 0.68 /
-    0.51 from "fan_in", whose random start is worse than uniform and whose shrinking leaves rows
-    with every ReLU off (65% of layer 28's rows).
+    ones q and k too). The warm-up presets start from "zeros": a random start is a student worse
+    than uniform (docs/benchmarks.md#why-the-defaults).
     """
 
     def __init__(self, emb: int, q_lora_rank: int, heads: int, head_dim: int, rope: RopeSpec,
@@ -63,26 +63,25 @@ class Indexer(nnx.Module):
         self.compressor = Compressor(emb, head_dim, 4, rope, eps, rngs=rngs,
                                      param_dtype=param_dtype, dtype=dtype)
 
-    def project(self, x_btm, c_q_btr, positions_bt):
-        """Detached inputs -> (q_btid, k_bwd, weights_bti float32, scaled by HI^-1/2 DI^-1/2).
+    def inputs(self, x_btm, c_q_btr, positions_bt) -> IndexerInputs:
+        """Detached inputs -> IndexerInputs(q_I per run of rows, k_bwd, weights_bti float32).
 
         Shapes:
-          1. q_btid  = RoPE(c_q W_Iq)          at positions[t]
+          1. q_btid  = RoPE(stop_gradient(c_q) W_Iq)   at positions[t], built where consumed
           2. k_bwd   = compressor(x)           (m = 4, overlapping; RoPE at block starts)
           3. weights = x W_Iw * HI^-1/2 * DI^-1/2
         """
-        return (self.queries(c_q_btr, positions_bt), *self.keys_and_weights(x_btm, positions_bt))
+        queries = RowQueries(functools.partial(indexer_queries, rope=self.rope, dtype=self.dtype),
+                             jax.lax.stop_gradient(c_q_btr), self.wq_b[...])
+        return IndexerInputs(queries, *self.keys_and_weights(x_btm, positions_bt))
 
-    def queries(self, c_q_btr, positions_bt):
-        """q_btid = RoPE(stop_gradient(c_q) W_Iq) for any run of positions (a chunk's q_fn)."""
-        return self.query_fn()(jax.lax.stop_gradient(c_q_btr), self.wq_b[...], positions_bt)
-
-    def query_fn(self):
-        """`indexer_queries` with this indexer's static settings: (c_q, wq_b, positions) -> q."""
-        return functools.partial(indexer_queries, rope=self.rope, dtype=self.dtype)
+    def project(self, x_btm, c_q_btr, positions_bt):
+        """`inputs` with the queries built whole: (q_btid [B, T, HI, DI], k_bwd, weights_bti)."""
+        queries, k_bwd, weights_bti = self.inputs(x_btm, c_q_btr, positions_bt)
+        return queries.of(queries.inputs, positions_bt), k_bwd, weights_bti
 
     def keys_and_weights(self, x_btm, positions_bt):
-        """(k_bwd, weights_bti float32) of `project` from the detached x."""
+        """(k_bwd, weights_bti float32) of `inputs` from the detached x."""
         dt = self.dtype
         x_btm = jax.lax.stop_gradient(x_btm).astype(dt)
         k_bwd = self.compressor(x_btm, positions_bt)

@@ -36,24 +36,16 @@ Both remat policies also keep SAVED_NAMES, values tagged with `checkpoint_name` 
 made: the CSA top-k selection (int [B, T, k] + bool), the streamed indexer loss's closed-form
 gradients (per token [B, T, R + HI], its keys [B, W, DI], its query weight) and the MoE's routing
 (int: chosen experts, slot rows, tile experts). The backward then runs no indexer scoring, top-k,
-indexer loss nor routing sort again, for a few bytes per token and layer: XLA temp +1.6% at
-1 x 1024, +5.4% at 1 x 8192; step time 0.91x at 1 x 1024 (0.88x / 0.86x at 1 x 256 / 1 x 1024 with
-the LM loss's single exp), same-process A/B ratios on a shared machine (docs/benchmarks.md,
-"Session 5"); idle, the merged step runs 262 tokens/s at 1 x 256 and 265 at 1 x 1024.
-Also keeping the attention output [B, T, M] (its query chunks then run forward once less) or
-dropping the chunks' own checkpoint measured faster still but grew the temp at 1 x 8192 by 15% /
-48%.
-The default (base.yml) is `full`, chosen without timings (the machine was shared) by XLA's
-compiled memory analysis and the step's FLOP count (docs/benchmarks.md, "Remat policy"): the
-deepseek4-tiny sparse step at 1 x 1024 needs 5.06 GB of XLA temporaries under `none`, 0.99 GB
-under `minimal`, 0.51 GB under `full`, for 35.8 / 38.0 / 43.3 GFLOP at 1 x 256. `minimal`
-already recomputes every non-matmul op (norms, softmax, Sinkhorn: most of a CPU step's time);
-`full` adds the layers' matmuls (+14% FLOPs) for half the memory. An idle-machine bench decides.
+indexer loss nor routing sort again, for a few bytes per token and layer. The attention output
+[B, T, M] is not kept: keeping it grows the temporaries at long T more than it saves.
+The default (base.yml) is `full`: half the XLA temporaries of `minimal` for a few more FLOPs,
+since `minimal` already recomputes every non-matmul op (docs/benchmarks.md#why-the-defaults).
 
-Modes: "train" follows the stage table from the config (dense_pretraining: CSA over all visible
-blocks, no indexer loss, LM head; dense warm-up: CSA over all visible blocks, dense indexer loss,
-no LM head; sparse: top-k, sparse indexer loss; factor 0: top-k, no loss); "eval": top-k, no loss; "eval_dense": all visible blocks, no loss. Logits are None when the
-head is not run.
+Modes: "train" follows the config's row of the stage table (core.config.stages): CSA attends the
+top-k blocks iff `Stage.csa_topk`, the indexer loss is computed iff `Stage.indexer_loss` is not
+"off" (dense over every visible block, or sparse over the top-k), the head runs iff
+`Stage.lm_loss`. "eval": top-k, no indexer loss; "eval_dense": every visible block, no indexer
+loss. Logits are None when the head is not run.
 """
 
 from __future__ import annotations
@@ -65,6 +57,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from core.config.stages import stage_of
 from core.model.attention import Attention, AttentionSpec
 from core.model.layers import RMSNorm, dense_init, param
 from core.loss.lm import head_logits
@@ -211,8 +204,7 @@ class Transformer(nnx.Module):
         self.dtype, self.n = dt, cfg.mhc_expansion_rate
         self.num_layers, self.first_hash = cfg.num_layers, cfg.first_num_hash_layers
         self.csa_layers = cfg.csa_layers if cfg.use_indexer else ()
-        self.loss_scale, self.dense_warmup = cfg.indexer_loss_scaling_factor, cfg.dense_warmup
-        self.dense_pretraining = cfg.dense_pretraining
+        self.stage = stage_of(cfg)  # what "train" switches on and off (core.config.stages)
         self.joint = cfg.indexer_teacher == "joint"
         self.remat_policy = cfg.remat_policy
         specs = [BlockSpec.from_config(cfg, i) for i in range(cfg.num_layers)]
@@ -227,12 +219,13 @@ class Transformer(nnx.Module):
         self.head = param(rngs, dense_init(), (cfg.emb, cfg.vocab_size), ("embed", "vocab"), pdt)
 
     def _flags(self, mode: str):
+        """(dense, indexer loss, head run) of `mode`, from the stage table in training."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is unknown: use one of {', '.join(MODES)}")
-        train = mode == "train"
-        dense = mode == "eval_dense" or (train and (self.dense_warmup or self.dense_pretraining))
-        loss = train and self.loss_scale > 0 and bool(self.csa_layers)
-        return dense, loss, not (train and self.dense_warmup)
+        train, stage = mode == "train", self.stage
+        dense = mode == "eval_dense" or (train and not stage.csa_topk)
+        loss = train and stage.indexer_loss != "off" and bool(self.csa_layers)
+        return dense, loss, not (train and not stage.lm_loss)
 
     def __call__(self, tokens, positions, segment_ids, *, mode: str = "train", collect: bool = False):
         """The logits: `hidden` then the head (evaluation and the HF parity test use this).

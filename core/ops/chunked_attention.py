@@ -1,17 +1,18 @@
-"""Query-chunked attention: banded window, gathered top-k blocks, chunked visible blocks (DESIGN.md,
-"Attention" and "Memory").
+"""Attention over window raw keys, compressed entries and a sink: the masked reference and the
+query-chunked path (DESIGN.md, "Attention" and "Memory").
 
-`chunked_attention` computes exactly `core.model.attention.attention` (window raw keys + compressed
-entries + per-head sink in one softmax) without any [T, T] or [T, W]-over-all-queries tensor.
-The queries are cut into chunks of C positions (T padded up to a multiple of C with padding
-tokens, segment 0, which see nothing and are sliced off) and a `lax.scan` runs one chunk at a
-time; the chunk body is `jax.checkpoint`ed, so the backward pass recomputes it and keeps nothing
-of chunk size between steps. Per chunk, at once:
+`softmax_attention` is the formula with dense boolean masks ([B, T, S] window, [B, T, W] blocks),
+logits [B, H, T, T] and [B, H, T, W]; `masked_attention` builds those masks from the packing and
+calls it. `chunked_attention` computes the same without any [T, T] or [T, W]-over-all-queries
+tensor. Its queries are cut into chunks of C positions (T padded up to a multiple of C with
+padding tokens, segment 0, which see nothing and are sliced off) and a `lax.scan` runs one chunk
+at a time; the chunk body is `jax.checkpoint`ed, so the backward pass recomputes it and keeps
+nothing of chunk size between steps. Per chunk, at once:
 
   window   its C queries meet only keys [t0 - (S - 1), t0 + C): logits [B, H, C, C + S - 1]
            (the keys are front-padded with invisible padding, so chunk 0 needs no special case)
-  CSA      sparse: the k selected blocks' keys gathered per query, [B, C, k, D] and logits
-           [B, H, C, k];  dense (warm-up, pre-training, no indexer): every block, [B, H, C, W]
+  CSA      top-k: the k selected blocks' keys gathered per query, [B, C, k, D] and logits
+           [B, H, C, k];  every visible block (pre-training, warm-up, no indexer): [B, H, C, W]
   HCA      every block, [B, H, C, W] (W = T / 128)
   sink     [H]
 
@@ -21,17 +22,81 @@ the letter from positions and segment ids: the window test is `sliding_window_ma
 block test `csa_visible`'s; the band only assumes what DESIGN.md states, that positions count up
 by one inside a document, so the keys of a query's window are among its S - 1 predecessors.
 
-The query and output projections can run inside the chunk (`q_fn`, `o_fn`), so the [B, T, H, D]
-queries and outputs never exist whole either (at Flash shapes they are 2 GiB each in bfloat16 at
-T = 32K). Work is O(T (C + S + k) H D) in the sparse stage, O(T (C + S + W) H D) dense.
+Queries arrive as `RowQueries`: a pure function of per-token inputs (e.g. the low-rank c_q) run
+for any run of rows, so the chunked path builds the [B, C, H, D] queries of one chunk at a time
+and the [B, T, H, D] queries never exist whole. The output projection runs per chunk as well
+(`out_fn`). Work is O(T (C + S + k) H D) with top-k, O(T (C + S + W) H D) over every block.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 
-from core.ops.masks import NEG, block_last_positions, block_segment_ids, visible_rows, window_rows
+from core.ops.masks import (NEG, Packing, block_last_positions, block_segment_ids, compressed_visibility,
+                            sliding_window_mask, visible_rows, window_rows)
+
+
+def _given(q_bt_, params, positions_bt):
+    del params, positions_bt
+    return q_bt_
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["inputs", "params"], meta_fields=["fn"])
+@dataclasses.dataclass(frozen=True)
+class RowQueries:
+    """Queries for any run of rows: `fn(inputs[rows], params, positions[rows])` -> [B, rows, heads, dim].
+
+    The one form in which queries reach the attention, the indexer's top-k and the streamed indexer
+    loss: a chunked path builds each chunk's queries from the per-token inputs (e.g. the low-rank
+    c_q [B, T, R] and W_qb), so [B, T, H, D] need not exist whole. `RowQueries.given(q)` wraps
+    queries that already exist (fn returns its rows unchanged). A pytree: gradients reach
+    `inputs` and `params`; `fn` is static.
+    """
+
+    fn: Callable
+    inputs: Any         # per-token inputs [B, T, ...]
+    params: Any = ()    # the arrays fn needs besides them (e.g. a projection matrix)
+
+    @classmethod
+    def given(cls, q_bt_) -> "RowQueries":
+        return cls(_given, q_bt_)
+
+    def of(self, inputs_bt_, positions_bt):
+        """The queries of these rows' inputs [B, t, ...] at their positions [B, t]."""
+        return self.fn(inputs_bt_, self.params, positions_bt)
+
+    def rows(self, t0, size: int, positions_bt):
+        """The queries of rows [t0, t0 + size) (t0 may be traced); positions_bt are those rows'."""
+        return self.of(jax.lax.dynamic_slice_in_dim(self.inputs, t0, size, axis=1), positions_bt)
+
+    def whole(self, positions_bt) -> "RowQueries":
+        """Every row's queries built at once [B, T, heads, dim], wrapped as given."""
+        return RowQueries.given(self.of(self.inputs, positions_bt))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["raw_bsd", "sink_h", "compressed_bwd"],
+                   meta_fields=["window", "ratio"])
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    """What a layer's queries attend, and the static rule that makes each part visible."""
+
+    raw_bsd: Any                # raw keys = values [B, S=T, D], seen within `window` tokens
+    sink_h: Any                 # per-head sink logit [H]: exp(sink) joins the denominator only
+    window: int                 # sliding window S (tokens)
+    compressed_bwd: Any = None  # compressed entries [B, W, D] (keys = values), None in SWA layers
+    ratio: int = 0              # tokens per compressed entry (4 CSA, 128 HCA)
+
+
+def _identity_out(o_bthd, positions_bt):
+    del positions_bt
+    return o_bthd
+
+
 
 
 def num_chunks(t: int, chunk: int) -> tuple[int, int]:
@@ -94,64 +159,107 @@ def merged_softmax(q_bchd, sink_h, parts):
     return o_bchd / jnp.transpose(denom_bhc, (0, 2, 1))[..., None]
 
 
-def _identity_q(q_bchd, pos_bc):
-    del pos_bc
-    return q_bchd
-
-
-def _identity_o(o_bchd, pos_bc):
-    del pos_bc
-    return o_bchd
-
-
-def chunked_attention(q_in_bt_, kv_bsd, positions_bt, segment_ids_bt, sink_h, *, window: int,
-                      chunk: int, ckv_bwd=None, ratio: int = 0, topk_idx_btk=None,
-                      topk_valid_btk=None, q_fn=None, o_fn=None):
-    """`attention` (window + compressed + sink, one softmax) one query chunk at a time.
+def softmax_attention(q_bthd, kv_bsd, window_bts, sink_h, ckv_bwd=None, allowed_btw=None):
+    """Window raw keys + allowed compressed entries + per-head sink in one softmax, dense masks.
 
     Args:
-      q_in_bt_: per-token query inputs [B, T, ...]: the queries [B, T, H, D] (RoPE'd, scaled by
-        D^-1/2) when `q_fn` is None, else whatever `q_fn` turns into them (e.g. c_q [B, T, R]).
-      kv_bsd: raw keys = values [B, T, D].
-      positions_bt, segment_ids_bt: int [B, T] (DESIGN.md, "Visibility").
-      sink_h: per-head sink logit [H].
-      window: the sliding window S (tokens, static).
-      chunk: query positions per scan step C (static; T need not be a multiple).
+      q_bthd: queries [B, T, H, D], RoPE applied and already scaled by D^-1/2.
+      kv_bsd: raw keys = values [B, S=T, D].
+      window_bts: bool [B, T, S], raw key s in query t's window.
+      sink_h: per-head sink logit [H]; adds exp(sink) to the denominator only.
       ckv_bwd: compressed entries [B, W, D] (keys = values), or None (SWA).
-      ratio: tokens per compressed block (static; with ckv_bwd).
-      topk_idx_btk, topk_valid_btk: the selection (`select_topk`'s int [B, T, k] and bool
-        [B, T, k]): attend only those blocks (CSA sparse). None: every visible block.
-      q_fn: (inputs [B, C, ...], positions [B, C]) -> queries [B, C, H, D], run per chunk.
-      o_fn: (o [B, C, H, D] in q's dtype, positions [B, C]) -> per-token output, run per chunk.
+      allowed_btw: bool [B, T, W], which entries query t attends.
 
     Returns:
-      [B, T, ...]: o_fn of the attention output (o_bthd [B, T, H, D] in q's dtype by default).
+      o_bthd [B, T, H, D] in q's dtype. A row with no allowed key returns 0 (the sink takes all).
+
+    Shapes:
+      1. logits_bhts = q . kv,  logits_bhtw = q . ckv            (float32, masked with NEG)
+      2. p = exp(logit - mx) / (sum exp(logit - mx) + exp(sink - mx)),  mx = max(logits, sink)
+      3. o_bthd = p_bhts . kv + p_bhtw . ckv
+    """
+    acc = jnp.promote_types(q_bthd.dtype, jnp.float32)
+    q = q_bthd.astype(acc)
+    keys = [(kv_bsd.astype(acc), window_bts)]
+    if ckv_bwd is not None:
+        keys.append((ckv_bwd.astype(acc), allowed_btw))
+    logits = [jnp.where(mask[:, None], jnp.einsum("bthd,bsd->bhts", q, k), NEG) for k, mask in keys]
+    sink_bht = jnp.broadcast_to(sink_h.astype(acc)[None, :, None], logits[0].shape[:3])
+    mx_bht = jax.lax.stop_gradient(
+        jnp.maximum(sink_bht, jnp.max(jnp.concatenate(logits, axis=-1), axis=-1)))
+    exps = [jnp.where(mask[:, None], jnp.exp(l - mx_bht[..., None]), 0.0)
+            for l, (_, mask) in zip(logits, keys)]
+    denom_bht = jnp.exp(sink_bht - mx_bht) + sum(jnp.sum(e, axis=-1) for e in exps)
+    o_bthd = sum(jnp.einsum("bhts,bsd->bthd", e, k) for e, (k, _) in zip(exps, keys))
+    return (o_bthd / jnp.transpose(denom_bht, (0, 2, 1))[..., None]).astype(q_bthd.dtype)
+
+
+def masked_attention(queries: RowQueries, keys: Keys, packing: Packing, selection=None, out_fn=None):
+    """The reference: every query at once, with dense [B, T, S] and [B, T, W] masks.
+
+    Args:
+      queries: the layer's queries (built whole here).
+      keys: raw keys, sink, compressed entries and their visibility rules.
+      packing: positions and segment ids [B, T].
+      selection: a `core.ops.topk.Selection` of blocks per query (CSA top-k), or None for every
+        visible block.
+      out_fn: (o [B, T, H, D], positions [B, T]) -> per-token output; None keeps o.
+
+    Returns:
+      out_fn(o_bthd, positions): `softmax_attention` with allowed = visible (& selected).
+    """
+    positions_bt, segment_ids_bt = packing
+    window_bts = sliding_window_mask(positions_bt, segment_ids_bt, keys.window)
+    allowed_btw = None
+    if keys.compressed_bwd is not None:
+        allowed_btw = compressed_visibility(positions_bt, segment_ids_bt, keys.ratio)
+        if selection is not None:
+            allowed_btw = allowed_btw & selection.mask(allowed_btw.shape[-1])
+    o_bthd = softmax_attention(queries.of(queries.inputs, positions_bt), keys.raw_bsd, window_bts,
+                               keys.sink_h, keys.compressed_bwd, allowed_btw)
+    return (out_fn or _identity_out)(o_bthd, positions_bt)
+
+
+def chunked_attention(queries: RowQueries, keys: Keys, packing: Packing, selection=None, out_fn=None, *,
+                      chunk: int):
+    """`masked_attention` one query chunk at a time, without a [T, T] or [T, W] tensor.
+
+    Args:
+      queries, keys, packing, selection: as in `masked_attention`; the queries are built per chunk.
+      out_fn: (o [B, C, H, D] in q's dtype, positions [B, C]) -> per-token output, run per chunk;
+        None keeps o.
+      chunk: query positions per scan step C (static; T need not be a multiple).
+
+    Returns:
+      [B, T, ...]: out_fn of the attention output (o_bthd [B, T, H, D] in q's dtype by default).
 
     Shapes (per chunk of c = min(C, T) queries starting at t0):
-      1. q_bchd = q_fn(q_in[t0 : t0 + c]);  band keys kv[t0 - P : t0 + c], P = S - 1 (0 if one chunk)
+      1. q_bchd = queries of rows [t0, t0 + c);  band keys kv[t0 - P : t0 + c], P = S - 1 (0 if one chunk)
       2. window logits [B, H, c, c + P];  blocks: gathered [B, c, k, D] -> [B, H, c, k], or all
          [B, H, c, W] masked by visibility
-      3. merged softmax with the sink; o_fn(o) -> ys[j]
+      3. merged softmax with the sink; out_fn(o) -> ys[j]
     """
-    q_fn, o_fn = q_fn or _identity_q, o_fn or _identity_o
+    out_fn = out_fn or _identity_out
+    positions_bt, segment_ids_bt = packing
+    window, ckv_bwd = keys.window, keys.compressed_bwd
     b, t = positions_bt.shape
     c, n = num_chunks(t, chunk)
     band = (window - 1) if n > 1 else 0  # previous keys a chunk can see; one chunk has none before it
     pad_end = n * c - t
     pad_kv = lambda x: jnp.pad(x, [(0, 0), (band, pad_end)] + [(0, 0)] * (x.ndim - 2))
-    kv_pad, pos_pad, seg_pad = pad_kv(kv_bsd), pad_kv(positions_bt), pad_kv(segment_ids_bt)
-    sink_h = sink_h.astype(jnp.promote_types(sink_h.dtype, jnp.float32))
+    kv_pad, pos_pad, seg_pad = pad_kv(keys.raw_bsd), pad_kv(positions_bt), pad_kv(segment_ids_bt)
+    sink_h = keys.sink_h.astype(jnp.promote_types(keys.sink_h.dtype, jnp.float32))
     if ckv_bwd is not None:
-        seg_bw, last_bw = block_keys(positions_bt, segment_ids_bt, ratio)
-    gathered = topk_idx_btk is not None
-    xs = [to_chunks(q_in_bt_, c, n), to_chunks(positions_bt, c, n), to_chunks(segment_ids_bt, c, n),
+        seg_bw, last_bw = block_keys(positions_bt, segment_ids_bt, keys.ratio)
+    gathered = selection is not None
+    xs = [to_chunks(queries.inputs, c, n), to_chunks(positions_bt, c, n), to_chunks(segment_ids_bt, c, n),
           jnp.arange(n) * c]
     if gathered:
-        xs += [to_chunks(topk_idx_btk, c, n), to_chunks(topk_valid_btk, c, n)]
+        xs += [to_chunks(selection.idx_btk, c, n), to_chunks(selection.valid_btk, c, n)]
 
     @jax.checkpoint
     def body(q_in, pos_bc, seg_bc, t0, *sel):
-        q = q_fn(q_in, pos_bc)
+        q = queries.of(q_in, pos_bc)
         acc = jnp.promote_types(q.dtype, jnp.float32)
         sl = lambda x: jax.lax.dynamic_slice_in_dim(x, t0, c + band, axis=1)
         parts = [(sl(kv_pad).astype(acc), window_rows(pos_bc, seg_bc, sl(pos_pad), sl(seg_pad), window))]
@@ -163,7 +271,7 @@ def chunked_attention(q_in_bt_, kv_bsd, positions_bt, segment_ids_bt, sink_h, *,
             else:
                 parts.append((ckv, visible_rows(pos_bc, seg_bc, seg_bw, last_bw)))
         o = merged_softmax(q.astype(acc), sink_h.astype(acc), parts).astype(q.dtype)
-        return o_fn(o, pos_bc)
+        return out_fn(o, pos_bc)
 
     if n == 1:
         ys = body(*(x[0] for x in xs))[None]

@@ -7,9 +7,18 @@ logits with `NEG` (a large finite negative) so a fully masked row is 0, never Na
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 
 NEG = -1e30  # masked logit: finite, so exp() underflows to 0 instead of producing NaN
+
+
+class Packing(NamedTuple):
+    """Where each token of a packed batch sits: the two arrays every mask derives from."""
+
+    positions_bt: jnp.ndarray    # int [B, T], restarting at 0 at each document start
+    segment_ids_bt: jnp.ndarray  # int [B, T], >= 1 real tokens, 0 padding
 
 
 def block_segment_ids(segment_ids, ratio: int):
@@ -57,6 +66,19 @@ def csa_visible(positions, segment_ids, ratio: int = 4):
     """
     return visible_rows(positions, segment_ids, block_segment_ids(segment_ids, ratio),
                         block_last_positions(positions, ratio))
+
+
+def compressed_visibility(positions_bt, segment_ids_bt, ratio: int):
+    """bool [B, T, T // ratio]: csa_visible, also when T is not a multiple of `ratio`.
+
+    Trailing tokens that do not fill a block form no entry (the compressor drops them).
+    """
+    t = positions_bt.shape[1]
+    pad = (-t) % ratio
+    if pad:  # padding tokens (segment 0) make the extra block invisible; it is then dropped
+        positions_bt = jnp.pad(positions_bt, ((0, 0), (0, pad)))
+        segment_ids_bt = jnp.pad(segment_ids_bt, ((0, 0), (0, pad)))
+    return csa_visible(positions_bt, segment_ids_bt, ratio)[:, :t, : t // ratio]
 
 
 def visible_rows(pos_bt, seg_bt, seg_bw, last_bw):

@@ -2,20 +2,41 @@
 
 `indexer_scores` is I[t,w] = sum_i weights[t,i] * ReLU(q_I[t,i] . k_I[w]) over visible blocks;
 `select_topk` keeps the k best visible blocks per row (k_eff = min(k, #visible), ties to the lower
-index); `selection_mask` turns the indices back into a [B, T, W] mask; `select_topk_chunked`
-does scoring and selection per query chunk, so [B, T, W] scores never live at once. Scores and
-selection are float32 whatever the compute dtype. The model's `Indexer`, the losses and the
-evaluation all call these.
+index) as a `Selection`; `selection_mask` turns the indices back into a [B, T, W] mask;
+`select_topk_chunked` does scoring and selection per query chunk, so [B, T, W] scores never live
+at once. Scores and selection are float32 whatever the compute dtype. The model's `Indexer`, the
+losses and the evaluation all call these.
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from core.ops.masks import NEG
+from core.ops.chunked_attention import RowQueries, block_keys, from_chunks, num_chunks, to_chunks
+from core.ops.masks import NEG, Packing, visible_rows
+
+
+class IndexerInputs(NamedTuple):
+    """What `indexer_scores` needs of one CSA layer: its queries, compressed keys and head weights."""
+
+    queries: RowQueries   # q_I [B, T, HI, DI] (RoPE applied), per run of rows
+    keys_bwd: Any         # k_I [B, W, DI]
+    weights_bti: Any      # [B, T, HI], already scaled by HI^-1/2 * DI^-1/2
+
+
+class Selection(NamedTuple):
+    """The top-k blocks of each query: indices int32 [B, T, k] and validity bool [B, T, k]."""
+
+    idx_btk: Any
+    valid_btk: Any
+
+    def mask(self, num_blocks: int):
+        """bool [B, T, W]: `selection_mask` of these indices."""
+        return selection_mask(self.idx_btk, self.valid_btk, num_blocks)
 
 
 def indexer_scores(q_btid, k_bwd, weights_bti, visible_btw, *, head_chunk: int = 0):
@@ -74,14 +95,14 @@ def select_topk(scores_btw, visible_btw, k: int):
       k: static number of blocks to select (clipped to W).
 
     Returns:
-      (idx_btk int32 [B, T, min(k, W)], valid_btk bool [B, T, min(k, W)]). Slots beyond the
-      visible count are marked invalid; an invisible block is never a valid selection.
+      Selection(idx_btk int32 [B, T, min(k, W)], valid_btk bool [B, T, min(k, W)]). Slots beyond
+      the visible count are marked invalid; an invisible block is never a valid selection.
     """
     k = min(k, scores_btw.shape[-1])
     ranked_btw = jnp.where(visible_btw, scores_btw.astype(jnp.float32), -jnp.inf)
     _, idx_btk = jax.lax.top_k(ranked_btw, k)  # lax.top_k puts the lower index first on ties
     valid_btk = jnp.take_along_axis(visible_btw, idx_btk, axis=-1)
-    return idx_btk.astype(jnp.int32), valid_btk
+    return Selection(idx_btk.astype(jnp.int32), valid_btk)
 
 
 def selection_mask(idx_btk, valid_btk, num_blocks: int):
@@ -95,55 +116,49 @@ def selection_mask(idx_btk, valid_btk, num_blocks: int):
     return rows_btw.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], idx_btk].set(valid_btk)
 
 
-def select_topk_chunked(q_in_bt_, k_bwd, weights_bti, positions_bt, segment_ids_bt, *, ratio: int,
-                        k: int, chunk: int, head_chunk: int = 0, q_fn=None):
+def select_topk_chunked(index: IndexerInputs, packing: Packing, *, ratio: int, k: int, chunk: int,
+                        head_chunk: int = 0):
     """`select_topk(indexer_scores(...), visible, k)` one query chunk at a time.
 
-    Never holds [B, T, W, HI] nor [B, T, W]: each chunk of C queries builds its own visibility
-    rows, scores and selection. No gradient flows (the selection is discrete; the indexer loss
-    recomputes its own scores), so the inputs are detached and nothing is kept for a backward.
+    Never holds [B, T, W, HI] nor [B, T, W]: each chunk of C queries builds its own indexer
+    queries, visibility rows, scores and selection. No gradient flows (the selection is discrete;
+    the indexer loss recomputes its own scores), so the inputs are detached and nothing is kept
+    for a backward.
 
     Args:
-      q_in_bt_: the indexer queries q_btid [B, T, HI, DI] of `indexer_scores`, or, with `q_fn`,
-        its per-token inputs (e.g. c_q [B, T, R]), so the queries too exist one chunk at a time.
-      k_bwd, weights_bti: as in `indexer_scores`.
-      positions_bt, segment_ids_bt: int [B, T] (DESIGN.md, "Visibility").
+      index: the indexer's queries (built per chunk), compressed keys and head weights.
+      packing: positions and segment ids [B, T] (DESIGN.md, "Visibility").
       ratio: tokens per block (4; W = T // ratio complete blocks).
       k: blocks to select (static, clipped to W).
       chunk: query positions per scan step C (static; T need not be a multiple).
       head_chunk: indexer heads per scoring step, as in `indexer_scores`.
-      q_fn: (inputs [B, C, ...], positions [B, C]) -> q_bcid [B, C, HI, DI], run per chunk.
 
     Returns:
-      (idx_btk int32 [B, T, min(k, W)], valid_btk bool [B, T, min(k, W)]), equal to `select_topk`
-      of the dense scores (ties to the lower index).
+      Selection(idx_btk int32 [B, T, min(k, W)], valid_btk bool [B, T, min(k, W)]), equal to
+      `select_topk` of the dense scores (ties to the lower index).
 
     Shapes (per chunk of c queries):
-      1. q_bcid = q_fn(q_in[chunk]); visible_bcw from positions / segment ids      [B, c, W]
-      2. scores_bcw = indexer_scores(q[chunk], k, w[chunk])     [B, c, W, head_chunk] live
+      1. q_bcid = the chunk's indexer queries; visible_bcw from positions / segment ids  [B, c, W]
+      2. scores_bcw = indexer_scores(q, k, w[chunk])        [B, c, W, head_chunk] live
       3. idx_bck, valid_bck = select_topk(scores_bcw, visible_bcw, k)
     """
-    from core.ops.masks import visible_rows
-    from core.ops.chunked_attention import block_keys, from_chunks, num_chunks, to_chunks
-
-    sg = jax.lax.stop_gradient
-    q_in_bt_, k_bwd, weights_bti = sg(q_in_bt_), sg(k_bwd), sg(weights_bti)
+    queries, k_bwd, weights_bti = jax.lax.stop_gradient(index)
+    positions_bt, segment_ids_bt = packing
     t = positions_bt.shape[1]
     c, n = num_chunks(t, chunk)
     seg_bw, last_bw = block_keys(positions_bt, segment_ids_bt, ratio)
 
     def body(_, xs):
-        q_c, w_c, pos_c, seg_c = xs
-        q_c = q_c if q_fn is None else q_fn(q_c, pos_c)
+        q_in, w_c, pos_c, seg_c = xs
         visible_bcw = visible_rows(pos_c, seg_c, seg_bw, last_bw)
-        scores_bcw = indexer_scores(q_c, k_bwd, w_c, visible_bcw, head_chunk=head_chunk)
-        return None, select_topk(scores_bcw, visible_bcw, k)
+        scores_bcw = indexer_scores(queries.of(q_in, pos_c), k_bwd, w_c, visible_bcw, head_chunk=head_chunk)
+        return None, tuple(select_topk(scores_bcw, visible_bcw, k))
 
-    xs = tuple(to_chunks(x, c, n) for x in (q_in_bt_, weights_bti, positions_bt, segment_ids_bt))
+    xs = tuple(to_chunks(x, c, n) for x in (queries.inputs, weights_bti, positions_bt, segment_ids_bt))
     if n == 1:
         idx, valid = body(None, tuple(x[0] for x in xs))[1]
         idx, valid = idx[None], valid[None]
     else:
         _, (idx, valid) = jax.lax.scan(body, None, xs)
-    return (checkpoint_name(from_chunks(idx, t), "topk_idx"),
-            checkpoint_name(from_chunks(valid, t), "topk_valid"))
+    return Selection(checkpoint_name(from_chunks(idx, t), "topk_idx"),
+                     checkpoint_name(from_chunks(valid, t), "topk_valid"))

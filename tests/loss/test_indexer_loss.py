@@ -1,7 +1,7 @@
 """core.loss.indexer_kl against the float64 reference (tests/reference_loss.py) and its contract.
 
-DESIGN.md "The indexer loss" / "Memory"; issues 4 and 7. Shapes are tiny and reused so jit
-caches hit: the file runs in well under half a minute on 2 CPU cores.
+DESIGN.md "The indexer loss" / "Memory". Shapes are tiny and reused, and static settings go
+positionally, so jit's cache hits across tests.
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ from hypothesis import strategies as st
 from tests import reference_loss as ref
 from core.ops.topk import indexer_scores, select_topk, selection_mask
 from core.loss.indexer_kl import csa_indexer_loss
+from core.loss.indexer_kl_rows import Teacher
 from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed
-from core.ops.masks import csa_visible, sliding_window_mask
+from core.ops.chunked_attention import RowQueries
+from core.ops.masks import Packing, csa_visible, sliding_window_mask
+from core.ops.topk import IndexerInputs
 from tests.conftest import packed
 
 RATIO, WINDOW, TOPK = 4, 5, 2
@@ -70,8 +73,10 @@ def loss_and_grads(*arrays, head_chunk=0, query_chunk=0, teacher="compressed"):
 @functools.partial(jax.jit, static_argnums=(9, 10, 11, 12))
 def _streamed_and_grads(qi, ki, wi, q, kv, pos, seg, raw, sink, head_chunk, query_chunk, teacher, topk):
     def f(qi, ki, wi, q, kv, raw, sink):
-        return csa_indexer_loss_streamed(qi, ki, wi, q, kv, pos, seg, topk=topk, scale=0.5, head_chunk=head_chunk,
-                                         query_chunk=query_chunk, teacher=teacher, raw_kv=raw, window=WINDOW, sink=sink)
+        index = IndexerInputs(RowQueries.given(qi), ki, wi)
+        return csa_indexer_loss_streamed(index, Teacher(RowQueries.given(q), kv, raw, sink, teacher, WINDOW),
+                                         Packing(pos, seg), topk=topk, scale=0.5, head_chunk=head_chunk,
+                                         query_chunk=query_chunk)
     return jax.value_and_grad(f, argnums=tuple(range(7)))(qi, ki, wi, q, kv, raw, sink)
 
 
@@ -266,8 +271,10 @@ def test_invalid_arguments_raise():
         csa_indexer_loss(*args, teacher="joint")
     with pytest.raises(ValueError, match="unknown"):
         csa_indexer_loss(*args, teacher="dense")
+    ki, wi, q, kv, pos, seg = jx(p, "ki", "wi", "q", "kv", "pos", "seg")
     with pytest.raises(ValueError, match="indexer heads"):
-        csa_indexer_loss_streamed(jnp.zeros((2, 16, 2, 8)), *jx(p, "ki", "wi", "q", "kv", "pos", "seg"), head_chunk=4)
+        csa_indexer_loss_streamed(IndexerInputs(RowQueries.given(jnp.zeros((2, 16, 2, 8))), ki, wi),
+                                  Teacher(RowQueries.given(q), kv), Packing(pos, seg), head_chunk=4)
 
 
 # ----------------------------------------------------------------------------- chunking

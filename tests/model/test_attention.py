@@ -1,4 +1,10 @@
-"""Attention (window + blocks + sink), the indexer module and whole attention layers vs float64 loops."""
+"""Attention (window + blocks + sink), the indexer module and whole attention layers vs float64 loops.
+
+The layer tests run the default chunked mode against tests/reference.py: once with a single query
+chunk (T = 16 < C) and once with several chunks and a ragged last one (T = 20, C = 8), so the
+window band across chunk edges, the gathered top-k and the chunked visible blocks meet the loop
+reference in float64.
+"""
 
 import functools
 
@@ -8,8 +14,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from core.model.attention import Attention, AttentionSpec, attention, compressed_visibility
+from core.model.attention import Attention, AttentionSpec
 from core.model.indexer import Indexer
+from core.ops.chunked_attention import softmax_attention
+from core.ops.masks import compressed_visibility
 from core.ops.topk import select_topk
 from core.ops.rope import RopeSpec
 from tests import reference as ref
@@ -40,12 +48,12 @@ def test_attention_matches_reference(x64):
     sink = rng.standard_normal(3)
     win = ref.window(pos, seg, 5)
     allowed = ref.visible(pos, seg, 4) & (rng.random((2, T, T // 4)) < 0.7)
-    got = attention(jnp.asarray(q), jnp.asarray(kv), jnp.asarray(win), jnp.asarray(sink),
+    got = softmax_attention(jnp.asarray(q), jnp.asarray(kv), jnp.asarray(win), jnp.asarray(sink),
                     jnp.asarray(ckv), jnp.asarray(allowed))
     want = ref.attention(q, kv, win, sink, ckv, allowed)
     err = float(np.max(np.abs(np.asarray(got) - want)))
     assert err < 1e-10, f"max diff {err}"
-    swa = attention(jnp.asarray(q), jnp.asarray(kv), jnp.asarray(win), jnp.asarray(sink))
+    swa = softmax_attention(jnp.asarray(q), jnp.asarray(kv), jnp.asarray(win), jnp.asarray(sink))
     err = float(np.max(np.abs(np.asarray(swa) - ref.attention(q, kv, win, sink))))
     assert err < 1e-10, f"SWA max diff {err}"
 
@@ -63,8 +71,8 @@ def test_empty_rows_are_zero_without_nan():
     q = jax.random.normal(jax.random.key(0), (1, 4, 2, 8))
     kv = jax.random.normal(jax.random.key(1), (1, 4, 8))
     none = jnp.zeros((1, 4, 4), bool)
-    f = lambda q_, s_: jnp.sum(attention(q_, kv, none, s_) ** 2)
-    out = jax.jit(attention)(q, kv, none, jnp.zeros(2))
+    f = lambda q_, s_: jnp.sum(softmax_attention(q_, kv, none, s_) ** 2)
+    out = jax.jit(softmax_attention)(q, kv, none, jnp.zeros(2))
     np.testing.assert_array_equal(out, 0.0)
     grads = jax.jit(jax.grad(f, argnums=(0, 1)))(q, jnp.zeros(2))
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
@@ -144,6 +152,25 @@ def test_attention_layer_matches_reference(x64, ratio, dense):
         for b, t_, k in zip(*np.nonzero(valid)):
             chosen[b, t_, idx[b, t_, k]] = True
         np.testing.assert_array_equal(chosen, ref.topk_mask(scores, vis, s.indexer_topk))
+
+
+MULTI_ROWS, MULTI_T = [[20], [9, 7]], 20  # document 2 starts inside chunk 1; 4 padding tokens
+
+
+@pytest.mark.parametrize("ratio,dense", [(0, False), (4, False), (4, True), (8, False)])
+def test_multi_chunk_layer_matches_reference(x64, ratio, dense):
+    """SWA, CSA (top-k and dense), plain compression (HCA's path at m=8) in float64 with three
+    query chunks of C = 8, the last one ragged (4 rows): the window band reaches S - 1 keys back
+    into the previous chunk, the top-k is selected per chunk (`select_topk_chunked`), and the
+    visible blocks are masked per chunk."""
+    s = spec(ratio, attention_chunk=8)
+    layer, params = make_layer(s, jnp.float64, seed=20 + ratio)
+    pos, seg = packed(MULTI_ROWS, MULTI_T)
+    x = np.random.default_rng(30 + ratio).standard_normal((2, MULTI_T, 16))
+    y, _ = call(layer, x, pos, seg, dense=dense)
+    want, _ = ref_layer(s, params, x, pos, seg, dense=dense)
+    err = float(np.max(np.abs(np.asarray(y) - want)))
+    assert err < 1e-10, f"max diff {err}"
 
 
 def test_indexer_module_scores_and_topk():

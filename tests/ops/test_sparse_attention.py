@@ -1,10 +1,8 @@
-"""Chunked attention and chunked top-k (core.ops.chunked_attention, core.model.indexer) vs the dense masked path.
+"""Chunked attention and chunked top-k (core.ops.chunked_attention, core.ops.topk) vs the dense masked path.
 
-Every case checks value AND gradient against `core.model.attention.attention` with the dense masks, on
-packed documents with padding, T not a multiple of the chunk, and T < S.
+Every case checks value AND gradient against `softmax_attention` with the dense masks, on packed
+documents with padding, T not a multiple of the chunk, and T < S.
 """
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from core.model.attention import Attention, attention, compressed_visibility
-from core.ops.topk import indexer_scores, select_topk, select_topk_chunked, selection_mask
-from core.ops.masks import sliding_window_mask
-from core.ops.chunked_attention import chunked_attention
+from core.model.attention import Attention
+from core.ops.chunked_attention import Keys, RowQueries, chunked_attention, softmax_attention
+from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
+from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked, selection_mask
 from tests.attention_memory import layer_train_temp_bytes
 from tests.model.test_attention import make_layer, packed, spec
 
@@ -50,7 +48,7 @@ def _both(case, dtype, seed=0):
     _, rows, t, window, chunk, ratio, k = case
     pos, seg, q, kv, ckv, sink, cot = _inputs(rows, t, ratio, dtype, seed)
     win = sliding_window_mask(pos, seg, window)
-    sel, allowed = (None, None), None
+    sel, allowed = None, None
     if ratio:
         allowed = compressed_visibility(pos, seg, ratio)
         if k:
@@ -58,12 +56,12 @@ def _both(case, dtype, seed=0):
             allowed = allowed & selection_mask(*sel, allowed.shape[-1])
 
     def chunked(q, kv, ckv, sink):
-        o = chunked_attention(q, kv, pos, seg, sink, window=window, chunk=chunk, ckv_bwd=ckv,
-                              ratio=ratio, topk_idx_btk=sel[0], topk_valid_btk=sel[1])
+        o = chunked_attention(RowQueries.given(q), Keys(kv, sink, window, ckv, ratio), Packing(pos, seg), sel,
+                              chunk=chunk)
         return jnp.sum(o * cot), o
 
     def dense(q, kv, ckv, sink):
-        o = attention(q, kv, win, sink, ckv, allowed)
+        o = softmax_attention(q, kv, win, sink, ckv, allowed)
         return jnp.sum(o * cot), o
 
     return chunked, dense, (q, kv, ckv, sink)
@@ -108,8 +106,9 @@ def test_select_topk_chunked_equals_dense(t, chunk):
     wt = jnp.asarray(rng.integers(0, 2, (2, t, 2)), jnp.float32)
     vis = compressed_visibility(pos, seg, 4)
     want_idx, want_valid = select_topk(indexer_scores(q, k, wt, vis), vis, 3)
-    got_idx, got_valid = jax.jit(functools.partial(
-        select_topk_chunked, ratio=4, k=3, chunk=chunk, head_chunk=1))(q, k, wt, pos, seg)
+    chunked = lambda q, k, wt, pos, seg: select_topk_chunked(  # noqa: E731
+        IndexerInputs(RowQueries.given(q), k, wt), Packing(pos, seg), ratio=4, k=3, chunk=chunk, head_chunk=1)
+    got_idx, got_valid = jax.jit(chunked)(q, k, wt, pos, seg)
     np.testing.assert_array_equal(got_valid, want_valid)
     np.testing.assert_array_equal(jnp.where(got_valid, got_idx, -1), jnp.where(want_valid, want_idx, -1))
     np.testing.assert_array_equal(got_idx, want_idx)  # invalid slots agree too (same top_k order)
@@ -176,8 +175,8 @@ def test_layer_chunked_collect_equals_masked():
 
 def test_layer_memory_grows_linearly_in_t():
     """CSA layer with top-k: doubling T doubles the compiled temp memory of its train step; the
-    masked reference quadruples it, so the check can fail. (With the streamed indexer loss too:
-    1.99x at T 512 -> 1024, docs/benchmarks.md; the Flash test below compiles that path.)"""
+    masked reference quadruples it, so the check can fail. (The Flash test below compiles the
+    streamed indexer loss too.)"""
     chunked = [layer_train_temp_bytes(spec(4, attention_chunk=32), t) for t in (512, 1024)]
     assert chunked[1] <= 2.1 * chunked[0], f"temp {chunked[0]} -> {chunked[1]} bytes for T 512 -> 1024"
     masked = [layer_train_temp_bytes(spec(4, attention="masked"), t) for t in (512, 1024)]
