@@ -200,3 +200,9 @@ SMALL = dict(
                   "beta_fast": 32, "beta_slow": 1},
     hidden_act="silu", tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
 )
+# The export layout test's model: SWA (hash-routed), CSA, HCA, with widths chosen so that the
+# tensors it checks are not square (M = 96, head_dim 48, o_lora 24, F = 64, E = 3, vocab 320): a
+# transpose or a reshape in place of a transpose changes their shape or their bytes.
+NARROW = dict(SMALL, hidden_size=96, num_hidden_layers=3, compress_ratios=[0, 4, 128], num_hash_layers=1,
+              head_dim=48, o_lora_rank=24, moe_intermediate_size=64, n_routed_experts=3, num_experts_per_tok=2,
+              index_n_heads=2, index_head_dim=32, hc_mult=2, vocab_size=320)

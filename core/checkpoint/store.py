@@ -110,12 +110,64 @@ def resolve_checkpoint(path: str | Path, step: int | None = None) -> tuple[Path,
 # ----------------------------------------------------------------------------- Orbax
 
 
+_PENDING_WAIT_S = 60.0  # a failed call's sibling reads and writes end with their I/O; later ones are cancelled
+
+
+def _run_sync_draining(coro):
+    """Orbax's `asyncio_utils._run_sync_via_new_loop`, but the loop is closed only after the tasks
+    it started have ended.
+
+    Orbax runs every synchronous call (save, restore, metadata) in a fresh event loop and closes it
+    as soon as the call's coroutine returns or raises. When one read or write of an
+    `asyncio.gather` fails (a corrupted array, a full disk), its siblings are still awaiting
+    TensorStore futures: they complete after the close, and TensorStore's completion callback then
+    raises "Event loop is closed" as an unraisable exception in whatever code runs at that moment.
+    Here the loop first runs until those tasks end (cancelling any that outlive `_PENDING_WAIT_S`,
+    as `asyncio.run` cancels them all). They are tracked by the loop's task factory, not
+    `asyncio.all_tasks` (a process-wide WeakSet that Orbax avoids iterating from its threads).
+    """
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    started = []
+
+    def track(loop, coro, **kwargs):
+        task = asyncio.Task(coro, loop=loop, **kwargs)
+        started.append(task)
+        return task
+
+    loop.set_task_factory(track)
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            pending = [t for t in started if not t.done()]
+            if pending:
+                _, late = loop.run_until_complete(asyncio.wait(pending, timeout=_PENDING_WAIT_S))
+                for task in late:
+                    task.cancel()
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
+def _drain_orbax_loops() -> None:
+    """Run Orbax's per-call event loops with `_run_sync_draining` (idempotent)."""
+    from orbax.checkpoint._src import asyncio_utils
+
+    if getattr(asyncio_utils, "_run_sync_via_new_loop", None) not in (None, _run_sync_draining):
+        asyncio_utils._run_sync_via_new_loop = _run_sync_draining
+
+
 def _manager(checkpoints_dir: Path, *, max_to_keep: int | None = None, async_save: bool = False,
              host_model: bool = False):
     import orbax.checkpoint as ocp
 
     from core.checkpoint.host_tree import HostTreeHandler
 
+    _drain_orbax_loops()
     model = HostTreeHandler() if host_model else ocp.StandardCheckpointHandler()
     handlers = {"model": model, "optimizer": ocp.StandardCheckpointHandler(),
                 "data": ocp.JsonCheckpointHandler(), "metadata": ocp.JsonCheckpointHandler()}

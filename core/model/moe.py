@@ -18,16 +18,18 @@ Semantics follow the official DeepSeek-V4 inference code (`inference/model.py`, 
   (per batch row f_e and P_e, then the mean over rows), padding excluded:
   lb = weight * E * sum_e f_e * P_e, = weight * k at perfect balance.
 
-Expert computation (`impl`, IMPLS):
+The modules take one flat frozen `MoESpec` (`MoESpec.from_config(cfg, layer)`), as gemma passes
+its flat hyper-parameters down.
+
+Expert computation (`MoESpec.impl`, IMPLS):
 - "tiled" (default): the B*T*k (token, expert) slots sorted by expert into whole tiles of
   `tile_size` rows, batched einsums over tiles, summed back per token (core/ops/moe_dispatch.py):
   drop-free, about the slots' own FLOPs plus padding. tile_size 0 picks `auto_tile`. The
-  deepseek4-tiny 1 x 256 sparse step ran 1.33x faster than with "dense" on the idle 2-core CPU
-  (docs/benchmarks.md, "Side by side with MaxText, idle, after the tiled MoE").
+  fastest of the three on CPU (docs/benchmarks.md#why-the-defaults).
 - "dense" runs every expert on every token and combines with a [B, T, E] weight matrix: E/k times
   the FLOPs, plain einsums that shard over an `experts` mesh axis without token permutations.
 - "ragged" sorts the slots by expert and uses `jax.lax.ragged_dot`: the FLOP-optimal path on
-  accelerators with a grouped-matmul kernel (XLA CPU lowers it densely: slowest there).
+  accelerators with a grouped-matmul kernel (XLA CPU lowers it densely).
 All three agree to float32 rounding in value and gradient (tests/model/test_moe.py, test_moe_dispatch.py).
 
 Parameter layout is [in, out] (JAX convention; the official Linear stores [out, in]):
@@ -36,6 +38,9 @@ gate.weight [M, E], gate.bias [E], gate.tid2eid [V, k], experts.w1/w3 [E, M, F],
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +52,49 @@ from core.ops.moe_dispatch import tiled_experts
 
 
 IMPLS = ("dense", "tiled", "ragged")  # expert computation (module docstring)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec:
+    """Static shape and behaviour of one MoE layer (derived from the config; hashable).
+
+    The hash table's seed is per-layer data, not structure, so it is not part of the spec.
+    """
+
+    emb: int                        # M
+    mlp: int                        # F, moe_mlp_dim (each routed expert's and shared copy's width)
+    num_experts: int                # E
+    k: int                          # num_experts_per_tok
+    shared: int                     # shared_experts: copies fused into one MLP of width shared * F
+    hash_routed: bool               # experts from the token id table (the first first_num_hash_layers)
+    vocab_size: int                 # V, rows of the hash table
+    scaling: float = 1.0            # routed_scaling_factor
+    normalize: bool = True          # norm_topk_prob
+    use_bias: bool = True           # routed_bias (learned routing only)
+    swiglu_limit: float = 0.0       # mlp_activations_limit, L (0: no clamp)
+    lb_weight: float = 1.0          # load_balance_loss_weight (1.0: the unweighted E * sum f P)
+    impl: str = "tiled"             # moe_impl, one of IMPLS
+    tile_size: int = 0              # moe_tile_size, rows per tile of "tiled" (0: auto_tile)
+
+    def __post_init__(self):
+        for name, kind in (("hash_routed", bool), ("scaling", float), ("normalize", bool), ("use_bias", bool),
+                           ("swiglu_limit", float), ("lb_weight", float), ("tile_size", int)):
+            object.__setattr__(self, name, kind(getattr(self, name)))  # equal specs for equal values
+        if self.impl not in IMPLS:
+            raise ValueError(f"MoE impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
+        if self.tile_size < 0:
+            raise ValueError(f"MoE tile_size must be >= 0 (0 = auto), got {self.tile_size}")
+        if not 1 <= self.k <= self.num_experts:
+            raise ValueError(f"experts_per_tok={self.k} must be in [1, {self.num_experts}]")
+
+    @classmethod
+    def from_config(cls, cfg, layer: int) -> "MoESpec":
+        return cls(
+            emb=cfg.emb, mlp=cfg.moe_mlp_dim, num_experts=cfg.num_experts, k=cfg.num_experts_per_tok,
+            shared=cfg.shared_experts, hash_routed=layer < cfg.first_num_hash_layers,
+            vocab_size=cfg.vocab_size, scaling=cfg.routed_scaling_factor, normalize=cfg.norm_topk_prob,
+            use_bias=cfg.routed_bias, swiglu_limit=cfg.mlp_activations_limit,
+            lb_weight=cfg.load_balance_loss_weight, impl=cfg.moe_impl, tile_size=cfg.moe_tile_size)
 
 
 class RouterBias(nnx.Variable):
@@ -223,28 +271,28 @@ def ragged_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: f
 class Router(nnx.Module):
     """The gate: weight [M, E]; bias [E] (learned routing with use_bias); tid2eid [V, k] (hash)."""
 
-    def __init__(self, emb, num_experts, experts_per_tok, *, hash_routed, vocab_size, use_bias,
-                 seed_for_hash_table, rngs, param_dtype=jnp.float32):
-        self.weight = param(rngs, dense_init(), (emb, num_experts), ("embed", None), param_dtype)
+    def __init__(self, spec: MoESpec, *, seed_for_hash_table: int, rngs, param_dtype=jnp.float32):
+        self.weight = param(rngs, dense_init(), (spec.emb, spec.num_experts), ("embed", None), param_dtype)
         # Each attribute is assigned once: an nnx attribute first set to None would turn static.
-        if hash_routed:
-            table = hash_table(seed_for_hash_table, vocab_size, num_experts, experts_per_tok)
+        if spec.hash_routed:
+            table = hash_table(seed_for_hash_table, spec.vocab_size, spec.num_experts, spec.k)
             self.tid2eid = HashTable(table, out_sharding=(None, None), eager_sharding=False)
             self.bias = None
         else:
             self.tid2eid = None
-            self.bias = (RouterBias(jnp.zeros((num_experts,), jnp.float32), out_sharding=(None,),
-                                    eager_sharding=False) if use_bias else None)
+            self.bias = (RouterBias(jnp.zeros((spec.num_experts,), jnp.float32), out_sharding=(None,),
+                                    eager_sharding=False) if spec.use_bias else None)
 
 
 class Experts(nnx.Module):
     """E routed SwiGLU experts stacked on a leading `experts` axis."""
 
-    def __init__(self, num_experts, emb, mlp, *, rngs, param_dtype=jnp.float32):
+    def __init__(self, spec: MoESpec, *, rngs, param_dtype=jnp.float32):
+        e, m, f = spec.num_experts, spec.emb, spec.mlp
         init_in = dense_init(in_axis=-2, out_axis=-1, batch_axis=(0,))
-        self.w1 = param(rngs, init_in, (num_experts, emb, mlp), ("experts", "embed", "mlp"), param_dtype)
-        self.w2 = param(rngs, init_in, (num_experts, mlp, emb), ("experts", "mlp", "embed"), param_dtype)
-        self.w3 = param(rngs, init_in, (num_experts, emb, mlp), ("experts", "embed", "mlp"), param_dtype)
+        self.w1 = param(rngs, init_in, (e, m, f), ("experts", "embed", "mlp"), param_dtype)
+        self.w2 = param(rngs, init_in, (e, f, m), ("experts", "mlp", "embed"), param_dtype)
+        self.w3 = param(rngs, init_in, (e, m, f), ("experts", "embed", "mlp"), param_dtype)
 
 
 class MLP(nnx.Module):
@@ -270,39 +318,19 @@ class MoE(nnx.Module):
     """Routed experts + shared expert for one layer (DESIGN.md "MoE"; module docstring).
 
     The sublayer's input RMSNorm (ffn_norm) is not part of this module, as in the official code.
-    `load_balance_loss_weight` scales aux["lb_loss"] (pass the config's; the default 1.0 gives the
-    unweighted E * sum f P). `impl` picks the expert computation (module docstring).
+    `spec.lb_weight` scales aux["lb_loss"]; `spec.impl` picks the expert computation (module
+    docstring); `seed_for_hash_table` seeds a hash-routed layer's table.
     """
 
-    def __init__(self, emb, moe_mlp_dim, num_experts, experts_per_tok, shared_experts, *,
-                 hash_routed: bool, vocab_size, routed_scaling_factor, norm_topk_prob, use_bias,
-                 swiglu_limit, seed_for_hash_table: int, rngs, param_dtype=jnp.float32,
-                 dtype=jnp.float32, impl: str = "tiled", load_balance_loss_weight: float = 1.0,
-                 tile_size: int = 0):
-        if impl not in IMPLS:
-            raise ValueError(f"MoE impl must be one of {', '.join(IMPLS)}, got {impl!r}")
-        if tile_size < 0:
-            raise ValueError(f"MoE tile_size must be >= 0 (0 = auto), got {tile_size}")
-        if not 1 <= experts_per_tok <= num_experts:
-            raise ValueError(f"experts_per_tok={experts_per_tok} must be in [1, {num_experts}]")
-        self.num_experts = num_experts
-        self.k = experts_per_tok
-        self.hash_routed = bool(hash_routed)
-        self.scaling = float(routed_scaling_factor)
-        self.normalize = bool(norm_topk_prob)
-        self.limit = float(swiglu_limit)
+    def __init__(self, spec: MoESpec, *, seed_for_hash_table: int = 0, rngs, param_dtype=jnp.float32,
+                 dtype=jnp.float32):
+        self.spec = spec
         self.dtype = dtype
-        self.impl = impl
-        self.tile = int(tile_size)
-        self.lb_weight = float(load_balance_loss_weight)
-        self.gate = Router(emb, num_experts, experts_per_tok, hash_routed=hash_routed,
-                           vocab_size=vocab_size, use_bias=use_bias,
-                           seed_for_hash_table=seed_for_hash_table, rngs=rngs,
-                           param_dtype=param_dtype)
-        self.experts = Experts(num_experts, emb, moe_mlp_dim, rngs=rngs, param_dtype=param_dtype)
+        self.gate = Router(spec, seed_for_hash_table=seed_for_hash_table, rngs=rngs, param_dtype=param_dtype)
+        self.experts = Experts(spec, rngs=rngs, param_dtype=param_dtype)
         self.shared_experts = (
-            MLP(emb, shared_experts * moe_mlp_dim, swiglu_limit, rngs=rngs,
-                param_dtype=param_dtype, dtype=dtype) if shared_experts else None)
+            MLP(spec.emb, spec.shared * spec.mlp, spec.swiglu_limit, rngs=rngs, param_dtype=param_dtype,
+                dtype=dtype) if spec.shared else None)
 
     def __call__(self, x_btm, tokens_bt, valid_bt):
         """Args: x_btm [B,T,M] (already ffn-normed), tokens_bt int [B,T], valid_bt bool [B,T].
@@ -315,38 +343,39 @@ class MoE(nnx.Module):
           2. idx_btk from top-k(scores + bias) or tid2eid[tokens]; weights_btk from scores
           3. y = sum_k weights * expert_idx(x) + shared(x)      (accumulated in float32)
         """
+        spec = self.spec
         x_c = x_btm.astype(self.dtype)
         idx_btk, weights_btk, lb_loss = self._route(x_btm, tokens_bt, valid_bt)
         w1, w2, w3 = (w[...].astype(self.dtype) for w in (self.experts.w1, self.experts.w2, self.experts.w3))
-        if self.impl == "dense":
+        if spec.impl == "dense":
             combine_bte = jnp.einsum("btk,btke->bte", weights_btk,
-                                     jax.nn.one_hot(idx_btk, self.num_experts, dtype=jnp.float32))
-            y_btm = dense_experts(x_c, combine_bte, w1, w2, w3, self.limit)
-        elif self.impl == "tiled":
-            tile = self.tile or auto_tile(x_c.shape[0] * x_c.shape[1], self.num_experts, self.k)
-            y_btm = tiled_experts(x_c, idx_btk, weights_btk, w1, w2, w3, self.limit, tile,
-                                  hidden=swiglu_hidden, acc=_acc(x_c))
+                                     jax.nn.one_hot(idx_btk, spec.num_experts, dtype=jnp.float32))
+            y_btm = dense_experts(x_c, combine_bte, w1, w2, w3, spec.swiglu_limit)
+        elif spec.impl == "tiled":
+            tile = spec.tile_size or auto_tile(x_c.shape[0] * x_c.shape[1], spec.num_experts, spec.k)
+            y_btm = tiled_experts(x_c, idx_btk, weights_btk, w1, w2, w3, tile,
+                                  hidden=functools.partial(swiglu_hidden, limit=spec.swiglu_limit))
         else:
-            y_btm = ragged_experts(x_c, idx_btk, weights_btk, w1, w2, w3, self.limit)
+            y_btm = ragged_experts(x_c, idx_btk, weights_btk, w1, w2, w3, spec.swiglu_limit)
         if self.shared_experts is not None:
             y_btm = y_btm + self.shared_experts(x_c)
         aux = {"lb_loss": lb_loss,
-               "load": jax.lax.stop_gradient(expert_load(idx_btk, valid_bt, self.num_experts))}
+               "load": jax.lax.stop_gradient(expert_load(idx_btk, valid_bt, spec.num_experts))}
         return y_btm.astype(x_btm.dtype), aux
 
     def _route(self, x_btm, tokens_bt, valid_bt):
         """(idx_btk, weights_btk, lb_loss): learned top-k or the hash table; scores in float32."""
+        spec = self.spec
         logits_bte = jnp.einsum("btm,me->bte", upcast(x_btm), upcast(self.gate.weight[...]))
-        if self.hash_routed:
+        if spec.hash_routed:
             scores_bte = router_scores(logits_bte)
             idx_btk = self.gate.tid2eid[...][tokens_bt]
-            weights_btk = combine_weights(scores_bte, idx_btk, scaling=self.scaling,
-                                          normalize=self.normalize)
+            weights_btk = combine_weights(scores_bte, idx_btk, scaling=spec.scaling, normalize=spec.normalize)
             return idx_btk, weights_btk, jnp.zeros((), jnp.float32)
         bias_e = None if self.gate.bias is None else self.gate.bias[...]
-        idx_btk, weights_btk, scores_bte = route(logits_bte, bias_e, self.k, scaling=self.scaling,
-                                                 normalize=self.normalize)
-        lb_loss = load_balance_loss(scores_bte, idx_btk, valid_bt, self.num_experts, self.lb_weight)
+        idx_btk, weights_btk, scores_bte = route(logits_bte, bias_e, spec.k, scaling=spec.scaling,
+                                                 normalize=spec.normalize)
+        lb_loss = load_balance_loss(scores_bte, idx_btk, valid_bt, spec.num_experts, spec.lb_weight)
         return idx_btk, weights_btk, lb_loss
 
     def update_bias(self, load_e, rate: float) -> None:

@@ -62,7 +62,7 @@ from core.model.attention import Attention, AttentionSpec
 from core.model.layers import RMSNorm, dense_init, param
 from core.loss.lm import head_logits
 from core.model.mhc import HeadCollapse, HyperConnection, expand
-from core.model.moe import MoE, hash_table, update_router_bias
+from core.model.moe import MoE, MoESpec, hash_table, update_router_bias
 
 MODES = ("train", "eval", "eval_dense")
 COLLECT_KEYS = ("index_scores", "topk_idx", "topk_valid", "teacher_query", "compressed_kv", "visible")
@@ -92,20 +92,12 @@ class BlockSpec:
     hc_n: int
     hc_iters: int
     hc_eps: float
-    moe: tuple  # MoE keyword arguments as sorted (name, value) pairs (hashable)
+    moe: MoESpec
 
     @classmethod
     def from_config(cls, cfg, layer: int) -> "BlockSpec":
-        moe = dict(
-            moe_mlp_dim=cfg.moe_mlp_dim, num_experts=cfg.num_experts,
-            experts_per_tok=cfg.num_experts_per_tok, shared_experts=cfg.shared_experts,
-            hash_routed=layer < cfg.first_num_hash_layers, vocab_size=cfg.vocab_size,
-            routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob,
-            use_bias=cfg.routed_bias, swiglu_limit=cfg.mlp_activations_limit,
-            load_balance_loss_weight=cfg.load_balance_loss_weight, impl=cfg.moe_impl,
-            tile_size=cfg.moe_tile_size)
         return cls(AttentionSpec.from_config(cfg, layer), cfg.emb, cfg.normalization_layer_epsilon,
-                   cfg.mhc_expansion_rate, cfg.hc_sinkhorn_iters, cfg.hc_eps, tuple(sorted(moe.items())))
+                   cfg.mhc_expansion_rate, cfg.hc_sinkhorn_iters, cfg.hc_eps, MoESpec.from_config(cfg, layer))
 
 
 def hash_seed(cfg, layer: int) -> int:
@@ -122,8 +114,7 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(spec.emb, spec.eps, **kw)
         self.attn = Attention(spec.attn, dtype=dtype, **kw)
         self.ffn_norm = RMSNorm(spec.emb, spec.eps, **kw)
-        self.ffn = MoE(spec.emb, dtype=dtype, seed_for_hash_table=seed_for_hash_table,
-                       **dict(spec.moe), **kw)
+        self.ffn = MoE(spec.moe, seed_for_hash_table=seed_for_hash_table, dtype=dtype, **kw)
         self.hc_attn = HyperConnection(spec.emb, spec.hc_n, spec.hc_iters, spec.hc_eps, spec.eps, **kw)
         self.hc_ffn = HyperConnection(spec.emb, spec.hc_n, spec.hc_iters, spec.hc_eps, spec.eps, **kw)
 

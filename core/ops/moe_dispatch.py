@@ -1,8 +1,8 @@
 """Drop-free sparse MoE dispatch in plain JAX: slots sorted by expert, padded to whole row tiles.
 
 A megablox-style grouped matmul without a kernel, for backends where `lax.ragged_dot` is slow
-(XLA CPU lowers it densely). With N = B*T tokens, k experts per token, E experts and R rows per
-tile:
+(XLA CPU lowers it densely; docs/benchmarks.md#why-the-defaults). With N = B*T tokens, k experts
+per token, E experts and R rows per tile:
 
 1. The S = N*k (token, expert) slots are sorted by expert (stable). Expert e's c_e slots fill
    ceil(c_e / R) whole tiles of R rows; the rest of its last tile is padding (weight 0).
@@ -54,19 +54,18 @@ def tile_layout(idx_sk, num_experts: int, tile: int):
     return dest_s, jnp.minimum(expert_g, num_experts - 1), tiles
 
 
-def tiled_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: float, tile: int, *,
-                  hidden, acc):
+def tiled_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, tile: int, *, hidden):
     """sum_j weights[b,t,j] * expert_{idx[b,t,j]}(x[b,t]) over whole row tiles (module docstring).
 
     Args:
       x_btm: [B, T, M] tokens (compute dtype).
       idx_btk: int [B, T, k] chosen experts; weights_btk: float32 [B, T, k] combine weights.
       w1_emf, w3_emf: [E, M, F]; w2_efm: [E, F, M] expert weights (compute dtype).
-      limit: SwiGLU clamp (0 = none); tile: R rows per tile.
-      hidden: (gate, up, limit) -> float32 hidden, the SwiGLU (core.model.moe.swiglu_hidden).
-      acc: the float32 (or float64) accumulation dtype of the down projection.
+      tile: R rows per tile.
+      hidden: (gate, up) -> float32 hidden, the clamped SwiGLU (core.model.moe.swiglu_hidden with
+        the layer's limit).
     Returns:
-      [B, T, M] in `acc`.
+      [B, T, M] in the accumulation dtype: float32, or float64 for float64 inputs.
 
     Shapes:
       1. dest_s, expert_g = tile_layout(idx)          S = B*T*k slots, G tiles of R rows
@@ -86,7 +85,8 @@ def tiled_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: fl
     x_grm = x_btm.reshape(n, m)[token_r].reshape(tiles, tile, m)
     gate_grf = jnp.einsum("grm,gmf->grf", x_grm, w1_emf[expert_g])
     up_grf = jnp.einsum("grm,gmf->grf", x_grm, w3_emf[expert_g])
-    h_grf = hidden(gate_grf, up_grf, limit) * weight_r.reshape(tiles, tile, 1)
+    h_grf = hidden(gate_grf, up_grf) * weight_r.reshape(tiles, tile, 1)
+    acc = jnp.promote_types(x_btm.dtype, jnp.float32)
     y_grm = jnp.einsum("grf,gfm->grm", h_grf.astype(x_btm.dtype), w2_efm[expert_g], preferred_element_type=acc)
     y_nm = jax.ops.segment_sum(y_grm.reshape(rows, m), token_r, num_segments=n)
     return y_nm.reshape(b, t, m)

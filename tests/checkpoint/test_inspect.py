@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import atexit
 import json
 import math
-import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,17 +24,17 @@ OVERRIDES = ["compress_ratios=[0,4,128,4]", "base_num_decoder_layers=4", "first_
 STEPS = (0, 1)
 
 
-def warmup_run() -> Path:
+def warmup_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run directory written by `dsv4 warmup --steps 2` with a checkpoint at each step.
 
-    Built once per test process (test modules may be imported under two names, so the cache is
-    a directory named after the process, not a Python object) and removed at exit.
+    Built once per test session under pytest's base temporary directory (test modules may be
+    imported under two names, so the cache is a directory, not a Python object); pytest removes
+    old base directories itself.
     """
-    run = Path(tempfile.gettempdir()) / f"dsv4-test-warmup-{os.getpid()}"
+    run = tmp_path_factory.getbasetemp() / "dsv4-warmup"
     done = run / "done"
     if not done.exists():
         shutil.rmtree(run, ignore_errors=True)
-        atexit.register(shutil.rmtree, run, True)
         result = runner.invoke(app, ["warmup", "--steps", str(len(STEPS)), "--output", str(run / "run"),
                                      *OVERRIDES, "checkpoint_period=1"])
         assert result.exit_code == 0, result.output
@@ -73,8 +70,8 @@ def abstract_expectations(run: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run_dir():
-    run = warmup_run()
+def run_dir(tmp_path_factory):
+    run = warmup_run(tmp_path_factory)
     return run, abstract_expectations(run)
 
 
@@ -125,12 +122,23 @@ def test_no_array_is_read(run_dir, monkeypatch):
 
 
 def test_mask_rule_is_the_trainers():
+    """inspect-ckpt's rule on saved '/'-joined paths = the step's on the jax key paths of a
+    parameter tree (DictKey, SequenceKey) and on nnx's (str, int) paths."""
+    import jax
+
+    from core import tree
     from core.train.step import path_matcher
 
-    paths = ["layers/1/attn/indexer/wq_b", "layers/1/attn/wq_b", "scanned/blocks/0/attn/indexer/compressor/ape", "embed"]
+    params_tree = {"layers": [{"attn": {"wq_b": 0}}, {"attn": {"indexer": {"wq_b": 0}, "wq_b": 0}}],
+                   "scanned": {"blocks": [{"attn": {"indexer": {"compressor": {"ape": 0}}}}]}, "embed": 0}
+    keyed = jax.tree_util.tree_leaves_with_path(params_tree)
+    paths = [tree.join(k) for k, _ in keyed]
+    assert "layers/1/attn/indexer/wq_b" in paths and "scanned/blocks/0/attn/indexer/compressor/ape" in paths
+    nnx_paths = [tuple(int(n) if n.isdigit() else n for n in p.split("/")) for p in paths]
     for patterns in ([], [".*indexer.*"], ["embed", "layers/.*/wq_b"], ["indexer"]):
         ours, theirs = params.mask_matcher(patterns), path_matcher(patterns)
-        assert [ours(p) for p in paths] == [theirs(p.split("/")) for p in paths], patterns
+        want = [ours(p) for p in paths]
+        assert want == [theirs(k) for k, _ in keyed] == [theirs(p) for p in nnx_paths], patterns
 
 
 def test_fold_sums_every_leaf():

@@ -21,8 +21,8 @@ CONTEXT_KEYS = {"checkpoint", "step", "stage", "model_name", "batch_size", "max_
 
 
 @pytest.fixture(scope="module")
-def run_dir():
-    return warmup_run()
+def run_dir(tmp_path_factory):
+    return warmup_run(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

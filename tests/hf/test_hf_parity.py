@@ -196,13 +196,13 @@ def test_layer_in_isolation_matches_hf(fx, cfg, loaded, inputs, layer):
 
 def _check_routing(block, h_btm, tokens, arrays, layer):
     """Chosen experts (as sets: HF's top-k is unsorted) and their combine weights."""
-    moe = block.ffn
+    moe, spec = block.ffn, block.ffn.spec
     logits = jnp.einsum("btm,me->bte", h_btm, moe.gate.weight[...])
-    if moe.hash_routed:
+    if spec.hash_routed:
         idx = moe.gate.tid2eid[...][tokens]
-        weights = combine_weights(router_scores(logits), idx, scaling=moe.scaling, normalize=moe.normalize)
+        weights = combine_weights(router_scores(logits), idx, scaling=spec.scaling, normalize=spec.normalize)
     else:
-        idx, weights, _ = route(logits, moe.gate.bias[...], moe.k, scaling=moe.scaling, normalize=moe.normalize)
+        idx, weights, _ = route(logits, moe.gate.bias[...], spec.k, scaling=spec.scaling, normalize=spec.normalize)
     idx, weights = np.asarray(idx[0]), np.asarray(weights[0])
     hf_idx = arrays[f"inter/layer{layer}/route_experts"]
     hf_w = arrays[f"inter/layer{layer}/route_weights"]

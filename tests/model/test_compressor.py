@@ -88,13 +88,26 @@ def test_overlap_uses_previous_block():
     assert diff[1] > 1e-3 and diff[2] == 0  # block 2 starts a new document
 
 
-def test_module_matches_pure_function_and_trailing_tokens_dropped():
-    comp = Compressor(12, 8, 4, RopeSpec(4, 1e4), 1e-6, rngs=nnx.Rngs(0))
+def test_module_matches_pure_function_and_reference_and_trailing_tokens_dropped(x64):
+    """The module (random weights, a non-zero ape) = `compress` of its parameters, bitwise, = the
+    float64 reference; tokens past the last whole block change nothing."""
+    rope = RopeSpec(4, 1e4)
+    comp = Compressor(12, 8, 4, rope, 1e-6, rngs=nnx.Rngs(0), param_dtype=jnp.float64, dtype=jnp.float64)
     assert comp.wkv.shape == (12, 16) and comp.ape.shape == (4, 16) and comp.norm.weight.shape == (8,)
-    np.testing.assert_array_equal(np.asarray(comp.ape[...]), 0.0)
-    x = jax.random.normal(jax.random.key(0), (2, 10, 12))
-    pos = jnp.tile(jnp.arange(10), (2, 1))
+    np.testing.assert_array_equal(np.asarray(comp.ape[...]), 0.0)  # initialised to zero
+    rng = np.random.default_rng(5)
+    x, wkv, wg, ape, norm = _inputs(rng, 2, 10, 12, 8, 4)
+    assert np.min(np.abs(ape)) > 0
+    for var, value in ((comp.wkv, wkv), (comp.wgate, wg), (comp.ape, ape), (comp.norm.weight, norm)):
+        var[...] = jnp.asarray(value)
+    pos = np.tile(np.arange(10), (2, 1))
     run = nnx.jit(lambda c, *a: c(*a))
-    out = run(comp, x, pos)
+    out = np.asarray(run(comp, jnp.asarray(x), jnp.asarray(pos)))
     assert out.shape == (2, 2, 8)
-    np.testing.assert_allclose(out, run(comp, x[:, :8], pos[:, :8]), atol=1e-6)
+    pure = compress(jnp.asarray(x), jnp.asarray(wkv), jnp.asarray(wg), jnp.asarray(ape), jnp.asarray(norm),
+                    jnp.asarray(pos), ratio=4, eps=1e-6, rope=rope)
+    np.testing.assert_array_equal(out, np.asarray(pure))
+    want = ref.compress(x, wkv, wg, ape, norm, pos, 4, 1e-6, ref.rope_freqs(4, 1e4))
+    err = float(np.max(np.abs(out - want)))
+    assert err < 1e-10, f"module vs reference: max diff {err}"
+    np.testing.assert_array_equal(out, np.asarray(run(comp, jnp.asarray(x[:, :8]), jnp.asarray(pos[:, :8]))))

@@ -364,7 +364,7 @@ def test_moe_impl_key_reaches_every_block_and_paths_agree():
     cfg, tiled = model_b()
     dense_cfg = cfg.replace(moe_impl="dense")
     dense = with_params(dense_cfg, tiled)
-    impls = lambda m: {x.impl for _, x in nnx.iter_graph(m) if type(x).__name__ == "MoE"}  # noqa: E731
+    impls = lambda m: {x.spec.impl for _, x in nnx.iter_graph(m) if type(x).__name__ == "MoE"}  # noqa: E731
     assert impls(tiled) == {"tiled"} and impls(dense) == {"dense"}
     tokens = tokens_for(3, (2, 32))
     pos, seg = rows_of([32], [20, 12], t=32)

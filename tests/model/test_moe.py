@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,15 +38,19 @@ expert_load = jax.jit(moe.expert_load, static_argnums=2)
 load_balance_loss = jax.jit(moe.load_balance_loss, static_argnums=(3, 4))
 
 
-def _moe(hash_routed, *, dtype=jnp.float32, impl="dense", shared=1, seed=0, **kw):
-    """A small MoE (M=16, F=12, E=8, k=3) with seeded NumPy weights (see ref.materialize)."""
-    args = dict(vocab_size=50, routed_scaling_factor=1.5, norm_topk_prob=True, use_bias=True,
-                swiglu_limit=1.5, seed_for_hash_table=7, load_balance_loss_weight=1e-2)
-    args.update(kw)
-    abstract = nnx.eval_shape(lambda: moe.MoE(
-        16, 12, 8, 3, shared, hash_routed=hash_routed, rngs=nnx.Rngs(seed), param_dtype=dtype,
-        dtype=dtype, impl=impl, **args))
-    table = _table(args["seed_for_hash_table"], args["vocab_size"], 8, 3)
+def _spec(hash_routed, *, impl="dense", shared=1, **kw):
+    """The small MoE's spec: M=16, F=12, E=8, k=3, V=50, clamp 1.5 (overridden by `kw`)."""
+    args = dict(emb=16, mlp=12, num_experts=8, k=3, shared=shared, hash_routed=hash_routed, vocab_size=50,
+                scaling=1.5, normalize=True, use_bias=True, swiglu_limit=1.5, lb_weight=1e-2, impl=impl)
+    return moe.MoESpec(**{**args, **kw})
+
+
+def _moe(hash_routed, *, dtype=jnp.float32, seed=0, **kw):
+    """A small MoE (`_spec`) with seeded NumPy weights (see ref.materialize)."""
+    spec = _spec(hash_routed, **kw)
+    abstract = nnx.eval_shape(lambda: moe.MoE(spec, seed_for_hash_table=7, rngs=nnx.Rngs(seed), param_dtype=dtype,
+                                              dtype=dtype))
+    table = _table(7, spec.vocab_size, spec.num_experts, spec.k)
     return ref.materialize(abstract, seed, {("gate", "tid2eid"): table})
 
 
@@ -54,6 +60,24 @@ _table = jax.jit(moe.hash_table, static_argnums=(0, 1, 2, 3))
 @nnx.jit
 def _call(m, x, tokens, valid):
     return m(x, tokens, valid)
+
+
+def _grads(m, x, tokens, valid, cot):
+    """(value, (d/dparams, d/dx)) of sum(y * cot) + lb_loss through the module."""
+    def loss(model, x):
+        y, aux = model(x, tokens, valid)
+        return jnp.sum(y * cot) + aux["lb_loss"]
+
+    return nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))(m, x)
+
+
+def _flat(grads):
+    return {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
+
+
+def _close_f32(actual, expected, what):
+    """float32 rounding: 1e-5 relative to the larger of 1 and max |expected|."""
+    _close(actual, expected, 1e-5 * max(1.0, float(np.max(np.abs(np.asarray(expected))))), what)
 
 
 # ----------------------------------------------------------------------------- routing
@@ -162,20 +186,21 @@ def test_update_router_bias_direction():
 
 
 def _ref_moe_output(m, x, tokens):
-    x64 = np.asarray(x, np.float64)
+    x64, spec = np.asarray(x, np.float64), m.spec
     logits = np.einsum("btm,me->bte", x64, np.asarray(m.gate.weight[...], np.float64))
-    if m.hash_routed:
-        idx, w = ref.hash_route(logits, np.asarray(m.gate.tid2eid[...]), np.asarray(tokens), m.scaling, m.normalize)
+    if spec.hash_routed:
+        idx, w = ref.hash_route(logits, np.asarray(m.gate.tid2eid[...]), np.asarray(tokens), spec.scaling,
+                                spec.normalize)
     else:
         bias = None if m.gate.bias is None else np.asarray(m.gate.bias[...], np.float64)
-        idx, w, _ = ref.route(logits, bias, m.k, m.scaling, m.normalize)
+        idx, w, _ = ref.route(logits, bias, spec.k, spec.scaling, spec.normalize)
     ex = m.experts
     shared = None
     if m.shared_experts is not None:
         se = m.shared_experts
         shared = tuple(np.asarray(v[...], np.float64) for v in (se.w1, se.w2, se.w3))
     return ref.moe(x64, idx, w, *(np.asarray(v[...], np.float64) for v in (ex.w1, ex.w2, ex.w3)),
-                   shared, m.limit)
+                   shared, spec.swiglu_limit)
 
 
 def _inputs(dtype, seed=11):
@@ -207,7 +232,7 @@ def test_clamp_is_active_in_the_reference_inputs(x64):
     m = _moe(False, dtype=jnp.float64)
     x, tokens, valid = _inputs(jnp.float64)
     y_clamped, _ = _call(m, x, tokens, valid)
-    m.limit = 0.0
+    m.spec = dataclasses.replace(m.spec, swiglu_limit=0.0)
     m.shared_experts.limit = 0.0
     y_free, _ = _call(m, x, tokens, valid)
     assert float(jnp.max(jnp.abs(y_clamped - y_free))) > 1e-3, "inputs should exercise the clamp"
@@ -215,8 +240,7 @@ def test_clamp_is_active_in_the_reference_inputs(x64):
 
 def test_real_init_hash_table_and_bias():
     def build(rngs):
-        kw = dict(vocab_size=50, use_bias=True, seed_for_hash_table=7, rngs=rngs)
-        return moe.Router(16, 8, 3, hash_routed=True, **kw), moe.Router(16, 8, 3, hash_routed=False, **kw)
+        return tuple(moe.Router(_spec(h), seed_for_hash_table=7, rngs=rngs) for h in (True, False))
 
     hashed, learned = nnx.jit(build)(nnx.Rngs(0))
     table = np.asarray(hashed.tid2eid[...])
@@ -229,16 +253,22 @@ def test_real_init_hash_table_and_bias():
     assert hashed.weight.shape == learned.weight.shape == (16, 8)
 
 
-def test_hash_routing_deterministic():
-    a = _moe(True)
+def test_hash_routing_follows_the_token_ids_only():
+    """Hash layers take table[token] whatever the hidden state (the float64 reference routes by the
+    table); learned routing, the control, follows the hidden state."""
+    hashed, learned = _moe(True), _moe(False)
     x, tokens, valid = _inputs(jnp.float32)
-    y1, aux = _call(a, x, tokens, valid)
-    y2, _ = _call(a, x, tokens, valid)
-    _close(y1, y2, 0.0, "hash MoE deterministic")
-    assert float(aux["lb_loss"]) == 0.0
-    table = np.asarray(a.gate.tid2eid[...])
-    _close(aux["load"], ref.expert_load(table[np.asarray(tokens)], np.ones((2, 6), bool), 8), 1e-6,
-           "hash load")
+    other_x = _normal(21, x.shape, scale=3.0)                # other hidden states, the same tokens
+    other_tokens = (tokens + 1) % 50                         # other tokens, the same hidden states
+    table = np.asarray(hashed.gate.tid2eid[...])
+    for xs, ts in ((x, tokens), (other_x, tokens), (x, other_tokens)):
+        y, aux = _call(hashed, xs, ts, valid)
+        expected = _ref_moe_output(hashed, xs, ts)
+        _close(y, expected, 1e-4 * max(1.0, float(np.max(np.abs(expected)))), "hash MoE vs reference")
+        _close(aux["load"], ref.expert_load(table[np.asarray(ts)], np.ones((2, 6), bool), 8), 1e-6, "hash load")
+        assert float(aux["lb_loss"]) == 0.0
+    loads = [np.asarray(_call(learned, xs, tokens, valid)[1]["load"]) for xs in (x, other_x)]
+    assert not np.array_equal(*loads), "learned routing should depend on the hidden state"
 
 
 def test_lb_loss_module_and_padding():
@@ -282,3 +312,42 @@ def test_param_axes_annotated():
     assert tuple(flat["experts/w1"].get_value()) == ("experts", "embed", "mlp")
     assert tuple(flat["experts/w2"].get_value()) == ("experts", "mlp", "embed")
     assert tuple(flat["shared_experts/w1"].get_value()) == ("embed", "mlp")
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_ragged_equals_dense_and_tiled_in_value_and_gradient(k):
+    """float32: the ragged path's loss and gradients equal the dense and the default (tiled) path's,
+    with one expert that every token chooses and experts that no token chooses (exactly zero
+    gradient there); its output equals the float64 reference."""
+    rng = np.random.default_rng(k)
+    if k == 1:
+        table = np.full((50, 1), 3)                          # every token to expert 3 alone
+    else:                                                    # expert 1 for every token, never expert 0
+        table = np.stack([np.concatenate([[1], rng.permutation(np.arange(2, 8))[:2]]) for _ in range(50)])
+    models = {impl: _moe(True, impl=impl, k=k, shared=0) for impl in ("ragged", "dense", "tiled")}
+    for m in models.values():
+        m.gate.tid2eid[...] = jnp.asarray(table, jnp.int32)
+    x, tokens, _ = _inputs(jnp.float32)
+    valid = np.arange(6)[None, :] < np.array([[4], [6]])
+    cot = _normal(5, x.shape)
+    y, _ = _call(models["ragged"], x, tokens, valid)
+    expected = _ref_moe_output(models["ragged"], x, tokens)
+    _close(y, expected, 1e-4 * max(1.0, float(np.max(np.abs(expected)))), "ragged vs reference")
+    v_r, (gm_r, gx_r) = _grads(models["ragged"], x, tokens, valid, cot)
+    flat_r = _flat(gm_r)
+    for impl in ("dense", "tiled"):
+        v, (gm, gx) = _grads(models[impl], x, tokens, valid, cot)
+        _close_f32(v_r, v, f"loss ragged vs {impl}")
+        _close_f32(gx_r, gx, f"d x ragged vs {impl}")
+        flat = _flat(gm)
+        assert set(flat) == set(flat_r)
+        for path in flat:
+            _close_f32(flat_r[path], flat[path], f"d {path} ragged vs {impl}")
+    chosen = np.unique(table[np.asarray(tokens)])
+    unused = sorted(set(range(8)) - set(chosen.tolist()))
+    assert unused and (k > 1 or chosen.tolist() == [3])
+    for w in ("w1", "w2", "w3"):
+        g = flat_r[f"experts/{w}"]
+        assert np.all(g[unused] == 0) and np.all(np.any(g[chosen] != 0, axis=(1, 2))), w
+    if k > 1:  # with k = 1 the normalised weight is the constant scaling: no router gradient
+        assert float(np.max(np.abs(flat_r["gate/weight"]))) > 1e-3, "the router weight gets a gradient"

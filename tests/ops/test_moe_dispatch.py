@@ -6,11 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from core.model import moe
 from core.ops import moe_dispatch
-from tests.model.test_moe import _call, _close, _inputs, _moe, _normal, _ref_moe_output
+from tests.model.test_moe import _call, _close, _flat, _grads, _inputs, _moe, _normal, _ref_moe_output
 
 _layout = jax.jit(moe_dispatch.tile_layout, static_argnums=(1, 2))
 
@@ -32,19 +31,6 @@ def test_tile_layout_is_drop_free(tile, routing):
     for e in np.unique(idx):
         rows = np.sort(dest[idx.reshape(-1) == e])
         assert rows[0] % tile == 0 and np.all(np.diff(rows) == 1), (e, rows)
-
-
-def _grads(m, x, tokens, valid, cot):
-    """(value, d/dx, d/dparams) of sum(y * cot) through the module."""
-    def loss(model, x):
-        y, aux = model(x, tokens, valid)
-        return jnp.sum(y * cot) + aux["lb_loss"]
-
-    return nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))(m, x)
-
-
-def _flat(grads):
-    return {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
 
 
 @pytest.mark.parametrize("hash_routed, tile", [(False, 1), (True, 5), (False, 64)])
