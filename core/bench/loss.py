@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from core.config.schema import load_config
 from core.errors import ConfigError
 from core.loss.indexer_kl import csa_indexer_loss
-from core.loss.indexer_kl_rows import Teacher
+from core.loss.indexer_kl_rows import Teacher, WholeTeacher
 from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed
 from core.ops.chunked_attention import RowQueries
 from core.ops.masks import Packing, csa_visible
@@ -176,8 +176,8 @@ def _loss_fn(shape: LossShape, variant: str, head_chunk: int, query_chunk: int) 
     (scores, allowed, query, kv) for teacher+kl. Sparse (top-k) in every case."""
     hc, qc = variant_chunks(variant, head_chunk, query_chunk)
     if variant == "teacher+kl":
-        return lambda scores, allowed, query, kv: csa_indexer_loss(scores, query, kv, allowed, head_chunk=hc,
-                                                                   query_chunk=qc)
+        return lambda scores, allowed, query, kv: csa_indexer_loss(scores, WholeTeacher(query, kv), allowed,
+                                                                   head_chunk=hc, query_chunk=qc)
     if variant == "streamed":
         return lambda q_idx, k_idx, w_idx, query, kv, pos, seg: csa_indexer_loss_streamed(
             IndexerInputs(RowQueries.given(q_idx), k_idx, w_idx), Teacher(RowQueries.given(query), kv),
@@ -186,7 +186,8 @@ def _loss_fn(shape: LossShape, variant: str, head_chunk: int, query_chunk: int) 
     def loss(q_idx, k_idx, w_idx, query, kv, pos, seg):
         visible = csa_visible(pos, seg, shape.ratio)
         scores = indexer_scores(q_idx, k_idx, w_idx, visible, head_chunk=hc)
-        return csa_indexer_loss(scores, query, kv, _allowed(shape, scores, visible), head_chunk=hc, query_chunk=qc)
+        return csa_indexer_loss(scores, WholeTeacher(query, kv), _allowed(shape, scores, visible), head_chunk=hc,
+                                query_chunk=qc)
 
     return loss
 

@@ -7,7 +7,8 @@ the KL(P || student) averaged over the rows that have anything allowed, times `s
 
 Two entry points, one maths:
 
-- `csa_indexer_loss(index_scores, ...)`: the scores [B,T,W] are given.
+- `csa_indexer_loss(index_scores, teacher, allowed, ...)`: the scores [B,T,W] and the teacher's
+  inputs (`WholeTeacher`) are given whole.
 - `csa_indexer_loss_streamed(index, teacher, packing, ...)` (core/loss/indexer_kl_streamed.py):
   computed from the indexer's and the teacher's inputs, each query block building its own
   queries, visibility, indexer scores, top-k selection, teacher rows and KL, so neither [B,T,W]
@@ -34,7 +35,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from core.loss.indexer_kl_rows import Spec, check_teacher, compute_dtype, kl_rows, per_valid_row, resolve_chunk, scan_blocks, slice_t, teacher_input, teacher_rows
+from core.loss.indexer_kl_rows import (Spec, WholeTeacher, check_teacher, compute_dtype, kl_rows, per_valid_row,
+                                       resolve_chunk, scan_blocks, slice_t, teacher_input, teacher_rows)
 
 
 # ----------------------------------------------------------------------------- given scores
@@ -85,24 +87,21 @@ def _mean_kl_bwd(spec, res, g):
 _mean_kl.defvjp(_mean_kl_fwd, _mean_kl_bwd)
 
 
-def csa_indexer_loss(index_scores, query, compressed_kv, allowed, *, scale=1.0, head_chunk: int = 0,
-                     query_chunk: int = 0, teacher: str = "compressed", raw_kv=None, window_mask=None,
-                     sink=None):
+def csa_indexer_loss(index_scores, teacher: WholeTeacher, allowed, *, scale=1.0, head_chunk: int = 0,
+                     query_chunk: int = 0):
     """KL(teacher || softmax(index_scores)) over allowed blocks, mean over valid rows, times scale.
 
     Args:
       index_scores: indexer scores I [B, T, W] (values outside `allowed` are ignored).
-      query: main-attention queries [B, T, H, D], already scaled by D^-1/2 (detached here).
-      compressed_kv: main compressed keys [B, W, D] (detached here).
+      teacher: the main attention's inputs, built whole (detached here): queries [B, T, H, D]
+        already scaled by D^-1/2, compressed keys [B, W, D], and for kind "joint" the raw window
+        keys [B, T, D] shared by all heads, the per-head sink logits [H] and the bool window mask
+        [B, T, T]. kind "compressed": softmax over allowed blocks; "joint": each head's normaliser
+        is the log-sum-exp over window keys, allowed blocks and its sink.
       allowed: bool [B, T, W]: visible (dense) or visible & selected (sparse).
       scale: indexer_loss_scaling_factor.
       head_chunk: heads per scan step (0 = all; must divide H).
       query_chunk: query positions per scan step (0 = all; must divide T).
-      teacher: "compressed" (softmax over allowed blocks) or "joint" (each head's normaliser is the
-        log-sum-exp over window keys, allowed blocks and its sink).
-      raw_kv: joint only: raw window keys [B, T, D], shared by all heads.
-      window_mask: joint only: bool [B, T, T], raw key s in query t's window.
-      sink: joint only: per-head sink logit [H].
 
     Returns:
       A float32 scalar (float64 for float64 inputs under jax_enable_x64); gradient only to
@@ -114,8 +113,10 @@ def csa_indexer_loss(index_scores, query, compressed_kv, allowed, *, scale=1.0, 
       3. P = psum / (sum_w psum + 1e-8); KL rows vs log_softmax(I) over allowed   [B, qc, W]
       4. loss = scale * sum KL / max(#valid, 1)
     """
+    query, compressed_kv = teacher.query_bthd, teacher.compressed_bwd
+    raw_kv, window_mask, sink = teacher.raw_bsd, teacher.window_bts, teacher.sink_h
     t = index_scores.shape[1]
-    joint = check_teacher(teacher, raw_kv, sink, window_mask is not None, "window_mask")
+    joint = check_teacher(teacher.kind, raw_kv, sink, window_mask is not None, "window_bts")
     spec = Spec(
         head_chunk=resolve_chunk(head_chunk, query.shape[2], "head_chunk", "query heads"),
         query_chunk=resolve_chunk(query_chunk, t, "query_chunk", "query positions"),

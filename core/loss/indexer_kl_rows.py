@@ -5,7 +5,9 @@ Shared by both entry points of core/loss/indexer_kl.py (given scores) and core/l
 block of qc rows and head group of hc heads, `teacher_rows` holds the [B, qc, hc, W] logits of one
 group at a time and `kl_rows` the [B, qc, W] rows of one block; `scan_blocks` runs a block function
 over the query blocks with `lax.scan` (a plain call for a single block). `Teacher` groups the
-main attention's inputs that the streamed loss builds its target from.
+main attention's inputs that the streamed loss builds its target from, per run of rows;
+`WholeTeacher` holds the same inputs built whole, as the direct loss takes them, and
+`Teacher.whole(packing)` builds one from the other.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from core.ops.chunked_attention import RowQueries
-from core.ops.masks import NEG
+from core.ops.masks import NEG, Packing, sliding_window_mask
 
 TEACHERS = ("compressed", "joint")
 EPS = 1e-8  # DESIGN.md's epsilon in the teacher normalisation and in log(P + eps)
@@ -52,6 +54,34 @@ class Teacher:
     sink_h: Any = None         # joint: per-head sink logit [H]
     kind: str = "compressed"
     window: int = 0            # joint: sliding window S (tokens)
+
+    def whole(self, packing: Packing) -> "WholeTeacher":
+        """The same teacher built whole: every row's queries and, joint, the window mask of `packing`."""
+        positions_bt, segment_ids_bt = packing
+        window_bts = sliding_window_mask(positions_bt, segment_ids_bt, self.window) if self.kind == "joint" else None
+        return WholeTeacher(self.queries.whole(positions_bt).inputs, self.compressed_bwd, self.raw_bsd,
+                            self.sink_h, self.kind, window_bts)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["query_bthd", "compressed_bwd", "raw_bsd", "sink_h", "window_bts"],
+                   meta_fields=["kind"])
+@dataclasses.dataclass(frozen=True)
+class WholeTeacher:
+    """`Teacher`'s inputs built whole, as the direct loss takes them (detached there).
+
+    A sibling of `Teacher` rather than a use of it: the direct loss is given arrays, and an
+    arbitrary window mask, where the streamed loss builds its queries and window rows per block
+    from `RowQueries` and a window size. kind "joint" needs raw_bsd, sink_h and window_bts; the
+    compressed teacher ignores them.
+    """
+
+    query_bthd: Any            # main-attention queries [B, T, H, D], scaled by D^-1/2
+    compressed_bwd: Any        # main compressed keys [B, W, D]
+    raw_bsd: Any = None        # joint: raw window keys [B, T, D], shared by all heads
+    sink_h: Any = None         # joint: per-head sink logit [H]
+    kind: str = "compressed"
+    window_bts: Any = None     # joint: bool [B, T, S=T], raw key s in query t's window
 
 
 def resolve_chunk(chunk: int, size: int, name: str, what: str) -> int:

@@ -150,7 +150,7 @@ def csa_indexer_loss_streamed(index: IndexerInputs, teacher: Teacher, packing: P
                               topk: int | None = None, scale=1.0, head_chunk: int = 0, query_chunk: int = 0):
     """`csa_indexer_loss` computed from the indexer's inputs, one query block at a time.
 
-    Equals `csa_indexer_loss(indexer_scores(q_I, k_I, w_I, visible), query, compressed_kv, allowed)`
+    Equals `csa_indexer_loss(indexer_scores(q_I, k_I, w_I, visible), teacher.whole(packing), allowed)`
     with visible = csa_visible(positions, segment_ids, T // W) and allowed = visible (dense) or
     visible & top-k selected (sparse), but neither the [B,T,W] scores nor the [B,T,H,W] teacher
     logits ever exist whole.

@@ -54,7 +54,7 @@ from core.loss.indexer_kl import csa_indexer_loss
 from core.loss.indexer_kl_rows import Teacher
 from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed
 from core.model.compressor import Compressor
-from core.model.indexer import Indexer
+from core.model.indexer import Indexer, IndexerSpec
 from core.model.layers import RMSNorm, dense_init, param, rms_normalize
 from core.ops.chunked_attention import Keys, RowQueries, chunked_attention, masked_attention
 from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
@@ -109,6 +109,12 @@ class AttentionSpec:
             indexer_weights_init=cfg.indexer_weights_init,
             head_chunk=cfg.csa_qk_head_chunk_size, query_chunk=cfg.csa_query_chunk_size,
             attention=cfg.attention, attention_chunk=cfg.attention_query_chunk_size)
+
+    def indexer_spec(self) -> IndexerSpec:
+        """The static shape of this layer's lightning indexer (meaningful when indexer_heads > 0)."""
+        return IndexerSpec(emb=self.emb, q_lora_rank=self.q_lora_rank, heads=self.indexer_heads,
+                           head_dim=self.indexer_head_dim, rope=self.rope, eps=self.eps,
+                           weights_init=self.indexer_weights_init)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,9 +190,7 @@ class Attention(nnx.Module):
             self.compressor = Compressor(s.emb, s.head_dim, s.ratio, s.rope, s.eps, rngs=rngs,
                                          param_dtype=param_dtype, dtype=dtype)
         if s.indexer_heads:
-            self.indexer = Indexer(s.emb, s.q_lora_rank, s.indexer_heads, s.indexer_head_dim, s.rope,
-                                   s.eps, rngs=rngs, param_dtype=param_dtype, dtype=dtype,
-                                   weights_init=s.indexer_weights_init)
+            self.indexer = Indexer(s.indexer_spec(), rngs=rngs, param_dtype=param_dtype, dtype=dtype)
 
     def __call__(self, x_btm, positions_bt, segment_ids_bt, *, dense: bool = False,
                  indexer_loss: bool = False, collect: bool = False):
@@ -273,7 +277,5 @@ class Attention(nnx.Module):
             return csa_indexer_loss_streamed(index, teacher, packing, topk=topk, scale=s.loss_scale,
                                              head_chunk=s.head_chunk, query_chunk=rows)
         scores_btw, allowed_btw = whole
-        window_bts = sliding_window_mask(*packing, s.window) if teacher.kind == "joint" else None
-        return csa_indexer_loss(scores_btw, teacher.queries.inputs, teacher.compressed_bwd, allowed_btw,
-                                scale=s.loss_scale, head_chunk=s.head_chunk, teacher=teacher.kind,
-                                raw_kv=teacher.raw_bsd, window_mask=window_bts, sink=teacher.sink_h)
+        return csa_indexer_loss(scores_btw, teacher.whole(packing), allowed_btw, scale=s.loss_scale,
+                                head_chunk=s.head_chunk)

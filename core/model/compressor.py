@@ -19,6 +19,8 @@ to both indexer queries and keys, which leaves their dot products unchanged).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -28,15 +30,21 @@ from core.ops.masks import NEG, block_first_positions
 from core.ops.rope import RopeSpec, apply_rope
 
 
-def compress(x_btm, wkv_mf, wgate_mf, ape_rf, norm_d, positions_bt, *, ratio: int, eps: float,
-             rope: RopeSpec):
+class CompressorWeights(NamedTuple):
+    """The arrays of one compressor, as `compress` takes them (c = 2 if ratio == 4 else 1)."""
+
+    wkv_mf: Any     # [M, c*d] value projection
+    wgate_mf: Any   # [M, c*d] gate projection
+    ape_rf: Any     # [ratio, c*d] learned position bias added to the gate per slot
+    norm_d: Any     # [d] RMSNorm scale
+
+
+def compress(x_btm, weights: CompressorWeights, positions_bt, *, ratio: int, eps: float, rope: RopeSpec):
     """Compress `x` into T // ratio entries (overlapping pooling when ratio == 4).
 
     Args:
       x_btm: [B, T, M] token features (the attention input).
-      wkv_mf / wgate_mf: [M, c*d] value and gate projections (c = 2 if ratio == 4 else 1).
-      ape_rf: [ratio, c*d] learned position bias added to the gate per slot.
-      norm_d: [d] RMSNorm scale.
+      weights: the compressor's wkv, wgate [M, c*d], ape [ratio, c*d] and norm scale [d].
       positions_bt: int [B, T], restarting at 0 per document.
       ratio: tokens per block m (static; 4 overlaps).
       eps: RMSNorm epsilon.
@@ -51,6 +59,7 @@ def compress(x_btm, wkv_mf, wgate_mf, ape_rf, norm_d, positions_bt, *, ratio: in
       3. pooled_bwd = sum_slot softmax_slot(gate) * kv
       4. kv_bwd = RoPE(RMSNorm(pooled), first position of block w)
     """
+    wkv_mf, wgate_mf, ape_rf, norm_d = weights
     b, t, _ = x_btm.shape
     w = t // ratio
     overlap = ratio == 4
@@ -95,7 +104,6 @@ class Compressor(nnx.Module):
 
     def __call__(self, x_btm, positions_bt):
         """[B, T, M] -> compressed entries [B, T // ratio, d] in the compute dtype."""
-        kv_bwd = compress(x_btm, self.wkv[...], self.wgate[...], self.ape[...],
-                          self.norm.weight[...], positions_bt, ratio=self.ratio, eps=self.eps,
-                          rope=self.rope)
+        weights = CompressorWeights(self.wkv[...], self.wgate[...], self.ape[...], self.norm.weight[...])
+        kv_bwd = compress(x_btm, weights, positions_bt, ratio=self.ratio, eps=self.eps, rope=self.rope)
         return kv_bwd.astype(self.dtype)

@@ -8,6 +8,7 @@ loss. Scores, selection and everything downstream are float32 whatever the compu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,7 +30,20 @@ def indexer_queries(c_q_btr, wq_b_rid, positions_bt, *, rope: RopeSpec, dtype):
 
 # ----------------------------------------------------------------------------- module
 
-WEIGHTS_INITS = ("fan_in", "zeros")  # Indexer(weights_init=...): how weights_proj starts
+WEIGHTS_INITS = ("fan_in", "zeros")  # IndexerSpec.weights_init: how weights_proj starts
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerSpec:
+    """Static shape of one lightning indexer, passed down whole (built from the layer's AttentionSpec)."""
+
+    emb: int            # model width M
+    q_lora_rank: int    # width of the main attention's c_q, the queries' input
+    heads: int          # HI
+    head_dim: int       # DI, also the width of the indexer's compressor
+    rope: RopeSpec
+    eps: float          # the compressor's RMSNorm epsilon
+    weights_init: str = "fan_in"  # one of WEIGHTS_INITS
 
 
 class Indexer(nnx.Module):
@@ -42,25 +56,24 @@ class Indexer(nnx.Module):
     k_I; the rotation is orthogonal on both sides (dot products unchanged) and the quantisation is
     inference-only simulation, so both are omitted.
 
-    weights_init: "fan_in" (the default: weights_proj ~ variance 1/M) or "zeros" (weights_proj = 0:
+    spec.weights_init: "fan_in" (the default: weights_proj ~ variance 1/M) or "zeros" (weights_proj = 0:
     every score 0, a uniform student; the first step's gradient reaches weights_proj only, the next
     ones q and k too). The warm-up presets start from "zeros": a random start is a student worse
     than uniform (docs/benchmarks.md#why-the-defaults).
     """
 
-    def __init__(self, emb: int, q_lora_rank: int, heads: int, head_dim: int, rope: RopeSpec,
-                 eps: float, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32,
-                 weights_init: str = "fan_in"):
-        if weights_init not in WEIGHTS_INITS:
-            raise ValueError(f"weights_init={weights_init!r} is unknown: use one of {', '.join(WEIGHTS_INITS)}")
-        self.heads, self.head_dim, self.rope, self.dtype = heads, head_dim, rope, dtype
-        self.wq_b = param(rngs, dense_init(in_axis=0, out_axis=(1, 2)), (q_lora_rank, heads, head_dim),
+    def __init__(self, spec: IndexerSpec, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32):
+        s = spec
+        if s.weights_init not in WEIGHTS_INITS:
+            raise ValueError(f"weights_init={s.weights_init!r} is unknown: use one of {', '.join(WEIGHTS_INITS)}")
+        self.heads, self.head_dim, self.rope, self.dtype = s.heads, s.head_dim, s.rope, dtype
+        self.wq_b = param(rngs, dense_init(in_axis=0, out_axis=(1, 2)), (s.q_lora_rank, s.heads, s.head_dim),
                           ("q_lora", "indexer_heads", "kv"), param_dtype)
         # "zeros": every score 0, the student uniform (KL = KL_uniform) instead of a random one worse
         # than uniform; `param` draws its key either way, so every other parameter is unchanged.
-        w_init = dense_init() if weights_init == "fan_in" else jax.nn.initializers.zeros
-        self.weights_proj = param(rngs, w_init, (emb, heads), ("embed", "indexer_heads"), param_dtype)
-        self.compressor = Compressor(emb, head_dim, 4, rope, eps, rngs=rngs,
+        w_init = dense_init() if s.weights_init == "fan_in" else jax.nn.initializers.zeros
+        self.weights_proj = param(rngs, w_init, (s.emb, s.heads), ("embed", "indexer_heads"), param_dtype)
+        self.compressor = Compressor(s.emb, s.head_dim, 4, s.rope, s.eps, rngs=rngs,
                                      param_dtype=param_dtype, dtype=dtype)
 
     def inputs(self, x_btm, c_q_btr, positions_bt) -> IndexerInputs:

@@ -134,12 +134,13 @@ def test_kl_is_nonnegative_and_zero_without_visible_blocks():
 def test_mean_kl_is_the_dense_indexer_loss(x64, seed):
     """Mean row KL over valid rows = core.loss.indexer_kl.csa_indexer_loss(allowed=visible, scale=1)."""
     from core.loss.indexer_kl import csa_indexer_loss
+    from core.loss.indexer_kl_rows import WholeTeacher
 
     (q, kv, scores, vis, _), _ = _packed_case(seed)
     q, kv, scores, vis = map(jnp.asarray, (q, kv, scores, vis))
     kl = row_kl(dense_teacher(q, kv, vis), scores, vis)
     got = float(jnp.sum(kl) / jnp.sum(jnp.any(vis, axis=-1)))
-    want = float(jax.jit(csa_indexer_loss)(scores, q, kv, vis))
+    want = float(jax.jit(csa_indexer_loss)(scores, WholeTeacher(q, kv), vis))
     assert abs(got - want) < 1e-10, (got, want)
 
 

@@ -6,6 +6,7 @@ positionally, so jit's cache hits across tests.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from tests import reference_loss as ref
 from core.ops.topk import indexer_scores, select_topk, selection_mask
 from core.loss.indexer_kl import csa_indexer_loss
-from core.loss.indexer_kl_rows import Teacher
+from core.loss.indexer_kl_rows import Teacher, WholeTeacher
 from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed
 from core.ops.chunked_attention import RowQueries
 from core.ops.masks import Packing, csa_visible, sliding_window_mask
@@ -57,8 +58,8 @@ def masks(p, sparse):
 @functools.partial(jax.jit, static_argnums=(7, 8, 9))
 def _loss_and_grads(scores, q, kv, allowed, raw, win, sink, head_chunk, query_chunk, teacher):
     def f(scores, q, kv, raw, sink):
-        return csa_indexer_loss(scores, q, kv, allowed, scale=0.5, head_chunk=head_chunk, query_chunk=query_chunk,
-                                teacher=teacher, raw_kv=raw, window_mask=win, sink=sink)
+        return csa_indexer_loss(scores, WholeTeacher(q, kv, raw, sink, teacher, win), allowed, scale=0.5,
+                                head_chunk=head_chunk, query_chunk=query_chunk)
     return jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4))(scores, q, kv, raw, sink)
 
 
@@ -162,7 +163,8 @@ def test_gradient_matches_finite_differences_of_reference(x64):
     assert np.any(fd != 0)
     err = np.max(np.abs(np.asarray(grads[0])[0] - fd[0]))
     assert err <= 1e-8, err
-    loss = jax.jit(lambda s: csa_indexer_loss(s, jnp.asarray(p["q"]), jnp.asarray(p["kv"]), jnp.asarray(allowed)))
+    loss = jax.jit(lambda s: csa_indexer_loss(s, WholeTeacher(jnp.asarray(p["q"]), jnp.asarray(p["kv"])),
+                                              jnp.asarray(allowed)))
     check_grads(loss, (jnp.asarray(scores),), order=1, modes=["rev"])
 
 
@@ -262,15 +264,15 @@ def test_low_precision_inputs_compute_in_float32():
 
 def test_invalid_arguments_raise():
     p = problem(10)
-    args = (jnp.zeros((2, 16, 4)), *jx(p, "q", "kv"), jnp.ones((2, 16, 4), bool))
+    scores, allowed, teacher = jnp.zeros((2, 16, 4)), jnp.ones((2, 16, 4), bool), WholeTeacher(*jx(p, "q", "kv"))
     with pytest.raises(ValueError, match="head_chunk=3"):
-        csa_indexer_loss(*args, head_chunk=3)
+        csa_indexer_loss(scores, teacher, allowed, head_chunk=3)
     with pytest.raises(ValueError, match="query_chunk=5"):
-        csa_indexer_loss(*args, query_chunk=5)
+        csa_indexer_loss(scores, teacher, allowed, query_chunk=5)
     with pytest.raises(ValueError, match="joint"):
-        csa_indexer_loss(*args, teacher="joint")
+        csa_indexer_loss(scores, dataclasses.replace(teacher, kind="joint"), allowed)
     with pytest.raises(ValueError, match="unknown"):
-        csa_indexer_loss(*args, teacher="dense")
+        csa_indexer_loss(scores, dataclasses.replace(teacher, kind="dense"), allowed)
     ki, wi, q, kv, pos, seg = jx(p, "ki", "wi", "q", "kv", "pos", "seg")
     with pytest.raises(ValueError, match="indexer heads"):
         csa_indexer_loss_streamed(IndexerInputs(RowQueries.given(jnp.zeros((2, 16, 2, 8))), ki, wi),
@@ -342,10 +344,11 @@ def _value(v):
 def _indexer_pair(seed=3):
     from flax import nnx
 
-    from core.model.indexer import Indexer
+    from core.model.indexer import Indexer, IndexerSpec
     from core.ops.rope import RopeSpec
 
-    make = lambda init: Indexer(16, 8, 4, 8, RopeSpec(4, 50.0), 1e-6, rngs=nnx.Rngs(seed), weights_init=init)  # noqa: E731
+    make = lambda init: Indexer(IndexerSpec(16, 8, 4, 8, RopeSpec(4, 50.0), 1e-6, weights_init=init),  # noqa: E731
+                                rngs=nnx.Rngs(seed))
     return make("fan_in"), make("zeros")
 
 
@@ -372,7 +375,7 @@ def test_zero_weights_init_is_a_uniform_student_and_changes_nothing_else(x64):
 
     def loss(model):
         scores = model(jnp.asarray(x), jnp.asarray(c_q), jnp.asarray(pos), jnp.asarray(vis))
-        return csa_indexer_loss(scores, jnp.asarray(q), jnp.asarray(kv), jnp.asarray(vis)), scores
+        return csa_indexer_loss(scores, WholeTeacher(jnp.asarray(q), jnp.asarray(kv)), jnp.asarray(vis)), scores
 
     (value, scores), grads = nnx.value_and_grad(loss, has_aux=True)(zeros)
     assert not np.any(np.asarray(scores)[vis])
@@ -386,8 +389,8 @@ def test_zero_weights_init_is_a_uniform_student_and_changes_nothing_else(x64):
 def test_unknown_weights_init_raises():
     from flax import nnx
 
-    from core.model.indexer import Indexer
+    from core.model.indexer import Indexer, IndexerSpec
     from core.ops.rope import RopeSpec
 
     with pytest.raises(ValueError, match="weights_init='normal' is unknown"):
-        Indexer(16, 8, 4, 8, RopeSpec(4, 50.0), 1e-6, rngs=nnx.Rngs(0), weights_init="normal")
+        Indexer(IndexerSpec(16, 8, 4, 8, RopeSpec(4, 50.0), 1e-6, weights_init="normal"), rngs=nnx.Rngs(0))

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from core.model.attention import Attention, AttentionSpec
-from core.model.indexer import Indexer
+from core.model.indexer import Indexer, IndexerSpec
 from core.ops.chunked_attention import softmax_attention
 from core.ops.masks import compressed_visibility
 from core.ops.topk import select_topk
@@ -175,7 +175,7 @@ def test_multi_chunk_layer_matches_reference(x64, ratio, dense):
 
 def test_indexer_module_scores_and_topk():
     rng = np.random.default_rng(5)
-    idx, _ = random_module(lambda: Indexer(16, 8, 2, 8, RopeSpec(4, 50.0), 1e-6, rngs=nnx.Rngs(3)),
+    idx, _ = random_module(lambda: Indexer(IndexerSpec(16, 8, 2, 8, RopeSpec(4, 50.0), 1e-6), rngs=nnx.Rngs(3)),
                            jnp.float32, 5)
     pos, seg = packed(ROWS, T)
     x = rng.standard_normal((2, T, 16)).astype(np.float32)
@@ -253,6 +253,7 @@ def test_layer_indexer_loss_wiring():
     the sinks, passed through by the layer.
     """
     from core.loss.indexer_kl import csa_indexer_loss
+    from core.loss.indexer_kl_rows import WholeTeacher
 
     variants = {("compressed", 0, False), ("compressed", 8, False), ("joint", 0, True), ("joint", 8, True)}
     base, _ = make_layer(spec(4), jnp.float32, seed=3)
@@ -277,8 +278,8 @@ def test_layer_indexer_loss_wiring():
         if not dense:
             sel = jax.nn.one_hot(aux["topk_idx"], T // 4, dtype=bool) & aux["topk_valid"][..., None]
             allowed = allowed & jnp.any(sel, axis=-2)
-        extra = dict(raw_kv=aux["raw_kv"], window_mask=aux["window"], sink=aux["sink"]) if teacher == "joint" else {}
-        want = csa_indexer_loss(aux["index_scores"], aux["teacher_query"], aux["compressed_kv"], allowed,
-                                scale=0.1, teacher=teacher, **extra)
+        extra = dict(raw_bsd=aux["raw_kv"], window_bts=aux["window"], sink_h=aux["sink"]) if teacher == "joint" else {}
+        whole = WholeTeacher(aux["teacher_query"], aux["compressed_kv"], kind=teacher, **extra)
+        want = csa_indexer_loss(aux["index_scores"], whole, allowed, scale=0.1)
         assert float(want) > 0
         np.testing.assert_allclose(aux["indexer_loss"], want, rtol=1e-5, err_msg=f"{teacher} {chunk} {dense}")
