@@ -12,7 +12,8 @@ train step and the model read that `Stage` and nothing else, so what "warm-up" m
 | no_indexer_loss | factor 0, not dense_pretraining      | top-k         | off          | computed | all |
 
 "trained" is what the stage presets in configs/base.yml set through the masks; the row records it
-so that a stage command can check the masks it was given (`STAGE_COMMANDS`).
+so that a stage command can check the masks it was given; `STAGE_COMMANDS` says which rows each
+stage command runs.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ SPARSE = Stage("sparse", csa_topk=True, indexer_loss="sparse", lm_loss=True, tra
 NO_INDEXER_LOSS = Stage("no_indexer_loss", csa_topk=True, indexer_loss="off", lm_loss=True, trains_indexer=True,
                         trains_rest=True)
 TABLE = (PRETRAIN, WARMUP, SPARSE, NO_INDEXER_LOSS)
-# the stage commands and the row each one must resolve to
-STAGE_COMMANDS = {"pretrain": PRETRAIN, "warmup": WARMUP, "sparse": SPARSE}
+# the stage commands and the rows each one runs, its preset's row first; `dsv4 sparse` also runs the
+# no-indexer-loss row (indexer_loss_scaling_factor=0: sparse training with the indexer's KL off)
+STAGE_COMMANDS = {"pretrain": (PRETRAIN,), "warmup": (WARMUP,), "sparse": (SPARSE, NO_INDEXER_LOSS)}
 
 
 def stage_of(cfg) -> Stage:

@@ -158,7 +158,7 @@ def _check_masks(cfg) -> None:
 
 def _check_stage(cfg, stage: str | None) -> None:
     """DESIGN.md's stage table (core/config/stages.py): the config matches a row, and a stage
-    command's config resolves to that command's row (`STAGE_COMMANDS`)."""
+    command's config resolves to one of that command's rows (`STAGE_COMMANDS`)."""
     _check(not cfg.dense_pretraining or (cfg.indexer_loss_scaling_factor == 0 and not cfg.indexer_sparse_training),
            f"dense_pretraining=true with indexer_loss_scaling_factor={cfg.indexer_loss_scaling_factor} "
            f"indexer_sparse_training={cfg.indexer_sparse_training}: pre-training leaves the indexer idle; "
@@ -166,7 +166,7 @@ def _check_stage(cfg, stage: str | None) -> None:
     if stage is None:
         return
     row = stage_of(cfg)
-    if row is not STAGE_COMMANDS[stage]:
+    if row not in STAGE_COMMANDS[stage]:
         raise ConfigError(_STAGE_FIXES[stage, row.name])
 
 
@@ -184,6 +184,4 @@ _STAGE_FIXES = {
                             "set dense_pretraining=false (or use dsv4 pretrain for dense pre-training).",
     ("sparse", "warmup"): "indexer_sparse_training=false in dsv4 sparse: the sparse stage trains through the top-k; "
                           "set indexer_sparse_training=true (or use dsv4 warmup for the dense warm-up).",
-    ("sparse", "no_indexer_loss"): "indexer_loss_scaling_factor=0 in dsv4 sparse: the sparse stage trains the "
-                                   "indexer by its KL loss; give it a value > 0, e.g. 0.1.",
 }
