@@ -429,8 +429,8 @@ def _worker_multiprocess(pid: str, port: str, root: str) -> dict:
     equal = all(np.array_equal(x.data, y.data) and x.index == y.index
                 for x, y in zip(a.addressable_shards, b.addressable_shards))
     return {"losses": losses, "processes": jax.process_count(), "devices": jax.device_count(),
-            "local_devices": jax.local_device_count(), "main": mesh.is_main_process(),
-            "describe": mesh.describe_mesh(mesh), "rows": [rows.start, rows.stop],
+            "local_devices": jax.local_device_count(), "main": mesh_lib.is_main_process(),
+            "describe": mesh_lib.describe_mesh(mesh), "rows": [rows.start, rows.stop],
             "process_local_equal": equal}
 
 

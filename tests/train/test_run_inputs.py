@@ -38,10 +38,16 @@ def _one_error_line(result) -> str:
     return lines[0]
 
 
-def _killed_after_step_0(tmp_path: Path, name: str) -> Path:
+@pytest.fixture(scope="module")
+def warm_run(tmp_path_factory) -> Path:
+    """The session's two-step warm-up (tests/checkpoint/test_inspect.py), which tests here copy."""
+    return warmup_run(tmp_path_factory)
+
+
+def _killed_after_step_0(warm_run: Path, tmp_path: Path, name: str) -> Path:
     """A copy of the two-step warm-up as if killed after checkpoint 0 (step 1's metrics row kept)."""
     run = tmp_path / name
-    shutil.copytree(warmup_run(), run)
+    shutil.copytree(warm_run, run)
     shutil.rmtree(run / "checkpoints" / "1")
     return run
 
@@ -102,8 +108,8 @@ def test_unusable_output_is_one_line_before_building(tmp_path, monkeypatch, case
 # ----------------------------------------------------------------------------- metrics.jsonl
 
 
-def test_torn_last_metrics_line_is_dropped_and_the_run_goes_on(tmp_path):
-    run = _killed_after_step_0(tmp_path, "torn")
+def test_torn_last_metrics_line_is_dropped_and_the_run_goes_on(warm_run, tmp_path):
+    run = _killed_after_step_0(warm_run, tmp_path, "torn")
     metrics = run / run_files.METRICS_FILE
     rows = metrics.read_text().splitlines()
     metrics.write_text(rows[0] + "\n" + rows[1][: len(rows[1]) // 2])  # killed while appending step 1's row
@@ -118,8 +124,8 @@ def test_torn_last_metrics_line_is_dropped_and_the_run_goes_on(tmp_path):
     assert all(json.loads(line) for line in metrics.read_text().splitlines())  # the file is whole again
 
 
-def test_corrupt_metrics_line_is_one_line_and_nothing_changes(tmp_path):
-    run = _killed_after_step_0(tmp_path, "corrupt")
+def test_corrupt_metrics_line_is_one_line_and_nothing_changes(warm_run, tmp_path):
+    run = _killed_after_step_0(warm_run, tmp_path, "corrupt")
     metrics = run / run_files.METRICS_FILE
     rows = metrics.read_text().splitlines()
     metrics.write_text("{garbage\n" + "\n".join(rows) + "\n")

@@ -26,6 +26,7 @@ from core import tree
 from core.checkpoint import run_files
 from core.train import run as train
 from core.loss import lm as lm_loss
+from core.model.transformer import Transformer
 from core.train import step as train_step
 from core.errors import ConfigError
 from dsv4cli import display
@@ -81,7 +82,7 @@ def test_warmup_trains_only_the_indexer(warm):
     model, cfg, meta = ckpt.restore_model(run)
     assert meta["stage"] == "warmup" and meta["step"] == WARMUP_STEPS - 1
     trained = _variables(model)
-    initial = _variables(train.Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
+    initial = _variables(Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
     assert trained.keys() == initial.keys()
     indexer = [k for k in trained if "indexer" in k]
     assert indexer and len(indexer) < len(trained)
@@ -237,17 +238,9 @@ def test_trainable_mask_fully_matches_paths():
     assert match(("layers", 1, "attn", "indexer", "wq_b")) and match(("embed",))
     assert not match(("layers", 1, "attn", "wq_a")) and not match(("embedder",))
     assert train_step.path_matcher([])(("anything",))
-    model = train.Transformer(tiny_config(), rngs=nnx.Rngs(0))
+    model = Transformer(tiny_config(), rngs=nnx.Rngs(0))
     with pytest.raises(ConfigError, match="matches no parameter"):
         train_step.trainable_labels(model, ["indexer"])
-
-
-def test_benchmark_train_step(warm):
-    cfg = tiny_config("warmup", "dataset_type=synthetic", steps=WARMUP_STEPS)
-    out = train.benchmark_train_step(cfg, 2)
-    assert out["stage"] == "warmup" and out["tokens_per_step"] == 2 * 128
-    assert out["step_time_s"] > 0 and out["tokens_per_s"] > 0 and out["last"]["lm_loss"] == 0.0
-    assert 0 < out["params_trainable"] < out["params_total"]
 
 
 def test_live_table_keeps_the_compile_step():
