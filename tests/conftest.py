@@ -14,19 +14,24 @@ import tempfile
 
 import pytest
 
-_HF_HOME = tempfile.mkdtemp(prefix="dsv4-test-hf-")
-os.environ["HF_HOME"] = _HF_HOME
+# The process that makes the temporary homes owns them: processes started under it (pytest-xdist's
+# workers, the subprocesses tests start, which import this module again) inherit the environment
+# and share the same directories; only the owner removes them, when its pytest run ends.
+_OWNER = "DSV4_TEST_HOMES_OWNER"
+if os.environ.get(_OWNER) is None:
+    os.environ[_OWNER] = str(os.getpid())
+    os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="dsv4-test-hf-")
+    # The CLI's persistent compilation cache (jax_cache_dir: default) lands here, not in ~/.cache.
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="dsv4-test-cache-")
+_HF_HOME, _CACHE_HOME = os.environ["HF_HOME"], os.environ["XDG_CACHE_HOME"]
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
-# The CLI's persistent compilation cache (jax_cache_dir: default) lands here, not in ~/.cache.
-_CACHE_HOME = tempfile.mkdtemp(prefix="dsv4-test-cache-")
-os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
 # One persistent compilation cache for the whole session, the CLI's own directory: a program that
 # several tests compile (the same model's step, forward or initialisers, traced anew in each test)
 # is compiled once and read back after that, also by the worker processes tests start (JAX reads
 # these variables at import). Every program is written, however fast it compiled.
 _COMPILE_CACHE = os.path.join(_CACHE_HOME, "dsv4", "jax")
-os.makedirs(_COMPILE_CACHE)
+os.makedirs(_COMPILE_CACHE, exist_ok=True)
 os.environ.update(JAX_COMPILATION_CACHE_DIR=_COMPILE_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 # The suite is compile-bound (dozens of small programs, each run for a few steps): XLA's CPU
@@ -59,12 +64,11 @@ def tiny_config(stage: str | None = None, *overrides: str, **options):
     return load_config("deepseek4-tiny", [*TINY_OVERRIDES, *overrides], stage=stage, options=options or None)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _temporary_homes():
-    """The temporary HF_HOME and XDG_CACHE_HOME (the compilation cache), removed at the end of the session."""
-    yield _HF_HOME
-    shutil.rmtree(_HF_HOME, ignore_errors=True)
-    shutil.rmtree(_CACHE_HOME, ignore_errors=True)
+def pytest_unconfigure(config):
+    """The owner removes the temporary HF_HOME and XDG_CACHE_HOME (the compilation cache)."""
+    if os.environ.get(_OWNER) == str(os.getpid()):
+        shutil.rmtree(_HF_HOME, ignore_errors=True)
+        shutil.rmtree(_CACHE_HOME, ignore_errors=True)
 
 
 @pytest.fixture
