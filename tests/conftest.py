@@ -14,11 +14,13 @@ import tempfile
 
 import pytest
 
-# The process that makes the temporary homes owns them: processes started under it (pytest-xdist's
-# workers, the subprocesses tests start, which import this module again) inherit the environment
-# and share the same directories; only the owner removes them, when its pytest run ends.
+# The process that makes the temporary homes owns them: the subprocesses tests start (which import
+# this module again) inherit the environment and share the same directories; only the owner removes
+# them, when its pytest run ends. Each pytest-xdist worker is a pytest run of its own, with its own.
 _OWNER = "DSV4_TEST_HOMES_OWNER"
-if os.environ.get(_OWNER) is None:
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # "" outside xdist; inherited by a worker's subprocesses
+if os.environ.get(_OWNER) is None or os.environ.get("DSV4_TEST_HOMES_WORKER") != _WORKER:
+    os.environ["DSV4_TEST_HOMES_WORKER"] = _WORKER
     os.environ[_OWNER] = str(os.getpid())
     os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="dsv4-test-hf-")
     # The CLI's persistent compilation cache (jax_cache_dir: default) lands here, not in ~/.cache.
