@@ -13,8 +13,8 @@ options changed:
   - every array is chunked to at most `chunk_bytes` (`SaveArgs.chunk_byte_size`);
   - OCDBT data files are at most `chunk_bytes` (`ocdbt_target_data_file_size`).
 What lives at once beyond the tree: the chunks and data files in flight, a bounded number times
-`chunk_bytes`, independent of the model's size (measured in docs/benchmarks.md, "Checkpoint
-import at Flash width": +0.24 GB for a 4.3 GB tree at 16 MiB, against +2 copies by default).
+`chunk_bytes`, independent of the model's size, where Orbax's default keeps about two extra
+copies of the tree (docs/benchmarks.md#checkpoint-import-and-export-at-flash-width).
 Readers need nothing special: chunking and file sizes are recorded in the checkpoint itself.
 """
 

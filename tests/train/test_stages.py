@@ -1,4 +1,4 @@
-"""DeepSeek-V4's three stages as commands (issue 11): `dsv4 pretrain`, `dsv4 warmup --init-from`
+"""DeepSeek-V4's three stages as commands: `dsv4 pretrain`, `dsv4 warmup --init-from`
 (also from a model without an indexer), the chain into `dsv4 sparse` and `dsv4 eval-indexer`, and
 the warnings for a top-k that cannot bind. The chain runs once per session (conftest.stage_chain)."""
 
@@ -178,7 +178,7 @@ def test_pretrain_bad_inputs_exit_2_with_one_line(tmp_path, override, needle):
 
 
 def test_warmup_preset_is_constant_lr_without_decay_and_its_help_lists_it():
-    """The warm-up recipe chosen in docs/benchmarks.md (issue 11): lr 1e-2 constant after the linear
+    """The warm-up recipe chosen in docs/benchmarks.md#why-the-defaults: lr 1e-2 constant after the linear
     warm-up, no weight decay, adam_eps below the warm-up's gradients, adam_b1 0.7; `dsv4 warmup --help` (and
     `dsv4 pretrain --help`) list every preset key."""
     from core.config.schema import load_config
