@@ -15,7 +15,7 @@ HELP = ("Plan a training run: compile the training command's own step ahead of t
         "or fake CPU devices, and report per device the exact state bytes, the compiler's temporaries and code, "
         "the verdict against the usable memory, the largest temporaries, FLOPs and a roofline estimate. "
         "Exit codes: 0 fits, 1 does not fit, 2 bad input (unknown target, a mesh that does not divide, "
-        "a missing extra: pip install \"dsv4[tpu]\" or \"dsv4[cuda]\").")
+        "a missing extra: pip install \"dsv4\\[tpu]\" or \"dsv4\\[cuda]\").")
 EPILOG = ("Example: dsv4 plan --target cpu:8 ici_fsdp_parallelism=-1    |    "
           "dsv4 plan --model deepseek4-284b --stage warmup --target v5p-128 ici_fsdp_parallelism=-1 --top 5")
 
@@ -36,7 +36,7 @@ def command(target: Target, overrides: opt.Overrides = None, model: opt.Model = 
     def started() -> None:
         if not json_out:
             display.console().print(f"[dim]compiling {model} {stage} for {target} (a TPU compile of a full-size "
-                                    "model takes minutes)...[/dim]")
+                                    "model takes minutes, a GPU one 5-15 here)...[/dim]")
 
     result = plan_compile.plan(model, stage, target, overrides or [], config_file=None if config is None else str(config),
                                top=top, on_start=started)
@@ -91,9 +91,13 @@ def render(console, r: dict[str, Any]) -> None:
 def _estimate(console, r: dict[str, Any]) -> None:
     if r.get("flops_per_step") is None:
         return
-    analytic = r.get("analytic_flops_per_device")
-    check = f" (analytic count {analytic / 1e9:.2f} GFLOP)" if analytic else ""
-    console.print(f"FLOPs per step per device: {r['flops_per_step'] / 1e9:.2f} GFLOP from the compiler's cost analysis{check}")
+    gf = lambda key: "none" if r.get(key) is None else f"{r[key] / 1e9:.2f}"  # noqa: E731
+    console.print(f"FLOPs per step per device: {r['flops_per_step'] / 1e9:.2f} GFLOP of matmuls in the compiled "
+                  f"program, loops counted (analytic: {gf('analytic_matmul_flops_per_device')} GFLOP of matmuls, "
+                  f"{gf('analytic_flops_per_device')} in all; XLA's cost analysis: {gf('xla_cost_analysis_flops')}, "
+                  "each loop body once)")
+    if r.get("flops_rule"):
+        console.print(f"[dim]{r['flops_rule']}[/dim]")
     if r.get("collective_bytes"):
         moved = ", ".join(f"{axis} {_bytes(n)}" for axis, n in sorted(r["collective_bytes"].items()))
         console.print(f"collectives per step per device, by mesh axis: {moved}")

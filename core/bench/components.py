@@ -22,12 +22,12 @@ OWNERS = {
     "model/compressor": "compressor",
     "model/indexer": "indexer", "ops/topk": "indexer", "loss/indexer_kl": "indexer",
     "loss/indexer_kl_rows": "indexer", "loss/indexer_kl_streamed": "indexer",
-    "model/moe": "MoE", "ops/moe_dispatch": "MoE",
+    "model/moe": "MoE", "ops/moe_dispatch": "MoE", "ops/expert_parallel": "MoE",
     "model/mhc": "mHC",
     "loss/lm": "head",
 }
 # shared building blocks: their work belongs to the caller
-HELPERS = {"model/layers", "model/init_draws", "ops/rope", "ops/masks", "parallel/sharding", "parallel/mesh", "tree"}
+HELPERS = {"model/layers", "model/init_draws", "model/quant", "ops/quant", "ops/rope", "ops/masks", "parallel/sharding", "parallel/mesh", "tree"}
 # wiring and drivers: no arithmetic of their own beyond what they call (their frames pass up too)
 GLUE = {
     "errors", "model/transformer", "model/params",
@@ -39,7 +39,7 @@ GLUE = {
     "eval/metrics", "eval/evaluate",
     "hf/names", "hf/config_json", "hf/safetensors_io", "hf/importer", "hf/exporter",
     "bench/loss", "bench/train", "bench/trace", "bench/components",
-    "plan/targets", "plan/compile", "plan/report",
+    "plan/targets", "plan/compile", "plan/report", "plan/hlo",
 }
 CORE = Path(__file__).resolve().parents[1]
 

@@ -51,6 +51,7 @@ class Config:
     sliding_window_size: int          # tokens
     dtype: str
     weight_dtype: str
+    frozen_weights: str               # param_dtype | released (frozen linear weights as FP8/FP4 codes + scales)
     scan_layers: bool
     remat_policy: str                 # none | minimal | full (what a layer saves for the backward)
     lm_loss_chunk_size: int           # tokens per LM-loss chunk, 0 = direct [B, T, V] logits
@@ -73,6 +74,7 @@ class Config:
     dense_pretraining: bool           # stage 1: CSA over every visible block, indexer idle
     indexer_teacher: str
     indexer_weights_init: str         # fan_in | zeros: how the indexer's weights_proj starts
+    indexer_gradient: str             # local (per layer, in the forward) | backward (through the stack)
     csa_qk_head_chunk_size: int       # heads per scan step, 0 = off
     csa_query_chunk_size: int         # query positions per scan step, 0 = off
     attention: str                    # chunked (banded window, gathered top-k) | masked (dense reference)
@@ -95,6 +97,8 @@ class Config:
     load_balance_loss_weight: float
     moe_impl: str                     # tiled | dense | ragged (expert computation, core/model/moe.py)
     moe_tile_size: int                # rows per tile of the tiled path, 0 = auto
+    moe_tiles_per_step: int           # tiles per scan step of the tiled path, 0 = auto
+    moe_capacity_factor: float        # expert parallelism: slots per destination / mean, 0 = drop-free
     # manifold-constrained hyper-connections
     mhc_expansion_rate: int
     hc_sinkhorn_iters: int

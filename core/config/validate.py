@@ -45,6 +45,8 @@ _CHOICES = {
     "moe_impl": ("tiled", "dense", "ragged"),
     "rope_type": ("default", "yarn"),
     "indexer_teacher": ("compressed", "joint"),
+    "indexer_gradient": ("local", "backward"),
+    "frozen_weights": ("param_dtype", "released"),
     "indexer_weights_init": ("fan_in", "zeros"),
     "attention": ("chunked", "masked"),
     "routed_score_func": ("sqrtsoftplus",),

@@ -54,7 +54,7 @@ from core.loss.indexer_kl import csa_indexer_loss
 from core.loss.indexer_kl_rows import Teacher
 from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed
 from core.model.compressor import Compressor
-from core.model.indexer import Indexer, IndexerSpec
+from core.model.indexer import Indexer, IndexerSpec, local_gradient_loss
 from core.model.layers import RMSNorm, dense_init, param, rms_normalize
 from core.ops.chunked_attention import Keys, RowQueries, chunked_attention, masked_attention
 from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
@@ -93,6 +93,7 @@ class AttentionSpec:
     query_chunk: int = 0
     attention: str = "chunked"  # "chunked" (core.ops.chunked_attention) | "masked" (dense reference)
     attention_chunk: int = 128  # query positions per chunk of the chunked path
+    indexer_gradient: str = "local"  # "local": the streamed loss's gradient taken in the forward | "backward"
 
     @classmethod
     def from_config(cls, cfg, layer: int) -> "AttentionSpec":
@@ -108,7 +109,8 @@ class AttentionSpec:
             loss_scale=cfg.indexer_loss_scaling_factor, teacher=cfg.indexer_teacher,
             indexer_weights_init=cfg.indexer_weights_init,
             head_chunk=cfg.csa_qk_head_chunk_size, query_chunk=cfg.csa_query_chunk_size,
-            attention=cfg.attention, attention_chunk=cfg.attention_query_chunk_size)
+            attention=cfg.attention, attention_chunk=cfg.attention_query_chunk_size,
+            indexer_gradient=cfg.indexer_gradient)
 
     def indexer_spec(self) -> IndexerSpec:
         """The static shape of this layer's lightning indexer (meaningful when indexer_heads > 0)."""
@@ -260,8 +262,12 @@ class Attention(nnx.Module):
             selection = mode.select(index, packing)
         if flags.indexer_loss:
             allowed = None if scores is None else visible if flags.dense else visible & selection.mask(visible.shape[-1])
-            aux["indexer_loss"] = self._indexer_loss(index, teacher, packing, (scores, allowed),
-                                                     None if flags.dense else s.indexer_topk, rows)
+            topk = None if flags.dense else s.indexer_topk
+            if rows and not whole and s.indexer_gradient == "local":  # the streamed loss, differentiated here
+                aux["indexer_loss"] = local_gradient_loss(self.indexer, lambda indexer: self._indexer_loss(
+                    indexer.inputs(x_btm, queries.inputs, pos), teacher, packing, None, topk, rows))
+            else:
+                aux["indexer_loss"] = self._indexer_loss(index, teacher, packing, (scores, allowed), topk, rows)
         if flags.collect:
             aux.update(index_scores=sg(scores), topk_idx=selection.idx_btk, topk_valid=selection.valid_btk,
                        teacher_query=teacher.queries.inputs, compressed_kv=teacher.compressed_bwd, visible=visible)

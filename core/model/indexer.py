@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from core.model.compressor import Compressor
 from core.model.layers import dense_init, param
@@ -26,6 +27,31 @@ def indexer_queries(c_q_btr, wq_b_rid, positions_bt, *, rope: RopeSpec, dtype):
     """q_btid = RoPE(c_q W_Iq) in `dtype`: [B, T, R] x [R, HI, DI] -> [B, T, HI, DI]."""
     q_btid = jnp.einsum("btr,rid->btid", c_q_btr.astype(dtype), wq_b_rid.astype(dtype))
     return apply_rope(q_btid, positions_bt, rope)
+
+
+def local_gradient_loss(module: nnx.Module, loss_of):
+    """`loss_of(module)` whose gradient w.r.t. the module's parameters is taken here, in the forward.
+
+    For a loss that reaches nothing but `module`'s own nnx.Params (the indexer loss: the indexer's
+    inputs and teacher are detached). Returns the surrogate
+
+        value + sum over parameters p of  sum((p - stop_gradient(p)) * g_p),   g = d loss / d p,
+
+    equal to the loss in value and with gradient g for p, and no gradient for anything else. The
+    outer backward then needs only g (named "indexer_local_grads", which every remat policy saves),
+    not the layer's activations: no layer of the warm-up runs again in the backward, and no layer's
+    input is kept for it (core/model/transformer.py).
+    """
+    sg = jax.lax.stop_gradient
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    value, grads = jax.value_and_grad(lambda p: loss_of(nnx.merge(graphdef, p, rest)))(sg(params))
+    grads = jax.tree.map(lambda g: checkpoint_name(sg(g), "indexer_local_grads"), grads)
+    def inner(p, g):  # in float32 (float64 for float64 parameters); its gradient is g, cast to p's dtype
+        acc = jnp.promote_types(p.dtype, jnp.float32)
+        return jnp.sum((p.astype(acc) - sg(p).astype(acc)) * g.astype(acc))
+
+    inner = [inner(p, g) for p, g in zip(jax.tree.leaves(params), jax.tree.leaves(grads))]
+    return value + sum(inner)
 
 
 # ----------------------------------------------------------------------------- module

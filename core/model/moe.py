@@ -31,6 +31,11 @@ Expert computation (`MoESpec.impl`, IMPLS):
 - "ragged" sorts the slots by expert and uses `jax.lax.ragged_dot`: the FLOP-optimal path on
   accelerators with a grouped-matmul kernel (XLA CPU lowers it densely).
 All three agree to float32 rounding in value and gradient (tests/model/test_moe.py, test_moe_dispatch.py).
+On a mesh whose `expert` axis is larger than 1 (`jax.sharding.get_abstract_mesh()` during the trace:
+traced under `jax.set_mesh` or `jax.sharding.use_abstract_mesh`), "tiled" becomes expert parallelism that moves tokens:
+an all-to-all sends each slot to its expert's device, which runs the tiled dispatch over its
+local experts (core/ops/expert_parallel.py; drop-free unless `capacity_factor`, aux["dropped"]).
+"dense" and "ragged" stay GSPMD-partitioned.
 
 Parameter layout is [in, out] (JAX convention; the official Linear stores [out, in]):
 gate.weight [M, E], gate.bias [E], gate.tid2eid [V, k], experts.w1/w3 [E, M, F], experts.w2
@@ -48,7 +53,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from core.model.layers import dense_init, param, upcast
-from core.ops.moe_dispatch import tiled_experts
+from core.ops.expert_parallel import Exchange, expert_axis_size, expert_parallel_experts, token_shards
+from core.ops.moe_dispatch import Tiling, tiled_experts
 
 
 IMPLS = ("dense", "tiled", "ragged")  # expert computation (module docstring)
@@ -75,15 +81,19 @@ class MoESpec:
     lb_weight: float = 1.0          # load_balance_loss_weight (1.0: the unweighted E * sum f P)
     impl: str = "tiled"             # moe_impl, one of IMPLS
     tile_size: int = 0              # moe_tile_size, rows per tile of "tiled" (0: auto_tile)
+    tiles_per_step: int = 0         # moe_tiles_per_step, tiles per scan step of "tiled" (0: auto)
+    capacity_factor: float = 0.0    # moe_capacity_factor, expert-parallel blocks (0: drop-free)
 
     def __post_init__(self):
         for name, kind in (("hash_routed", bool), ("scaling", float), ("normalize", bool), ("use_bias", bool),
-                           ("swiglu_limit", float), ("lb_weight", float), ("tile_size", int)):
+                           ("swiglu_limit", float), ("lb_weight", float), ("tile_size", int),
+                           ("tiles_per_step", int), ("capacity_factor", float)):
             object.__setattr__(self, name, kind(getattr(self, name)))  # equal specs for equal values
         if self.impl not in IMPLS:
             raise ValueError(f"MoE impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
-        if self.tile_size < 0:
-            raise ValueError(f"MoE tile_size must be >= 0 (0 = auto), got {self.tile_size}")
+        if self.tile_size < 0 or self.tiles_per_step < 0 or self.capacity_factor < 0:
+            raise ValueError(f"MoE tile_size, tiles_per_step and capacity_factor must be >= 0 (0 = auto / drop-free), "
+                             f"got {self.tile_size}, {self.tiles_per_step}, {self.capacity_factor}")
         if not 1 <= self.k <= self.num_experts:
             raise ValueError(f"experts_per_tok={self.k} must be in [1, {self.num_experts}]")
 
@@ -94,7 +104,8 @@ class MoESpec:
             shared=cfg.shared_experts, hash_routed=layer < cfg.first_num_hash_layers,
             vocab_size=cfg.vocab_size, scaling=cfg.routed_scaling_factor, normalize=cfg.norm_topk_prob,
             use_bias=cfg.routed_bias, swiglu_limit=cfg.mlp_activations_limit,
-            lb_weight=cfg.load_balance_loss_weight, impl=cfg.moe_impl, tile_size=cfg.moe_tile_size)
+            lb_weight=cfg.load_balance_loss_weight, impl=cfg.moe_impl, tile_size=cfg.moe_tile_size,
+            tiles_per_step=cfg.moe_tiles_per_step, capacity_factor=cfg.moe_capacity_factor)
 
 
 class RouterBias(nnx.Variable):
@@ -265,6 +276,40 @@ def ragged_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: f
     return y_tm.reshape(b, t, m)
 
 
+def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):
+    """(y_btm, dropped): the routed experts by `spec.impl`; "tiled" on a mesh whose `expert` axis is
+    larger than 1 sends the tokens to their experts' devices (core/ops/expert_parallel.py).
+
+    Args:
+      spec: the layer's MoESpec.
+      x_btm: [B, T, M] tokens (compute dtype); idx_btk, weights_btk: the routing [B, T, k].
+      experts: (w1 [E, M, F], w2 [E, F, M], w3 [E, M, F]) in the compute dtype.
+      mesh: the abstract mesh of the trace (`jax.sharding.get_abstract_mesh()`), possibly empty.
+    Returns:
+      (y_btm in the accumulation dtype, dropped: float32 scalar, 0 but under a capacity factor).
+    """
+    w1, w2, w3 = experts
+    hidden = functools.partial(swiglu_hidden, limit=spec.swiglu_limit)
+    devices = expert_axis_size(mesh)
+    no_drops = jnp.zeros((), jnp.float32)
+    if spec.impl == "dense":
+        combine_bte = jnp.einsum("btk,btke->bte", weights_btk,
+                                 jax.nn.one_hot(idx_btk, spec.num_experts, dtype=jnp.float32))
+        return dense_experts(x_btm, combine_bte, w1, w2, w3, spec.swiglu_limit), no_drops
+    if spec.impl == "ragged":
+        return ragged_experts(x_btm, idx_btk, weights_btk, w1, w2, w3, spec.swiglu_limit), no_drops
+    tokens = x_btm.shape[0] * x_btm.shape[1]
+    if devices == 1:
+        tiling = Tiling(spec.tile_size or auto_tile(tokens, spec.num_experts, spec.k), spec.tiles_per_step)
+        return tiled_experts(x_btm, idx_btk, weights_btk, w1, w2, w3, tiling, hidden=hidden), no_drops
+    # The destination sees about its tokens' k slots per device over E / expert local experts.
+    local_tokens, local_experts = tokens // token_shards(mesh), spec.num_experts // devices
+    tiling = Tiling(spec.tile_size or auto_tile(max(local_tokens, 1), local_experts, spec.k),
+                    spec.tiles_per_step)
+    return expert_parallel_experts(x_btm, idx_btk, weights_btk, w1, w2, w3,
+                                   Exchange(mesh, tiling, spec.capacity_factor), hidden=hidden)
+
+
 # ----------------------------------------------------------------------------- modules
 
 
@@ -336,7 +381,8 @@ class MoE(nnx.Module):
         """Args: x_btm [B,T,M] (already ffn-normed), tokens_bt int [B,T], valid_bt bool [B,T].
 
         Returns:
-          (y_btm in x's dtype, {"lb_loss": f32 scalar (0 in hash layers), "load": f32 [E]}).
+          (y_btm in x's dtype, {"lb_loss": f32 scalar (0 in hash layers), "load": f32 [E],
+          "dropped": f32 scalar, the fraction of slots dropped for expert-parallel capacity}).
 
         Shapes:
           1. logits_bte = x W_r (float32); scores_bte = sqrt(softplus(logits_bte))
@@ -347,19 +393,11 @@ class MoE(nnx.Module):
         x_c = x_btm.astype(self.dtype)
         idx_btk, weights_btk, lb_loss = self._route(x_btm, tokens_bt, valid_bt)
         w1, w2, w3 = (w[...].astype(self.dtype) for w in (self.experts.w1, self.experts.w2, self.experts.w3))
-        if spec.impl == "dense":
-            combine_bte = jnp.einsum("btk,btke->bte", weights_btk,
-                                     jax.nn.one_hot(idx_btk, spec.num_experts, dtype=jnp.float32))
-            y_btm = dense_experts(x_c, combine_bte, w1, w2, w3, spec.swiglu_limit)
-        elif spec.impl == "tiled":
-            tile = spec.tile_size or auto_tile(x_c.shape[0] * x_c.shape[1], spec.num_experts, spec.k)
-            y_btm = tiled_experts(x_c, idx_btk, weights_btk, w1, w2, w3, tile,
-                                  hidden=functools.partial(swiglu_hidden, limit=spec.swiglu_limit))
-        else:
-            y_btm = ragged_experts(x_c, idx_btk, weights_btk, w1, w2, w3, spec.swiglu_limit)
+        y_btm, dropped = routed_experts(spec, x_c, idx_btk, weights_btk, (w1, w2, w3),
+                                        jax.sharding.get_abstract_mesh())
         if self.shared_experts is not None:
             y_btm = y_btm + self.shared_experts(x_c)
-        aux = {"lb_loss": lb_loss,
+        aux = {"lb_loss": lb_loss, "dropped": jax.lax.stop_gradient(dropped),
                "load": jax.lax.stop_gradient(expert_load(idx_btk, valid_bt, spec.num_experts))}
         return y_btm.astype(x_btm.dtype), aux
 

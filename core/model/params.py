@@ -11,6 +11,9 @@ header (`core.train.run.build`), `dsv4 inspect-ckpt` (from saved metadata, no ar
   frozen      = the other nnx.Params
   router_bias = the selection biases, moved by the load-balance update, never by gradients
   hash_table  = the token -> experts tables (`.../gate/tid2eid`): integer state, not counted
+  scales      = the e8m0 block scales of a weight held in the released format (`.../scales`,
+                core/model/quant.py): not counted; its `.../codes` count as the weight's elements
+                (two per byte for the packed FP4 routed experts, `.../experts/w*/codes`)
 
 Kinds are told apart by path, following core/model/moe.py's names. Import-light (no jax), so the
 CLI's metadata-only commands can use it.
@@ -22,14 +25,17 @@ import math
 import re
 from typing import Callable, Mapping, Sequence
 
-KINDS = ("param", "router_bias", "hash_table")
+KINDS = ("param", "router_bias", "hash_table", "scales")
 
 
 def variable_kind(path: str) -> str:
-    """'hash_table' for .../gate/tid2eid, 'router_bias' for .../gate/bias, else 'param'."""
+    """'hash_table' for .../gate/tid2eid, 'router_bias' for .../gate/bias, 'scales' for a held
+    weight's .../scales, else 'param'."""
     parts = path.split("/")
     if parts[-1] == "tid2eid":
         return "hash_table"
+    if parts[-1] == "scales":
+        return "scales"
     if parts[-2:] == ["gate", "bias"]:
         return "router_bias"
     return "param"
@@ -64,9 +70,14 @@ def count_parameters(shapes: Mapping[str, Sequence[int]], trainable: Callable[[s
     out = dict.fromkeys(("parameters", "trainable", "frozen", "router_bias", "hash_table"), 0)
     for path, shape in shapes.items():
         n, kind = math.prod(shape), variable_kind(path)
+        if kind == "scales":
+            continue
         if kind == "hash_table":
             out["hash_table"] += n
             continue
+        if path.endswith("/codes"):  # a held weight: its elements, two per byte when FP4-packed
+            path = path.removesuffix("/codes")
+            n *= 2 if re.search(r"(^|/)experts/w[123]$", path) else 1
         out["parameters"] += n
         if kind == "router_bias":
             out["router_bias"] += n

@@ -11,8 +11,9 @@ The learned sublayer norms attn_norm / ffn_norm after the mHC `pre` are the offi
 
 Layer grouping (compile time). The layers are cut into segments (`layer_plan`): with
 `scan_layers`, a run of >= 2 repeats of a 1- or 2-layer unit of identical structure is created
-once with `nnx.vmap` (parameters stacked on a leading "layers" axis) and run with `nnx.scan`, so
-deepseek4-tiny compiles four distinct layer bodies (SWA, hash-routed CSA, HCA, CSA), not 43.
+once with `nnx.vmap` (parameters stacked on a leading "layers" axis) and run with `jax.lax.scan`
+over its split variables (`run_segment`: variables go in, never out), so deepseek4-tiny compiles
+four distinct layer bodies (SWA, hash-routed CSA, HCA, CSA), not 43.
 Parameter tree (`segments[s] = (start, unit, repeats)`):
 
   embed [V, M]; hc_head.{fn, base, scale}; norm.weight; head [M, V];
@@ -25,7 +26,7 @@ Parameter tree (`segments[s] = (start, unit, repeats)`):
 Without `scan_layers` every segment is a single layer, so `layers.{i}` is layer i.
 
 Activation checkpointing (`remat_policy`, MaxText's names): every layer body, scanned or not, runs
-under `nnx.remat` with the policy of REMAT_POLICIES, which decides what the backward pass keeps
+under `jax.checkpoint` with the policy of REMAT_POLICIES, which decides what the backward pass keeps
 from the forward and what it recomputes:
   none     no remat: every residual the autodiff wants is kept, per layer (most memory, no recompute);
   minimal  keep the outputs of matmuls without batch dimensions (x @ W projections, experts), recompute
@@ -34,12 +35,17 @@ from the forward and what it recomputes:
            forward of the layers, least memory).
 Both remat policies also keep SAVED_NAMES, values tagged with `checkpoint_name` where they are
 made: the CSA top-k selection (int [B, T, k] + bool), the streamed indexer loss's closed-form
-gradients (per token [B, T, R + HI], its keys [B, W, DI], its query weight) and the MoE's routing
+gradients (per token [B, T, R + HI], its keys [B, W, DI], its query weight), the indexer's own
+gradient where `indexer_gradient: local` takes it in the forward (core.model.indexer.
+local_gradient_loss: one copy of the indexer's parameters per layer) and the MoE's routing
 (int: chosen experts, slot rows, tile experts). The backward then runs no indexer scoring, top-k,
 indexer loss nor routing sort again, for a few bytes per token and layer. The attention output
 [B, T, M] is not kept: keeping it grows the temporaries at long T more than it saves.
 The default (base.yml) is `full`: half the XLA temporaries of `minimal` for a few more FLOPs,
 since `minimal` already recomputes every non-matmul op (docs/benchmarks.md#why-the-defaults).
+In the warm-up nothing but the indexer trains and its gradient is local, so no gradient crosses a
+layer: the backward keeps no layer's input and runs no layer again, under any policy (the step's
+memory is one layer's plus the weights': tests/model/test_local_gradient.py).
 
 Modes: "train" follows the config's row of the stage table (core.config.stages): CSA attends the
 top-k blocks iff `Stage.csa_topk`, the indexer loss is computed iff `Stage.indexer_loss` is not
@@ -63,13 +69,15 @@ from core.model.layers import RMSNorm, dense_init, param
 from core.loss.lm import head_logits
 from core.model.mhc import HeadCollapse, HyperConnection, expand
 from core.model.moe import MoE, MoESpec, hash_table, update_router_bias
+from core.model.params import mask_matcher
+from core.model import quant
 
 MODES = ("train", "eval", "eval_dense")
 COLLECT_KEYS = ("index_scores", "topk_idx", "topk_valid", "teacher_query", "compressed_kv", "visible")
 JOINT_KEYS = ("raw_kv", "window", "sink")
 # Small named values every remat policy keeps (module docstring): what the backward would
 # otherwise recompute at a high op count for a few bytes per token (checkpoint_name at the source).
-SAVED_NAMES = ("topk_idx", "topk_valid", "indexer_loss_grads", "moe_routing")
+SAVED_NAMES = ("topk_idx", "topk_valid", "indexer_loss_grads", "indexer_local_grads", "moe_routing")
 _SAVE_NAMES = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
 REMAT_POLICIES = {  # name -> jax.checkpoint policy; "none" = no remat (module docstring)
     "none": None,
@@ -187,6 +195,31 @@ def _segment(cfg, specs, start, unit, reps, rngs, kw):
     return group
 
 
+def run_segment(layer, x_btnm, args, flags, *, remat: bool, policy, scanned: bool):
+    """One segment's forward as a pure function of its variables: `(x, aux)`, or for a scanned
+    segment `(x, [aux per unit position] with arrays [repeats, ...])`.
+
+    The layer is split into (graphdef, variables) and its body runs under `jax.checkpoint`
+    (`remat`, with `policy`) and, when `scanned`, `jax.lax.scan` over the stacked variables'
+    leading axis. Variables go in as inputs only, never out (the forward changes none): nnx's own
+    scan and remat would also return every variable, and a scan then carries a stacked copy of each
+    one that is not differentiated, as large as the segment's weights (the frozen experts of the
+    warm-up: tests/model/test_remat.py pins the compiled temp). Inputs outside the differentiated
+    state (frozen parameters, router biases) get no tangent, so the backward builds no gradient
+    for them.
+    """
+    graphdef, state = nnx.split(layer)
+
+    def body(x, variables):
+        return nnx.merge(graphdef, variables)(x, *args, **flags)
+
+    if remat:
+        body = jax.checkpoint(body, policy=policy, prevent_cse=not scanned)
+    if not scanned:
+        return body(x_btnm, state)
+    return jax.lax.scan(body, x_btnm, state)
+
+
 class Transformer(nnx.Module):
     """The decoder: `logits, aux = model(tokens, positions, segment_ids, mode=..., collect=...)`."""
 
@@ -208,6 +241,8 @@ class Transformer(nnx.Module):
                                     rngs=rngs, param_dtype=pdt)
         self.norm = RMSNorm(cfg.emb, cfg.normalization_layer_epsilon, rngs=rngs, param_dtype=pdt)
         self.head = param(rngs, dense_init(), (cfg.emb, cfg.vocab_size), ("embed", "vocab"), pdt)
+        if quant.holds_released(cfg.frozen_weights):  # frozen linear weights as the release stores them
+            quant.hold_released(self, mask_matcher(cfg.trainable_parameters_mask, cfg.frozen_parameters_mask))
 
     def _flags(self, mode: str):
         """(dense, indexer loss, head run) of `mode`, from the stage table in training."""
@@ -251,22 +286,12 @@ class Transformer(nnx.Module):
         args = (tokens, positions, segment_ids)
         x = expand(self.embed[...][tokens].astype(self.dtype), self.n)
 
-        def body(layer, x_btnm):
-            return layer(x_btnm, *args, **flags)
-
         policy = REMAT_POLICIES[self.remat_policy]
-        single = body if self.remat_policy == "none" else nnx.remat(body, policy=policy)
-        scanned = body if self.remat_policy == "none" else nnx.remat(body, policy=policy, prevent_cse=False)
-        run_group = nnx.scan(scanned, in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0),
-                             transform_metadata={nnx.PARTITION_NAME: "layers"})
         auxes = []  # per segment: [aux per unit position], arrays [repeats, ...] when scanned
         for (_, _, reps), layer in zip(self.segments, self.layers):
-            if reps == 1:
-                x, aux = single(layer, x)
-                auxes.append([aux])
-            else:
-                x, stacked = run_group(layer, x)
-                auxes.append(stacked)
+            x, aux = run_segment(layer, x, args, flags, remat=self.remat_policy != "none", policy=policy,
+                                 scanned=reps > 1)
+            auxes.append(aux if reps > 1 else [aux])
         h = self.norm(self.hc_head(x)) if run_head else None
         return h, self._aux(auxes, loss, collect)
 
@@ -335,7 +360,7 @@ def param_counts(cfg) -> dict[str, int]:
     from core.tree import shapes
     from core.model.params import count_parameters
 
-    model = abstract(cfg.replace(scan_layers=True))
+    model = abstract(cfg.replace(scan_layers=True, frozen_weights="param_dtype"))
     total = count_parameters(shapes(nnx.to_pure_dict(nnx.state(model))))["parameters"]
     unchosen = 0
     e, k = cfg.num_experts, cfg.num_experts_per_tok

@@ -13,12 +13,14 @@ Everything is per device, for the most loaded one. The figures and where they co
 - the largest temporaries: the values of XLA's buffer assignment in temporary allocations,
   attributed to a component through the instruction's source stack (`core.bench.trace.hlo_components`,
   the attribution `bench --profile` uses);
-- FLOPs per device: the compiler's `cost_analysis()`, beside the analytic jaxpr count of
-  `core.bench.train.component_flops` split evenly over the devices;
-- collectives: bytes each all-gather / all-reduce / reduce-scatter / all-to-all / collective-permute
-  of the compiled HLO moves, per mesh axis (from its replica groups), times its loop trip counts;
-- roofline: step time >= max(FLOPs / peak, bytes accessed / HBM bandwidth, collective bytes / link
-  bandwidth), i.e. perfect overlap at the published peaks: an optimistic estimate.
+- FLOPs per device (core/plan/hlo.py): the matmuls of the compiled program, each while loop's
+  body counted as often as it runs; beside it XLA's `cost_analysis()` (which counts each loop
+  body once, so it undercounts a scanned step by about its trip counts, and is absent for
+  compile-only GPUs) and the analytic jaxpr count of `core.bench.train.component_flops` for the
+  step's global batch, over the devices;
+- bytes accessed and collectives per mesh axis: read from the compiled HLO, loops counted;
+- roofline: step time >= max(matmul FLOPs / peak, bytes accessed / HBM bandwidth, collective bytes
+  / link bandwidth), i.e. perfect overlap at the published peaks: an optimistic estimate.
 
 A TPU compile refused for memory (RESOURCE_EXHAUSTED) is a verdict: `refusal` reads the
 compiler's own usage figures and largest allocations from its message.
@@ -26,7 +28,6 @@ compiler's own usage figures and largest allocations from its message.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import re
@@ -34,10 +35,6 @@ from typing import Any
 
 from core.plan.targets import JAX_PREALLOCATE_FRACTION, Target
 
-DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1,
-               "f4e2m1fn": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-               "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_ARRAY = re.compile(r"\b(" + "|".join(sorted(DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]")
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
           "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
 
@@ -60,6 +57,7 @@ def state_bytes(cfg, state, batch: dict[str, Any]) -> dict[str, int]:
     """
     from flax import nnx
 
+    from core.model.quant import Released
     from core.train.step import config_matcher
 
     trainable = config_matcher(cfg)
@@ -73,6 +71,8 @@ def state_bytes(cfg, state, batch: dict[str, Any]) -> dict[str, int]:
             key = "optimizer_bytes"
         elif isinstance(var, nnx.Param):
             key = "trainable_parameter_bytes" if trainable(path[1:]) else "frozen_parameter_bytes"
+        elif isinstance(var, Released):  # a frozen weight held as the release stores it (codes, scales)
+            key = "frozen_parameter_bytes"
         else:
             key = "other_model_bytes"
         out[key] += shard_bytes(value)
@@ -117,23 +117,20 @@ def _header(cfg, target: Target, mesh) -> dict[str, Any]:
 def compiled_report(cfg, target: Target, mesh, state_info: dict[str, int], compiled, *, top: int = 10,
                     buffer_text: str = "", analytic: bool = True) -> dict[str, Any]:
     """The report of a step that compiled (module docstring); `--json`'s fixed fields at top level."""
-    mem = compiled.memory_analysis()
-    hlo = compiled.as_text()
+    from core.plan import hlo
+    from core.train.run import compiled_memory
+
+    text = compiled.as_text()
     usable, rule = usable_memory(target)
-    per_device = {**state_info,
-                  "argument_bytes": int(mem.argument_size_in_bytes), "output_bytes": int(mem.output_size_in_bytes),
-                  "alias_bytes": int(mem.alias_size_in_bytes), "temp_bytes": int(mem.temp_size_in_bytes),
-                  "code_bytes": int(mem.generated_code_size_in_bytes)}
-    per_device["total_bytes"] = (per_device["argument_bytes"] + per_device["temp_bytes"] + per_device["code_bytes"]
-                                 + max(per_device["output_bytes"] - per_device["alias_bytes"], 0))
-    per_device["usable_bytes"] = usable
+    per_device = {**state_info, **compiled_memory(compiled), "usable_bytes": usable}
+    program = hlo.summary(text, mesh)
     cost = _cost(compiled)
-    comm = collectives(hlo, mesh)
     out = {**_header(cfg, target, mesh), **verdict(per_device), "per_device": per_device, "usable_rule": rule,
-           "flops_per_step": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed"),
-           "analytic_flops_per_device": analytic_flops(cfg) if analytic else None,
-           "collective_bytes": comm, "top_temporaries": top_temporaries(buffer_text, hlo, top) if top else []}
-    out.update(roofline(target, out["flops_per_step"], out["bytes_accessed"], sum(comm.values()),
+           "flops_per_step": program["matmul_flops"], "bytes_accessed": program["bytes_accessed"],
+           "collective_bytes": program["collective_bytes"],
+           **flop_figures(cfg, target, program, cost, analytic),
+           "top_temporaries": top_temporaries(buffer_text, text, top) if top else []}
+    out.update(roofline(target, out["flops_per_step"], out["bytes_accessed"], sum(out["collective_bytes"].values()),
                         out["global_batch"] * cfg.max_target_length))
     return out
 
@@ -238,115 +235,32 @@ def _cost(compiled) -> dict[str, float]:
     return {k: float(v) for k, v in (cost or {}).items() if k in ("flops", "bytes accessed")}
 
 
-def analytic_flops(cfg) -> float | None:
-    """core.bench.train's jaxpr FLOP count of the whole step, split evenly over this process's devices."""
+def analytic_flops(cfg, devices: int) -> dict[str, float]:
+    """core.bench.train's jaxpr FLOP count of the step for the global batch (per_device_batch_size x
+    `devices`), over `devices`: {"total", "matmul"} per device."""
     import jax
 
     from core.bench.train import component_flops
 
-    return component_flops(cfg, compile=False)["total_flops"] / jax.device_count()
+    # component_flops traces a batch of per_device_batch_size x this process's devices (1 beside
+    # compile-only TPUs and GPUs): scale it to the target's global batch
+    scaled = cfg.replace(per_device_batch_size=cfg.per_device_batch_size * devices // jax.device_count())
+    counts = component_flops(scaled, compile=False)
+    matmul = sum(c["matmul_flops"] for c in counts["components"].values())
+    return {"total": counts["total_flops"] / devices, "matmul": matmul / devices}
 
 
-_COLLECTIVE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|"
-                         r"collective-permute)(?:-start)?\((.*)$")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-
-
-def _array_bytes(type_text: str) -> list[int]:
-    return [math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dt] for dt, dims in _ARRAY.findall(type_text)]
-
-
-def _multipliers(hlo_text: str) -> dict[str, int]:
-    """Computation -> how often one step runs it (while-loop trip counts along its callers)."""
-    calls: dict[str, list[tuple[str, int]]] = {}
-    current = None
-    for line in hlo_text.splitlines():
-        if (m := _COMPUTATION.match(line)) and not line.startswith(" "):
-            current = m.group(1)
-            continue
-        trips = int(t.group(1)) if (t := _TRIP.search(line)) else 1
-        for kind, callee in re.findall(r"\b(body|condition|calls|to_apply)=%?([\w.\-]+)", line):
-            calls.setdefault(callee, []).append((current, trips if kind in ("body", "condition") else 1))
-    memo: dict[str, int] = {}
-
-    def times(comp: str, depth: int = 0) -> int:
-        if comp not in memo:
-            callers = calls.get(comp, [])
-            memo[comp] = 1 if not callers or depth > 50 else max(n * times(c, depth + 1) for c, n in callers if c)
-        return memo[comp]
-
-    return {comp: times(comp) for comp in calls}
-
-
-def _groups(text: str) -> list[frozenset[int]] | None:
-    """Replica groups of an HLO collective: explicit {{0,1},{2,3}}, iota [G,S]<=[dims]T(perm), a mesh
-    (mesh['axis_0'=4,'axis_1'=2] {'axis_0'}: groups along the listed axes), or permute pairs."""
-    import numpy as np
-
-    if m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", text):
-        sizes = {name: int(n) for name, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
-        along = [list(sizes).index(name) for name in re.findall(r"'([^']+)'", m.group(2))]
-        ids = np.moveaxis(np.arange(math.prod(sizes.values())).reshape(list(sizes.values())), along,
-                          range(-len(along), 0))
-        return [frozenset(map(int, row)) for row in ids.reshape(-1, math.prod(ids.shape[-len(along):]))]
-    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text):
-        ids = np.arange(math.prod(int(d) for d in m.group(3).split(","))).reshape([int(d) for d in m.group(3).split(",")])
-        if m.group(4):
-            ids = ids.transpose([int(p) for p in m.group(4).split(",")])
-        return [frozenset(map(int, row)) for row in ids.reshape(int(m.group(1)), int(m.group(2)))]
-    if m := re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", text):
-        groups = [frozenset(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
-        return _merge(groups) if "source_target_pairs" in m.group(0) else groups
-    return None
-
-
-def _merge(pairs: list[frozenset[int]]) -> list[frozenset[int]]:
-    """Connected components of collective-permute's source/target pairs."""
-    groups: list[set[int]] = []
-    for pair in pairs:
-        touching = [g for g in groups if g & pair]
-        merged = set(pair).union(*touching)
-        groups = [g for g in groups if not g & pair] + [merged]
-    return [frozenset(g) for g in groups]
-
-
-def _axis_of(groups: list[frozenset[int]] | None, mesh) -> str:
-    """The mesh axes (joined by '+') whose device groups are `groups`; 'all' / 'other' otherwise."""
-    import numpy as np
-
-    names = [a for a, n in mesh.shape.items() if n > 1]
-    if not groups or all(len(g) <= 1 for g in groups):
-        return "none"
-    ids = np.arange(mesh.size).reshape(tuple(mesh.shape.values()))
-    axes = list(mesh.shape)
-    wanted = set(groups)
-    for r in range(1, len(names) + 1):
-        for subset in itertools.combinations(names, r):
-            moved = np.moveaxis(ids, [axes.index(a) for a in subset], range(-len(subset), 0))
-            found = {frozenset(map(int, row)) for row in moved.reshape(-1, math.prod(mesh.shape[a] for a in subset))}
-            if found == wanted:
-                return "+".join(subset)
-    return "other"
-
-
-def collectives(hlo_text: str, mesh) -> dict[str, int]:
-    """Bytes per device that the step's collectives produce, per mesh axis (module docstring)."""
-    times = _multipliers(hlo_text)
-    out: dict[str, int] = {}
-    current = None
-    for line in hlo_text.splitlines():
-        if (m := _COMPUTATION.match(line)) and not line.startswith(" "):
-            current = m.group(1)
-            continue
-        m = _COLLECTIVE.match(line)
-        if not m:
-            continue
-        sizes = _array_bytes(m.group(1))
-        axis = _axis_of(_groups(m.group(3)), mesh)
-        if sizes and axis != "none":
-            out[axis] = out.get(axis, 0) + max(sizes) * times.get(current, 1)
-    return out
+def flop_figures(cfg, target: Target, program: dict[str, Any], cost: dict[str, float],
+                 analytic: bool) -> dict[str, Any]:
+    """The FLOP counts beside the roofline's (module docstring) and which one it uses, and why."""
+    counts = analytic_flops(cfg, target.devices) if analytic else {"total": None, "matmul": None}
+    return {"analytic_flops_per_device": counts["total"], "analytic_matmul_flops_per_device": counts["matmul"],
+            "xla_cost_analysis_flops": cost.get("flops"), "xla_cost_analysis_bytes": cost.get("bytes accessed"),
+            "matmul_flops_loops_once": program["matmul_flops_loops_once"],
+            "flops_rule": "the roofline uses the compiled program's matmul FLOPs with each loop body counted as often "
+                          "as it runs; XLA's cost analysis counts each while-loop body once (the layer scan, the "
+                          "chunked attention and loss), and the analytic jaxpr count also counts elementwise work, "
+                          "which the peak bf16 FLOP/s does not apply to"}
 
 
 def roofline(target: Target, flops: float | None, bytes_accessed: float | None, comm_bytes: int,
@@ -355,7 +269,7 @@ def roofline(target: Target, flops: float | None, bytes_accessed: float | None, 
     if target.chip is None or not flops:
         return {"estimated_step_s": None, "estimated_tokens_per_s": None,
                 "roofline": "no estimate: fake CPU devices have no peak figures" if target.chip is None
-                else "no estimate: the compiler gave no FLOP count"}
+                else "no estimate: the compiled program has no matmuls"}
     chip = target.chip
     parts = {"compute_s": flops / chip.peak_flops, "hbm_s": (bytes_accessed or 0.0) / chip.hbm_bandwidth,
              "collective_s": comm_bytes / chip.link_bandwidth}
@@ -363,6 +277,7 @@ def roofline(target: Target, flops: float | None, bytes_accessed: float | None, 
     return {"estimated_step_s": step, "estimated_tokens_per_s": tokens / step if step else None,
             "roofline": {**parts, "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
                          "link_bandwidth": chip.link_bandwidth,
-                         "assumptions": "estimate: the compiler's FLOPs and bytes at the chip's published dense bf16 "
-                                        "peak and HBM bandwidth, collectives at one link's bandwidth, all three "
-                                        "overlapped perfectly; no kernel, launch or host overhead"}}
+                         "assumptions": "estimate: the compiled program's matmul FLOPs and bytes accessed (loops "
+                                        "counted) at the chip's published dense bf16 peak and HBM bandwidth, "
+                                        "collectives at one link's bandwidth, all three overlapped perfectly; no "
+                                        "kernel, launch or host overhead"}}

@@ -118,3 +118,63 @@ def abstract_inputs(cfg) -> tuple[Any, Any, dict[str, Any], Any]:
     spec = jax.ShapeDtypeStruct((cfg.per_device_batch_size * mesh.size, cfg.max_target_length), jnp.int32,
                                 sharding=batch_sharding(mesh))
     return graphdef, abstract_state(state, mesh), {k: spec for k in BATCH_KEYS}, mesh
+
+
+def state_bytes_per_device(state) -> int:
+    """Bytes of one device's shards of an abstract state (ShapeDtypeStructs with shardings): the
+    largest shard of every leaf, so uneven and replicated leaves count in full."""
+    import math
+
+    import jax
+
+    total = 0
+    for leaf in jax.tree.leaves(state):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        total += math.prod(shape) * leaf.dtype.itemsize
+    return total
+
+
+def device_memory_bytes(device) -> tuple[int | None, str]:
+    """(usable bytes of one device, where the figure comes from): the allocator's bytes_limit on an
+    accelerator; on the CPU this host's RAM over its local devices; None when unknown."""
+    import os
+
+    import jax
+
+    if device.platform != "cpu":
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+        return (int(limit), "the device's allocator limit") if limit else (None, "")
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None, ""
+    return ram // max(jax.local_device_count(), 1), "this host's RAM over its devices"
+
+
+def check_state_fits(cfg, stage: str, model) -> None:
+    """ConfigError, before anything is built or compiled, when the parameters and AdamW's two
+    moments of the trainable ones (shapes and the run's shardings of the abstract `model`) exceed
+    one device's memory under the config's mesh. A lower bound of the step's needs: `dsv4 plan`
+    adds the compiler's temporaries."""
+    import jax
+    from flax import nnx
+
+    from core.errors import ConfigError
+    from core.parallel.mesh import describe_mesh, make_mesh
+    from core.parallel.sharding import abstract_state
+
+    mesh = make_mesh(cfg)
+    trainable = ts.config_matcher(cfg)
+    need = 0
+    for path, leaf in nnx.to_flat_state(abstract_state(nnx.state(model), mesh)):
+        shard = state_bytes_per_device(leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf)
+        need += shard * (3 if isinstance(leaf, nnx.Param) and trainable(path) else 1)
+    usable, source = device_memory_bytes(jax.devices()[0])
+    if usable is None or need <= usable:
+        return
+    gib = 2 ** 30
+    raise ConfigError(
+        f"{cfg.model_name}: its parameters and optimizer state alone need {need / gib:.1f} GiB per device on mesh "
+        f"{describe_mesh(mesh)}, and a device has {usable / gib:.1f} GiB ({source}): shard further "
+        f"(e.g. ici_fsdp_parallelism=-1, weight_dtype=bfloat16) and check first with "
+        f"`dsv4 plan --model {cfg.model_name} --stage {stage} --target <target>`.")

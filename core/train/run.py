@@ -33,7 +33,7 @@ from core.train import guard as run_guard
 from core.data.batches import train_batches
 from core.errors import CheckpointError
 from core.model import transformer
-from core.train.precompile import StepPrecompile, ahead_or_jitted_step
+from core.train.precompile import StepPrecompile, ahead_or_jitted_step, check_state_fits
 from core.parallel.mesh import describe_mesh
 from core.parallel.sharding import shard_batch
 from core.train.handoff import is_indexer, source_lacks_indexer, topk_warning
@@ -74,6 +74,41 @@ def dsv4_version() -> str:
         return "unknown"
 
 
+def compiled_memory(compiled) -> dict[str, int]:
+    """Per-device bytes of a compiled step from XLA's memory analysis (also `dsv4 plan`'s figures).
+
+    Returns:
+      {"argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code_bytes", "total_bytes"}:
+      total = arguments + temporaries + code + outputs not aliased with the (donated) arguments.
+    """
+    mem = compiled.memory_analysis()
+    out = {"argument_bytes": int(mem.argument_size_in_bytes), "output_bytes": int(mem.output_size_in_bytes),
+           "alias_bytes": int(mem.alias_size_in_bytes), "temp_bytes": int(mem.temp_size_in_bytes),
+           "code_bytes": int(mem.generated_code_size_in_bytes)}
+    out["total_bytes"] = (out["argument_bytes"] + out["temp_bytes"] + out["code_bytes"]
+                          + max(out["output_bytes"] - out["alias_bytes"], 0))
+    return out
+
+
+def memory_note(total_bytes: int, usable_bytes: int) -> str:
+    """The header's note on the step's memory, e.g. "step needs 71.3 GiB of 105.8 GiB per device (67 %)"."""
+    return (f"step needs {total_bytes / 2**30:.1f} GiB of {usable_bytes / 2**30:.1f} GiB per device "
+            f"({100 * total_bytes / usable_bytes:.0f} %)")
+
+
+def step_memory_note(compiled, device) -> str | None:
+    """`memory_note` of a compiled step on an accelerator: its total (`compiled_memory`) against
+    the device's usable memory (its allocator's bytes_limit); None on the CPU or without figures."""
+    if compiled is None or device.platform == "cpu":
+        return None
+    try:
+        usable = (device.memory_stats() or {}).get("bytes_limit")
+        total = compiled_memory(compiled)["total_bytes"]
+    except Exception:  # noqa: BLE001  (a backend without memory statistics or analysis)
+        return None
+    return memory_note(total, usable) if usable else None
+
+
 def _write_metrics(run_dir: Path, rows: list[dict[str, Any]]) -> None:
     """Replace metrics.jsonl by `rows` (the format of `ckpt.append_metrics`)."""
     (run_dir / run_files.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -109,6 +144,7 @@ class Trainer:
                    else self.data.check(ckpt.read_data_state(self.ckpt.dir, self.resumed_from)))
         fresh_indexer = self._check_sources(init_from)
         # the step needs only shapes: compile it while the model builds (unless this process already has)
+        check_state_fits(cfg, stage, self._abstract_model())  # a model that cannot fit stops here, in one line
         ahead = None
         if cfg.compile_ahead and not has_config(cfg):
             if not stage_of(cfg).trains_indexer or cfg.trainable_parameters_mask:  # masks that can be wrong:
@@ -169,7 +205,7 @@ class Trainer:
             "params_total": setup.params_total, "params_trainable": setup.params_trainable,
             "batch_size": setup.batch_size, "max_target_length": cfg.max_target_length,
             "tokens_per_step": setup.batch_size * cfg.max_target_length,
-            "devices": f"{len(devices)} x {devices[0].platform}", "mesh": describe_mesh(setup.mesh), "steps": cfg.steps,
+            "devices": f"{len(devices)} x {devices[0].platform}", "mesh": self._mesh_line(), "steps": cfg.steps,
             "start_step": self.start_step, "resumed_from": self.resumed_from,
             "init_from": None if self.init_from is None else str(self.init_from), "init_step": self.init_step,
             "init_from_ignored": init_from is not None and self.resumed_from is not None,
@@ -178,6 +214,12 @@ class Trainer:
             "init_fresh_indexer": fresh_indexer,
             "warnings": [w for w in (topk_warning(cfg),) if w],
         }
+
+    def _mesh_line(self) -> str:
+        """The header's devices line: the mesh and, on accelerators, the compiled step's memory need."""
+        mesh = describe_mesh(self.setup.mesh)
+        note = step_memory_note(getattr(self._step_fn, "compiled", None), self.setup.mesh.devices.flat[0])
+        return mesh if note is None else f"{mesh}  ·  {note}"
 
     def _check_stage(self, step: int) -> None:
         meta = ckpt.read_metadata(self.ckpt.dir, step)

@@ -29,6 +29,7 @@ so step 0 already trains.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 from pathlib import Path
@@ -162,10 +163,20 @@ def make_train_step(cfg, graphdef, state, mesh):
     key = step_key(cfg, graphdef, mesh)
     with _CACHE_LOCK:  # core/train/precompile.py calls this from its thread too
         if key not in _STEP_CACHE:
-            _STEP_CACHE[key] = jax.jit(step_fn(cfg, graphdef), donate_argnums=0,
+            _STEP_CACHE[key] = jax.jit(with_mesh(mesh, step_fn(cfg, graphdef)), donate_argnums=0,
                                        out_shardings=(state_shardings(state, mesh), None),
                                        compiler_options=step_compiler_options(cfg) or None)
         return _STEP_CACHE[key]
+
+
+def with_mesh(mesh, fn):
+    """`fn` traced under `mesh`'s abstract mesh, so the model sees it (the MoE's expert-parallel
+    exchange: core/ops/expert_parallel.py); `jax.set_mesh` cannot be entered under jit."""
+    @functools.wraps(fn)  # keeps the name "step": core/plan reads the jit_step dumps
+    def traced(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+    return traced
 
 
 def step_compiler_options(cfg, backend: str | None = None) -> dict[str, Any]:
@@ -330,10 +341,16 @@ def load_init_weights(setup: Setup, path: str | Path, fresh_indexer: bool = Fals
     With `fresh_indexer` the checkpoint holds no indexer (`source_lacks_indexer`): the indexer
     keeps its fresh initialisation and everything else is loaded (core.train.handoff).
     """
+    from core.model import quant
+
     target = abstract_pure(setup.model, setup.mesh)
     if fresh_indexer:
         target = without_indexer(target)
-    values, step = ckpt.restore_model_state(path, target)
+    # weights held released on one side and as parameters on the other are bridged (core/model/quant.py)
+    read, convert = quant.restore_target(target, ckpt.read_tree(path), config_matcher(setup.cfg),
+                                         stage_of(setup.cfg).name)
+    values, step = ckpt.restore_model_state(path, read)
+    values = convert(values)
     state = nnx.state(setup.model)
     nnx.replace_by_pure_dict(state, values)
     nnx.update(setup.model, state)

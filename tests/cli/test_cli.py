@@ -67,3 +67,15 @@ def test_malformed_yaml_is_one_line_with_line_and_column(tmp_path, option):
     assert str(bad) in lines[0] and "line 3, column 13: expected ',' or ']'" in lines[0], lines[0]
     assert "flow sequence started at line 2, column 16" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_model_that_cannot_fit_stops_before_building(tmp_path):
+    """V4-Flash's f32 state on one CPU device: one line naming the need, the mesh and `dsv4 plan`,
+    exit 2, nothing allocated and nothing written (core/train/precompile.py, check_state_fits)."""
+    out = subprocess.run([sys.executable, "-m", "dsv4cli.main", "warmup", "--model", "deepseek4-284b",
+                          "max_target_length=4096"], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = [l for l in out.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "GiB per device" in lines[0] and "dsv4 plan --model deepseek4-284b --stage warmup" in lines[0]
+    assert not any(tmp_path.rglob("*.json*")), sorted(tmp_path.rglob("*"))

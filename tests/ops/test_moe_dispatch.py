@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,3 +76,123 @@ def test_auto_tile_and_bad_impl():
     assert [moe.auto_tile(n, 16, 4) for n in (16, 256, 4096)] == [8, 32, 128]
     with pytest.raises(ValueError, match="impl"):
         _moe(False, impl="nosuch")
+
+
+# ----------------------------------------------------------------------------- chunks of tiles (scan)
+
+_E, _K, _M, _F = 8, 3, 16, 12
+_hidden = functools.partial(moe.swiglu_hidden, limit=1.5)
+
+
+def _routing(kind, k=_K, n=12, seed=0):
+    """int32 [1, n, k]: distinct experts per token; 'one' sends every token to expert 3 (k = 1) or
+    gives every token expert 1 and never expert 0."""
+    rng = np.random.default_rng(seed)
+    if kind == "random":
+        idx = np.stack([rng.permutation(_E)[:k] for _ in range(n)])
+    elif k == 1:
+        idx = np.full((n, 1), 3)
+    else:
+        idx = np.stack([np.concatenate([[1], rng.permutation(np.arange(2, _E))[:k - 1]]) for _ in range(n)])
+    return jnp.asarray(idx[None], jnp.int32)
+
+
+def _operands(k, n=12, dtype=jnp.float64):
+    x = _normal(20, (1, n, _M), dtype, 3.0)                     # large: the clamp engages
+    weights = jnp.asarray(np.random.default_rng(21).random((1, n, k)), dtype)
+    ws = [_normal(22 + i, s, dtype, 0.3) for i, s in enumerate(((_E, _M, _F), (_E, _F, _M), (_E, _M, _F)))]
+    return x, weights, ws, _normal(25, (1, n, _M), dtype)
+
+
+def _value_and_grads(fn, x, weights, ws, cot):
+    return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * cot), argnums=(0, 1, 2, 3, 4)))(x, weights, *ws)
+
+
+def _dense(idx, x, weights, w1, w2, w3):
+    combine = jnp.einsum("btk,btke->bte", weights, jax.nn.one_hot(idx, _E, dtype=weights.dtype))
+    return moe.dense_experts(x, combine, w1, w2, w3, 1.5)
+
+
+@pytest.mark.parametrize("per_step", [1, 3, 5, 0, 1000])
+@pytest.mark.parametrize("routing, k", [("random", 3), ("one", 1), ("one", 3)])
+def test_chunked_tiles_equal_dense_value_and_gradient_f64(x64, per_step, routing, k):
+    """float64: every chunking (1 tile, counts that do not divide G = 22 for k = 3, 10 for k = 1, auto, all at once) equals the
+    dense path in value and in the gradients of x, the combine weights and the expert weights."""
+    idx = _routing(routing, k)
+    x, weights, ws, cot = _operands(k)
+
+    def tiled(x, weights, w1, w2, w3):
+        return moe_dispatch.tiled_experts(x, idx, weights, w1, w2, w3, moe_dispatch.Tiling(2, per_step),
+                                          hidden=_hidden)
+
+    (v, g), (v_d, g_d) = _value_and_grads(tiled, x, weights, ws, cot), _value_and_grads(
+        functools.partial(_dense, idx), x, weights, ws, cot)
+    _close(v, v_d, 1e-10, "value")
+    for name, a, b in zip(("x", "weights", "w1", "w2", "w3"), g, g_d):
+        _close(a, b, 1e-10, f"d {name}")
+
+
+def test_chunked_tiles_equal_one_chunk_f32():
+    """float32: a chunk of one tile and the auto chunking equal one chunk of all tiles (the unchunked path)."""
+    idx = _routing("random", n=40)
+    x, weights, ws, cot = _operands(_K, n=40, dtype=jnp.float32)
+    results = {}
+    for per_step in (1, 0, 10 ** 6):
+        fn = functools.partial(lambda ps, x, w, w1, w2, w3: moe_dispatch.tiled_experts(
+            x, idx, w, w1, w2, w3, moe_dispatch.Tiling(4, ps), hidden=_hidden), per_step)
+        results[per_step] = _value_and_grads(fn, x, weights, ws, cot)
+    (v_all, g_all) = results[10 ** 6]
+    for per_step in (1, 0):
+        v, g = results[per_step]
+        _close(v, v_all, 1e-5 * max(1.0, abs(float(v_all))), f"value, {per_step} tiles per step")
+        for name, a, b in zip(("x", "weights", "w1", "w2", "w3"), g, g_all):
+            _close(a, b, 1e-5 * max(1.0, float(jnp.max(jnp.abs(b)))), f"d {name}, {per_step} tiles per step")
+
+
+@pytest.mark.parametrize("per_step", [1, 4])
+def test_empty_slots_add_nothing_and_empty_chunks_are_skipped(x64, per_step):
+    """Slots with expert id E add exactly nothing (whatever their weight) and get no gradient; chunks of only
+    empty slots are skipped, chunks that mix them with real slots are not; all empty gives exactly 0."""
+    idx = np.asarray(_routing("random"))
+    empty = np.random.default_rng(3).random(idx.shape) < 0.5
+    x, weights, ws, cot = _operands(_K)
+
+    def tiled(idx):
+        return lambda x, w, w1, w2, w3: moe_dispatch.tiled_experts(
+            x, idx, w, w1, w2, w3, moe_dispatch.Tiling(2, per_step, empty_slots=True), hidden=_hidden)
+
+    v, g = _value_and_grads(tiled(jnp.asarray(np.where(empty, _E, idx), jnp.int32)), x, weights, ws, cot)
+    kept = jnp.asarray(np.where(empty, 0.0, 1.0))
+    v_d, g_d = _value_and_grads(lambda x, w, *ws_: _dense(jnp.asarray(idx), x, w * kept, *ws_), x, weights, ws, cot)
+    _close(v, v_d, 1e-10, "value")
+    for name, a, b in zip(("x", "weights", "w1", "w2", "w3"), g, g_d):
+        _close(a, b, 1e-10, f"d {name}")
+    v0, g0 = _value_and_grads(tiled(jnp.full(idx.shape, _E, jnp.int32)), x, weights, ws, cot)
+    assert float(v0) == 0.0 and all(float(jnp.max(jnp.abs(a))) == 0.0 for a in g0)
+
+
+def test_chunked_tiles_hold_no_per_tile_copy_of_all_weights():
+    """Compiled fwd + bwd temp (XLA memory analysis): one chunk of all G tiles holds the three [G, M, F]
+    weight copies; the auto chunking holds less by at least the copies of the tiles outside its chunk,
+    and less than a single [G, M, F] copy."""
+    e, k, m, f, n, tile = 32, 2, 128, 128, 256, 8
+    tiles = -(-(n * k + e * (tile - 1)) // tile)
+    per_step = moe_dispatch.tiles_per_step(tiles, tile, f)
+    copy = tiles * m * f * 4                                  # one float32 [G, M, F]
+    s = jax.ShapeDtypeStruct
+
+    def temp(steps):
+        def loss(x, w, w1, w2, w3, idx):
+            y = moe_dispatch.tiled_experts(x, idx, w, w1, w2, w3, moe_dispatch.Tiling(tile, steps),
+                                           hidden=_hidden)
+            return jnp.sum(y ** 2)
+
+        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+        args = [s((1, n, m), jnp.float32), s((1, n, k), jnp.float32), s((e, m, f), jnp.float32),
+                s((e, f, m), jnp.float32), s((e, m, f), jnp.float32), s((1, n, k), jnp.int32)]
+        return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    whole, auto = temp(tiles), temp(0)
+    assert whole >= 3 * copy, f"all tiles at once: temp {whole} < the three [G, M, F] copies {3 * copy}"
+    assert auto + 3 * (tiles - per_step) * m * f * 4 <= whole, f"auto ({per_step} tiles/step) {auto} vs all {whole}"
+    assert auto < copy, f"auto temp {auto} >= one [G, M, F] copy {copy}"

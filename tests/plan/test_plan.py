@@ -222,7 +222,7 @@ def test_v5p8_compiles_with_libtpu_and_fits():
 def test_collective_bytes_per_mesh_axis_from_hlo():
     import collections
 
-    from core.plan.report import collectives
+    from core.plan.hlo import collectives, parse
 
     class Mesh:  # what collectives reads of a jax Mesh
         shape = collections.OrderedDict(data=2, fsdp=4, tensor=1, expert=1)
@@ -239,4 +239,86 @@ def test_collective_bytes_per_mesh_axis_from_hlo():
           %m = f32[10]{0} all-reduce(f32[10]{0} %z), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1'}
         }
         """)
-    assert collectives(hlo, Mesh) == {"fsdp": 3 * 8 * 16 * 2, "data": 400, "data+fsdp": 40}
+    assert collectives(parse(hlo), Mesh) == {"fsdp": 3 * 8 * 16 * 2, "data": 400, "data+fsdp": 40}
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def test_flops_of_the_compiled_program_agree_with_the_analytic_count():
+    """The compiled program's matmul FLOPs, loops counted, equal the jaxpr's matmul FLOPs (XLA folds a
+    few tiny dots into elementwise work: within 1 %); XLA's cost analysis counts each loop body once."""
+    from core.plan.compile import plan
+
+    r = plan("deepseek4-tiny", "warmup", "cpu:1", TINY_OVERRIDES, top=0, analytic=True)
+    hlo, analytic = r["flops_per_step"], r["analytic_matmul_flops_per_device"]
+    assert abs(hlo - analytic) <= 0.01 * analytic, (hlo, analytic)
+    assert analytic <= r["analytic_flops_per_device"]  # the analytic total adds the elementwise work
+    # the layer scan and the chunk scans: each body once is what XLA's own count sees
+    assert r["matmul_flops_loops_once"] <= r["xla_cost_analysis_flops"] < hlo / 2, r
+    assert r["xla_cost_analysis_bytes"] < r["bytes_accessed"] and "loop" in r["flops_rule"]
+
+
+# ----------------------------------------------------------------------------- the training header's memory note
+
+
+def test_training_header_memory_note():
+    from core.train.run import memory_note, step_memory_note
+
+    class Memory:
+        argument_size_in_bytes, output_size_in_bytes, alias_size_in_bytes = 10 << 30, 10 << 30, 9 << 30
+        temp_size_in_bytes, generated_code_size_in_bytes = 20 << 30, 1 << 30
+
+    class Compiled:
+        def memory_analysis(self):
+            return Memory()
+
+    class Device:
+        def __init__(self, platform, stats):
+            self.platform, self.stats = platform, stats
+
+        def memory_stats(self):
+            return self.stats
+
+    assert memory_note(32 << 30, 100 << 30) == "step needs 32.0 GiB of 100.0 GiB per device (32 %)"
+    gpu = Device("gpu", {"bytes_limit": 100 << 30})
+    assert step_memory_note(Compiled(), gpu) == memory_note(32 << 30, 100 << 30)  # 10 + 20 + 1 + (10 - 9)
+    assert step_memory_note(Compiled(), Device("cpu", {"bytes_limit": 100 << 30})) is None  # CPU output unchanged
+    assert step_memory_note(Compiled(), Device("tpu", None)) is None and step_memory_note(None, gpu) is None
+
+
+# ----------------------------------------------------------------------------- GPU (the CUDA plugin, no GPU needed)
+
+
+_CUDA = any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _CUDA, reason='needs the CUDA plugin: pip install "dsv4[cuda]"')
+def test_h200x8_compiles_with_the_cuda_plugin_and_fits():
+    from core.plan.compile import plan
+    from core.plan.targets import gpu_spec_fields
+
+    result = plan("deepseek4-tiny", "warmup", "h200x8", TINY_OVERRIDES, top=3, analytic=False)
+    assert result["platform"] == "cuda" and result["devices"] == 8
+    assert result["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1}
+    d = result["per_device"]
+    assert d["usable_bytes"] == int(0.75 * gpu_spec_fields("h200")["device_memory_size"])
+    assert result["fits"] and d["temp_bytes"] > 0 and d["argument_bytes"] > 0  # XLA:GPU's arguments: 2 KiB off the state's
+    # the compile-only GPU client has no cost analysis: the FLOPs and bytes come from its HLO
+    assert result["xla_cost_analysis_flops"] is None and result["flops_per_step"] > 0 and result["bytes_accessed"] > 0
+    assert result["estimated_tokens_per_s"] > 0 and result["top_temporaries"]
+
+
+@pytest.mark.skipif(not _CUDA, reason='needs the CUDA plugin: pip install "dsv4[cuda]"')
+def test_no_cuda_plugin_noise_in_other_commands(tmp_path):
+    """With the plugin installed and no GPU, `dsv4 --help` is clean and a one-line error that JAX's
+    start-up precedes (the device count of a mesh) stays one line."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    run = [sys.executable, "-c", "from dsv4cli.main import main; main()"]
+    help_out = subprocess.run([*run, "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert help_out.returncode == 0 and help_out.stderr == "", help_out.stderr
+    bad = subprocess.run([*run, "warmup", "--output", str(tmp_path / "run"), *TINY_OVERRIDES, "ici_data_parallelism=3"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), bad.stderr

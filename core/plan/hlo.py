@@ -1,0 +1,315 @@
+"""The compiled train step's HLO text, read for the plan: FLOPs, bytes accessed, collectives (DESIGN.md, "Planning").
+
+XLA's `cost_analysis()` counts a while loop's body once (HloCostAnalysis does not know how often
+it runs), so for a step whose layers are a scan, and whose attention, indexer and loss scan over
+chunks, it undercounts by about the trip counts; for compile-only GPUs it gives nothing at all.
+This module reads the optimised HLO instead and weighs each instruction by how often one step
+runs its computation (`runs`): the product of the while-loop trip counts along its call chain
+(XLA's `known_trip_count`, else the bound of the loop condition's `i < N`), summed over call sites.
+
+- `matmul_flops`: 2 * output elements * contracted size of every dot and convolution (fused or
+  not; cuBLAS gemm custom calls too), times its runs: the tensor-core / MXU work that the
+  roofline's peak bf16 FLOP/s applies to. Elementwise arithmetic is not counted.
+- `bytes_accessed`: per executed instruction outside fusions, the bytes of its operands and
+  output (a fusion's parameter read only through slices counts the slices; an in-place
+  dynamic-update-slice counts its update), times its runs; the model of HloCostAnalysis.
+- `collectives`: bytes each all-gather / all-reduce / reduce-scatter / all-to-all /
+  collective-permute produces per device, per mesh axis (from its replica groups), times its runs.
+
+Everything is per device (an SPMD program is one device's program). Shapes are read without
+layouts or tiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from typing import Any
+
+DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1,
+               "f4e2m1fn": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+               "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b(" + "|".join(sorted(DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CALLEE = re.compile(r"\b(body|condition|calls|to_apply)=%?([\w.\-]+)")
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+# instructions that move no bytes of their own (structure, control, the second half of async pairs)
+_NO_BYTES = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
+             "opt-barrier", "after-all", "partition-id", "replica-id", "add-dependency", "domain"}
+_SLICES = ("slice", "dynamic-slice", "gather")
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    type_text: str   # the result type: an array, or a tuple of them
+    opcode: str
+    operands: list[str]
+    args: str        # the text inside the parentheses (operand names, or a constant's literal)
+    attrs: str       # the text after them
+
+
+@dataclasses.dataclass
+class Module:
+    computations: dict[str, list[Instruction]]
+    types: dict[str, str]                 # instruction name -> result type
+    entry: str
+    fused: set[str]                       # computations that a fusion calls (their bytes are the fusion's)
+
+
+def parse(hlo_text: str) -> Module:
+    """The computations and instructions of an HLO module's text."""
+    computations: dict[str, list[Instruction]] = {}
+    types: dict[str, str] = {}
+    fused: set[str] = set()
+    current, entry = None, ""
+    for line in hlo_text.splitlines():
+        if not line.startswith(" ") and (m := _COMPUTATION.match(line)):
+            current = m.group(1)
+            computations[current] = []
+            entry = current if line.startswith("ENTRY") else entry
+            continue
+        if current is None or not (m := _INSTRUCTION.match(line)):
+            continue
+        args, attrs = _split_args(m.group(4))
+        inst = Instruction(m.group(1), m.group(2), m.group(3), re.findall(r"%([\w.\-]+)", args), args, attrs)
+        computations[current].append(inst)
+        types[inst.name] = inst.type_text
+        if inst.opcode == "fusion" and (callee := re.search(r"\bcalls=%?([\w.\-]+)", attrs)):
+            fused.add(callee.group(1))
+    return Module(computations, types, entry, fused)
+
+
+def _split_args(text: str) -> tuple[str, str]:
+    """(the text inside the parentheses, the attributes after them) of the text after `opcode(`."""
+    depth = 1
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return text[:i], text[i + 1:]
+    return text, ""
+
+
+def array_bytes(type_text: str) -> int:
+    """Bytes of an HLO type: an array, or the sum over a tuple's arrays."""
+    return sum(math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dt] for dt, dims in _ARRAY.findall(type_text))
+
+
+def _dims(type_text: str) -> list[int]:
+    m = _ARRAY.search(type_text)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+# ----------------------------------------------------------------------------- how often each computation runs
+
+
+def _trip_count(module: Module, inst: Instruction) -> int:
+    """A while loop's trip count: XLA's known_trip_count, else N of its condition's `i < N` (i from 0), else 1."""
+    if m := _TRIP.search(inst.attrs):
+        return int(m.group(1))
+    cond = re.search(r"\bcondition=%?([\w.\-]+)", inst.attrs)
+    body = module.computations.get(cond.group(1), []) if cond else []
+    constants = {i.name: i.args for i in body if i.opcode == "constant"}
+    for i in body:
+        if i.opcode == "compare" and "direction=LT" in i.attrs and len(i.operands) == 2:
+            if (bound := constants.get(i.operands[1], "").strip()).isdigit():
+                return max(int(bound), 1)
+    return 1
+
+
+def runs(module: Module, loops: bool = True) -> dict[str, int]:
+    """Computation -> how often one step runs it: the sum over its call sites of the caller's runs,
+    times the trip count for a while loop's body and condition (1 for the entry and the uncalled).
+    `loops=False` takes every trip count as 1: each loop body once, as XLA's cost analysis does."""
+    calls: dict[str, list[tuple[str, int]]] = {}
+    for comp, insts in module.computations.items():
+        for inst in insts:
+            trips = _trip_count(module, inst) if inst.opcode == "while" and loops else 1
+            for kind, callee in _CALLEE.findall(inst.attrs):
+                calls.setdefault(callee, []).append((comp, trips if kind in ("body", "condition") else 1))
+            if branches := re.search(r"branch_computations=\{([^}]*)\}", inst.attrs):
+                for callee in re.findall(r"%?([\w.\-]+)", branches.group(1)):
+                    calls.setdefault(callee, []).append((comp, 1))
+    memo: dict[str, int] = {}
+
+    def times(comp: str, depth: int = 0) -> int:
+        if comp not in memo:
+            callers = calls.get(comp, [])
+            memo[comp] = 1 if not callers or depth > 64 else sum(n * times(c, depth + 1) for c, n in callers)
+        return memo[comp]
+
+    return {comp: times(comp) for comp in module.computations}
+
+
+# ----------------------------------------------------------------------------- FLOPs and bytes
+
+
+def _contracted(module: Module, inst: Instruction) -> int:
+    """The contracted size per output element of a dot, a convolution or a cuBLAS gemm (0 otherwise)."""
+    lhs = _dims(module.types.get(inst.operands[0], "")) if inst.operands else []
+    if inst.opcode == "dot":
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attrs)
+        return math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m and lhs else 0
+    if inst.opcode == "convolution" and len(inst.operands) > 1:
+        rhs = _dims(module.types.get(inst.operands[1], ""))
+        labels = re.search(r"dim_labels=\w+_(\w+)->", inst.attrs)
+        if not rhs or not labels or "i" not in labels.group(1):
+            return 0
+        # input features x the window's taps that meet real input (a base-dilated window of size
+        # d over an input dilated by d, XLA:TPU's batched matmul, meets one)
+        size = re.search(r"\bsize=([\dx]+)", inst.attrs)
+        dilate = re.search(r"\blhs_dilate=([\dx]+)", inst.attrs)
+        sizes = [int(n) for n in size.group(1).split("x")] if size else []
+        dilations = [int(n) for n in dilate.group(1).split("x")] if dilate else [1] * len(sizes)
+        return rhs[labels.group(1).index("i")] * math.prod(-(-w // d) for w, d in zip(sizes, dilations))
+    if inst.opcode == "custom-call" and "gemm" in inst.attrs and (
+            m := re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.attrs)):
+        return math.prod(lhs[int(d)] for d in re.findall(r"\d+", m.group(1))) if lhs else 0
+    return 0
+
+
+def matmul_flops(module: Module, times: dict[str, int] | None = None) -> float:
+    """2 * output elements * contracted size of every dot / convolution / gemm, times its runs
+    (`times`: `runs(module)` by default; `runs(module, loops=False)` counts each loop body once, as XLA does)."""
+    times = runs(module) if times is None else times
+    total = 0.0
+    for comp, insts in module.computations.items():
+        for inst in insts:
+            if inst.opcode in ("dot", "convolution", "custom-call") and (k := _contracted(module, inst)):
+                total += 2.0 * math.prod(_dims(inst.type_text)) * k * times.get(comp, 1)
+    return total
+
+
+def _fusion_bytes(module: Module, inst: Instruction) -> int:
+    """Bytes a fusion reads and writes: each parameter in full, or only the slices taken of it;
+    an in-place dynamic-update-slice root writes (and its buffer operand costs) only the update."""
+    callee = re.search(r"\bcalls=%?([\w.\-]+)", inst.attrs)
+    body = module.computations.get(callee.group(1), []) if callee else []
+    params = {i.name: int(re.match(r"\s*(\d+)", i.args).group(1)) for i in body
+              if i.opcode == "parameter" and re.match(r"\s*\d+", i.args)}
+    users: dict[str, list[Instruction]] = {}
+    for i in body:
+        for pos, name in enumerate(i.operands):
+            users.setdefault(name, []).append((pos, i))
+    root = body[-1] if body else None
+    in_place = root is not None and root.opcode == "dynamic-update-slice"
+    total = (array_bytes(module.types.get(root.operands[1], "")) if in_place and len(root.operands) > 1
+             else array_bytes(inst.type_text))
+    for name, index in params.items():
+        if index >= len(inst.operands):
+            continue
+        full = array_bytes(module.types.get(inst.operands[index], ""))
+        uses = users.get(name, [])
+        if uses and all(pos == 0 and u.opcode in _SLICES for pos, u in uses):
+            total += min(full, sum(array_bytes(u.type_text) for _, u in uses))
+        elif in_place and uses and all(pos == 0 and u is root for pos, u in uses):
+            continue  # the buffer updated in place
+        else:
+            total += full
+    return total
+
+
+def instruction_bytes(module: Module, inst: Instruction) -> int:
+    """Bytes one execution of `inst` (outside fusions) reads and writes."""
+    if inst.opcode in _NO_BYTES or inst.opcode.endswith("-done"):
+        return 0
+    if inst.opcode == "fusion":
+        return _fusion_bytes(module, inst)
+    if inst.opcode in _SLICES:
+        return 2 * array_bytes(inst.type_text)
+    if inst.opcode == "dynamic-update-slice" and len(inst.operands) > 1:
+        return 2 * array_bytes(module.types.get(inst.operands[1], ""))
+    return array_bytes(inst.type_text) + sum(array_bytes(module.types.get(o, "")) for o in inst.operands)
+
+
+def bytes_accessed(module: Module, times: dict[str, int] | None = None) -> float:
+    """Bytes the step's executed instructions (outside fusions and reducers) read and write, times their runs."""
+    times = runs(module) if times is None else times
+    reducers = {c for insts in module.computations.values() for i in insts
+                for c in re.findall(r"\bto_apply=%?([\w.\-]+)", i.attrs)}
+    return float(sum(instruction_bytes(module, inst) * times.get(comp, 1)
+                     for comp, insts in module.computations.items() if comp not in module.fused and comp not in reducers
+                     for inst in insts))
+
+
+# ----------------------------------------------------------------------------- collectives per mesh axis
+
+
+def _groups(text: str) -> list[frozenset[int]] | None:
+    """Replica groups of an HLO collective: explicit {{0,1},{2,3}}, iota [G,S]<=[dims]T(perm), a mesh
+    (mesh['axis_0'=4,'axis_1'=2] {'axis_0'}: groups along the listed axes), or permute pairs."""
+    import numpy as np
+
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", text):
+        sizes = {name: int(n) for name, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+        along = [list(sizes).index(name) for name in re.findall(r"'([^']+)'", m.group(2))]
+        ids = np.moveaxis(np.arange(math.prod(sizes.values())).reshape(list(sizes.values())), along,
+                          range(-len(along), 0))
+        return [frozenset(map(int, row)) for row in ids.reshape(-1, math.prod(ids.shape[-len(along):]))]
+    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text):
+        ids = np.arange(math.prod(int(d) for d in m.group(3).split(","))).reshape([int(d) for d in m.group(3).split(",")])
+        if m.group(4):
+            ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+        return [frozenset(map(int, row)) for row in ids.reshape(int(m.group(1)), int(m.group(2)))]
+    if m := re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", text):
+        groups = [frozenset(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        return _merge(groups) if "source_target_pairs" in m.group(0) else groups
+    return None
+
+
+def _merge(pairs: list[frozenset[int]]) -> list[frozenset[int]]:
+    """Connected components of collective-permute's source/target pairs."""
+    groups: list[set[int]] = []
+    for pair in pairs:
+        touching = [g for g in groups if g & pair]
+        merged = set(pair).union(*touching)
+        groups = [g for g in groups if not g & pair] + [merged]
+    return [frozenset(g) for g in groups]
+
+
+def _axis_of(groups: list[frozenset[int]] | None, mesh) -> str:
+    """The mesh axes (joined by '+') whose device groups are `groups`; 'none' or 'other' otherwise."""
+    import numpy as np
+
+    names = [a for a, n in mesh.shape.items() if n > 1]
+    if not groups or all(len(g) <= 1 for g in groups):
+        return "none"
+    ids = np.arange(mesh.size).reshape(tuple(mesh.shape.values()))
+    axes = list(mesh.shape)
+    wanted = set(groups)
+    for r in range(1, len(names) + 1):
+        for subset in itertools.combinations(names, r):
+            moved = np.moveaxis(ids, [axes.index(a) for a in subset], range(-len(subset), 0))
+            found = {frozenset(map(int, row)) for row in moved.reshape(-1, math.prod(mesh.shape[a] for a in subset))}
+            if found == wanted:
+                return "+".join(subset)
+    return "other"
+
+
+def collectives(module: Module, mesh, times: dict[str, int] | None = None) -> dict[str, int]:
+    """Bytes per device that the step's collectives produce (their largest array), per mesh axis, times their runs."""
+    times = runs(module) if times is None else times
+    out: dict[str, int] = {}
+    for comp, insts in module.computations.items():
+        for inst in insts:
+            kind = inst.opcode.removesuffix("-start")
+            if kind not in _COLLECTIVES:
+                continue
+            sizes = [array_bytes(f"{dt}[{dims}]") for dt, dims in _ARRAY.findall(inst.type_text)]
+            axis = _axis_of(_groups(inst.attrs), mesh)
+            if sizes and axis != "none":
+                out[axis] = out.get(axis, 0) + max(sizes) * times.get(comp, 1)
+    return out
+
+
+def summary(hlo_text: str, mesh) -> dict[str, Any]:
+    """{"matmul_flops", "matmul_flops_loops_once", "bytes_accessed", "collective_bytes"} of a compiled step."""
+    module = parse(hlo_text)
+    times = runs(module)
+    return {"matmul_flops": matmul_flops(module, times),
+            "matmul_flops_loops_once": matmul_flops(module, runs(module, loops=False)),
+            "bytes_accessed": bytes_accessed(module, times), "collective_bytes": collectives(module, mesh, times)}

@@ -1,0 +1,251 @@
+"""core.ops.expert_parallel through core.model.moe: expert parallelism on 8 fake CPU devices equals one device.
+
+This pytest process has already started JAX with one device, so the mesh cases run in one subprocess
+(`XLA_FLAGS=--xla_force_host_platform_device_count=8`, this very file as its entry point, as
+tests/parallel/test_sharding.py does) that prints one JSON object: per case, the max differences to
+the one-device MoE (no mesh: the tiled path), and compiled memory figures. The module is traced
+under `jax.set_mesh(mesh)`, which makes the mesh visible to `jax.sharding.get_abstract_mesh()`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parents[2]
+# name -> (data, fsdp, tensor, expert)
+MESHES = {"expert8": (1, 1, 1, 8), "fsdp2_expert4": (1, 2, 1, 4), "tensor2_expert4": (1, 1, 2, 4)}
+# name -> (hash routed, k, table kind): learned top-k; every token to expert 3 alone (one device receives
+# every slot, seven receive none; unnormalised weights, so the router still gets a gradient); expert 1
+# for every token, never expert 0.
+ROUTINGS = {"learned": (False, 3, None), "all_to_expert3": (True, 1, "three"), "expert1_always": (True, 3, "one")}
+CASES = [(m, r) for m in MESHES for r in ROUTINGS if m == "expert8" or r != "expert1_always"]
+B, T = 8, 16                     # 128 tokens: 16 per device on expert 8
+
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def worker():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {os.environ.get('XLA_FLAGS', '')}",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("JAX_ENABLE_X64", None)
+    with tempfile.TemporaryDirectory() as dump:             # XLA's buffer assignment, for the largest temporaries
+        env.update(DSV4_TEST_DUMP=dump, XLA_FLAGS=f"{env['XLA_FLAGS']} --xla_dump_to={dump}")
+        proc = subprocess.run([sys.executable, str(HERE)], env=env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mesh, routing", CASES)
+def test_expert_parallel_equals_one_device_value_and_gradient(worker, mesh, routing):
+    """Loss, output and gradients (x, router, expert and shared weights) equal the one-device MoE to float32
+    rounding; the step exchanges tokens with all-to-all; nothing is dropped."""
+    case = worker[f"{mesh}/{routing}"]
+    assert case["all_to_all"], "the expert-parallel step should exchange tokens with all-to-all"
+    assert case["dropped"] == 0.0
+    for what, (diff, scale) in case["diffs"].items():
+        assert diff <= 1e-5 * max(1.0, scale), f"{mesh}/{routing} {what}: max |diff| = {diff:.3e} (scale {scale:.2e})"
+    assert case["diffs"]["d gate/weight"][1] > 1e-3, "the router weight should get a gradient"
+    if routing == "all_to_expert3":
+        assert case["receivers"] == 1, "one device should receive every slot, the others none"
+
+
+def test_capacity_factor_drops_the_later_slots_and_reports_their_fraction(worker):
+    """capacity_factor 1 on expert 8: per device, the slots past ceil(n k / 8) for one destination are dropped
+    in token order; the output equals the dense MoE without them and aux['dropped'] is their fraction."""
+    case = worker["capacity"]
+    assert 0 < case["expected_dropped"] < 0.5, case
+    assert abs(case["dropped"] - case["expected_dropped"]) < 1e-7, case
+    diff, scale = case["diff"]
+    assert diff <= 1e-5 * max(1.0, scale), f"output vs dense without the dropped slots: {diff:.3e}"
+
+
+def test_expert_parallel_largest_temporary_grows_with_tokens(worker):
+    """deepseek4-tiny-sized MoE (M = F = 64, E = 16, k = 4) on expert 8, forward + backward compiled: the
+    largest temporary per device (XLA's buffer assignment) is at most N k M 4 bytes (N tokens per device)
+    times the drop-free factor P min(k, E/P) / k (= 4 here: the exchange buffers), at two token counts;
+    with capacity factor 1, at most N k M 4 bytes."""
+    for n, (largest, free_factor, capped, shape) in worker["memory"].items():
+        slots_bytes = int(n) * 4 * 64 * 4
+        assert largest <= free_factor * slots_bytes, f"N={n}: largest temporary {largest} ({shape}) > {free_factor} x {slots_bytes}"
+        assert capped <= slots_bytes, f"N={n}, capacity 1: largest temporary {capped} > {slots_bytes}"
+
+
+# ----------------------------------------------------------------------------- the 8-device worker
+
+
+def _models(routing, **kw):
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tests.model.test_moe import _moe
+
+    hash_routed, k, table = ROUTINGS[routing]
+    m = _moe(hash_routed, k=k, impl="tiled", normalize=k > 1, **kw)
+    if table is not None:
+        rng = np.random.default_rng(k)
+        rows = (np.full((50, 1), 3) if table == "three" else
+                np.stack([np.concatenate([[1], rng.permutation(np.arange(2, 8))[:k - 1]]) for _ in range(50)]))
+        m.gate.tid2eid[...] = jnp.asarray(rows, jnp.int32)
+    return m
+
+
+def _inputs():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tests.model.test_moe import _normal
+
+    x = _normal(11, (B, T, 16), jnp.float32, 3.0)
+    tokens = jnp.asarray(np.random.default_rng(12).integers(0, 50, (B, T)), jnp.int32)
+    valid = np.arange(T)[None, :] < np.array([[T - 3]] + [[T]] * (B - 1))
+    return x, tokens, jnp.asarray(valid), _normal(13, (B, T, 16))
+
+
+def _mesh(shape):
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    return Mesh(np.array(jax.devices()).reshape(shape), ("data", "fsdp", "tensor", "expert"),
+                axis_types=(AxisType.Auto,) * 4)
+
+
+def _step(model, x, tokens, valid, cot):
+    """((loss, (y, aux)), (d params, d x)), jitted."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    def loss(m, x):
+        y, aux = m(x, tokens, valid)
+        return jnp.sum(y * cot) + aux["lb_loss"], (y, aux)
+
+    return nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(model, x)
+
+
+@functools.cache
+def _one_device(routing):
+    return _step(_models(routing), *_inputs())
+
+
+def _parity(mesh_name, routing):
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from core.parallel import sharding
+
+    x, tokens, valid, cot = _inputs()
+    (v0, (y0, _)), (g0, gx0) = _one_device(routing)
+    mesh = _mesh(MESHES[mesh_name])
+    model = sharding.shard_state(_models(routing), mesh)
+    xs = jax.device_put(x, sharding.batch_sharding(mesh))
+    with jax.set_mesh(mesh):
+        (v1, (y1, aux1)), (g1, gx1) = _step(model, xs, tokens, valid, cot)
+        graphdef, state = nnx.split(model)
+        hlo = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, tokens, valid)[0]).lower(state, xs).as_text()
+
+    def diff(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return [float(np.max(np.abs(a - b))), float(np.max(np.abs(b)))]
+
+    diffs = {"loss": diff(v1, v0), "y": diff(y1, y0), "d x": diff(gx1, gx0)}
+    flat0, flat1 = dict(nnx.to_flat_state(g0)), dict(nnx.to_flat_state(g1))
+    assert set(flat0) == set(flat1)
+    for path, v in flat0.items():
+        diffs["d " + "/".join(map(str, path))] = diff(flat1[path].get_value(), v.get_value())
+    e_local = 8 // MESHES[mesh_name][3]
+    idx = np.asarray(_models(routing).gate.tid2eid[...])[np.asarray(tokens)] if ROUTINGS[routing][0] else None
+    receivers = None if idx is None else len(np.unique(idx // e_local))
+    return {"diffs": diffs, "dropped": float(aux1["dropped"]), "all_to_all": "all_to_all" in hlo or "all-to-all" in hlo,
+            "receivers": receivers}
+
+
+def _capacity():
+    """expert 8, capacity 1: the MoE against the dense MoE with the expected dropped slots' weights zeroed."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from core.model import moe
+    from core.parallel import sharding
+
+    x, tokens, valid, _ = _inputs()
+    model = _models("learned", capacity_factor=1.0)
+    logits = jnp.einsum("btm,me->bte", x, model.gate.weight[...])
+    idx, weights, _ = moe.route(logits, model.gate.bias[...], 3, scaling=model.spec.scaling, normalize=True)
+    idx, weights = np.asarray(idx).reshape(8, -1, 3), np.asarray(weights).reshape(8, -1, 3)   # per device
+    n = idx.shape[1]
+    cap = moe_capacity = -(-n * 3 // 8)
+    keep = np.ones_like(weights)
+    for dev in range(8):
+        seen = np.zeros(8, int)
+        for slot, e in enumerate(idx[dev].reshape(-1)):      # token order, then j
+            keep[dev].reshape(-1)[slot] = seen[e] < cap      # E_l = 1: destination = expert
+            seen[e] += 1
+    combine = np.einsum("dnk,dnke->dne", weights * keep, np.eye(8)[idx]).reshape(B, T, 8)
+    w = [model.experts.w1[...], model.experts.w2[...], model.experts.w3[...]]
+    expected = moe.dense_experts(x, jnp.asarray(combine), *w, model.spec.swiglu_limit) + model.shared_experts(x)
+    mesh = _mesh(MESHES["expert8"])
+    model = sharding.shard_state(model, mesh)
+    with jax.set_mesh(mesh):
+        y, aux = jax.jit(lambda x: model(x, tokens, valid))(jax.device_put(x, sharding.batch_sharding(mesh)))
+    diff = float(np.max(np.abs(np.asarray(y) - np.asarray(expected))))
+    return {"dropped": float(aux["dropped"]), "expected_dropped": float(1 - keep.mean()), "cap": moe_capacity,
+            "diff": [diff, float(np.max(np.abs(np.asarray(expected))))]}
+
+
+def _memory():
+    """{N per device: (largest temporary, drop-free factor, largest with capacity 1, its shape)}: the
+    deepseek4-tiny-sized MoE's forward + backward on expert 8, from XLA's buffer assignment."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from core.model import moe
+    from core.parallel import sharding
+    from core.plan.report import top_temporaries
+
+    mesh = _mesh(MESHES["expert8"])
+    rows = sharding.batch_sharding(mesh)
+    out = {}
+    for n in (256, 1024):
+        largest = []
+        for factor in (0.0, 1.0):
+            spec = moe.MoESpec(emb=64, mlp=64, num_experts=16, k=4, shared=1, hash_routed=False, vocab_size=64,
+                               swiglu_limit=10.0, capacity_factor=factor)
+            graphdef, state = nnx.split(nnx.eval_shape(lambda: moe.MoE(spec, rngs=nnx.Rngs(0))))
+            args = (sharding.abstract_state(state, mesh), jax.ShapeDtypeStruct((8, n, 64), jnp.float32, sharding=rows),
+                    jax.ShapeDtypeStruct((8, n), jnp.int32, sharding=rows),
+                    jax.ShapeDtypeStruct((8, n), jnp.bool_, sharding=rows))
+
+            def loss(s, x, tok, valid):
+                y, aux = nnx.merge(graphdef, s)(x, tok, valid)
+                return jnp.sum(y ** 2) + aux["lb_loss"]
+
+            name = loss.__name__ = f"moe_memory_{n}_{int(factor)}"
+            with jax.set_mesh(mesh):
+                compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+            [dump] = Path(os.environ["DSV4_TEST_DUMP"]).glob(f"*jit_{name}.*after_optimizations-buffer-assignment.txt")
+            largest.append(top_temporaries(dump.read_text(), compiled.as_text(), 1)[0])
+        out[str(n)] = (largest[0]["bytes"], 8 * min(4, 2) / 4, largest[1]["bytes"], largest[0]["shape"])
+    return out
+
+
+if __name__ == "__main__":
+    results = {f"{m}/{r}": _parity(m, r) for m, r in CASES}
+    results["capacity"] = _capacity()
+    results["memory"] = _memory()
+    print(json.dumps(results))
