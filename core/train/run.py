@@ -187,7 +187,14 @@ class Trainer:
             return False
         abstract = self._abstract_model()
         source = self.ckpt.dir if self.resumed_from is not None else init_from
-        expected = tree.shapes(nnx.to_pure_dict(nnx.state(abstract)))
+        expected = nnx.to_pure_dict(nnx.state(abstract))
+        if self.resumed_from is None:  # weights held released on one side only are bridged (core/model/quant.py)
+            from core.model import quant
+            from core.train.step import config_matcher
+
+            expected = quant.restore_target(expected, ckpt.read_tree(init_from), config_matcher(self.cfg),
+                                            self.stage)[0]
+        expected = tree.shapes(expected)
         fresh_indexer = self.resumed_from is None and source_lacks_indexer(init_from, list(expected))
         if fresh_indexer:
             expected = {p: s for p, s in expected.items() if not is_indexer(p)}
