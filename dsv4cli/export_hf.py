@@ -1,4 +1,4 @@
-"""`dsv4 export-hf RUN OUT`: a dsv4 checkpoint -> unquantised DeepSeek-V4 safetensors + config.json."""
+"""`dsv4 export-hf RUN OUT`: a dsv4 checkpoint -> DeepSeek-V4 safetensors + config.json (held weights as held)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import typer
 from dsv4cli import options as opt
 from dsv4cli.errors import handle_errors
 
-HELP = ("Export a checkpoint as DeepSeek-V4 safetensors (config.json, shards, index; unquantised) in the "
-        "official or the transformers layout, loadable by transformers' DeepseekV4ForCausalLM.")
+HELP = ("Export a checkpoint as DeepSeek-V4 safetensors (config.json, shards, index) in the official or the "
+        "transformers layout, loadable by transformers' DeepseekV4ForCausalLM. Weights are unquantised, except "
+        "those a run holds released (frozen_weights: released): the official layout writes their FP8/FP4 codes "
+        "and scales back bit for bit, the transformers layout dequantises them.")
 EPILOG = "Example: dsv4 export-hf runs/sparse exported/ --layout transformers --dtype bfloat16"
 
 Out = Annotated[Path, typer.Argument(help="Directory to create (must not exist or be empty).", show_default=False)]
@@ -35,4 +37,6 @@ def command(run: opt.CkptPath, out: Out, step: opt.StepOpt = None, layout: Layou
         return
     Console(highlight=False, soft_wrap=True).print(
         f"exported {summary['run']} (step {summary['step']}) -> {summary['output']}  ·  {summary['layout']} layout  ·  "
-        f"{summary['dtype']}  ·  {summary['tensors']} tensors in {summary['shards']} shard(s), {summary['bytes'] / 2**20:.1f} MiB")
+        f"{summary['dtype']}  ·  {summary['tensors']} tensors in {summary['shards']} shard(s), "
+        f"{summary['bytes'] / 2**20:.1f} MiB"
+        + (f"  ·  {summary['released']} as held (FP8/FP4 codes and e8m0 scales)" if summary["released"] else ""))

@@ -14,11 +14,13 @@ from dsv4cli.errors import handle_errors
 HELP = ("Import a DeepSeek-V4 checkpoint: a directory (config.json + *.safetensors, official FP8/FP4 or "
         "transformers layout) or a hub id. Streams shard by shard; writes a run directory that "
         "--init-from, eval-indexer, inspect-ckpt and export-hf accept.")
-EPILOG = "Example: dsv4 import-hf path/to/DeepSeek-V4-Flash --output runs/base    |    dsv4 import-hf deepseek-ai/DeepSeek-V4-Flash -o runs/flash"
+EPILOG = ("Example: dsv4 import-hf path/to/DeepSeek-V4-Flash --output runs/base    |    "
+          "dsv4 import-hf deepseek-ai/DeepSeek-V4-Flash -o runs/flash --keep-quantized")
 
 Source = Annotated[str, typer.Argument(help="Checkpoint directory or hub id (e.g. deepseek-ai/DeepSeek-V4-Flash).", show_default=False)]
 Output = Annotated[Optional[Path], typer.Option("--output", "-o", help="Run directory to create (default: runs/<source name>); must not exist or be empty.")]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="bfloat16 | float32 (default: bfloat16 above 1B parameters, float32 below).")]
+KeepQuantized = Annotated[bool, typer.Option("--keep-quantized", help="Store the FP8/FP4 weights the warm-up freezes as the release stores them (codes + e8m0 scales, bit for bit; frozen_weights: released in config.yml); official layout only.")]
 
 
 class ShardProgress:
@@ -53,7 +55,8 @@ def _size(n: int) -> str:
 
 
 @handle_errors
-def command(src: Source, output: Output = None, dtype: Dtype = None, json_out: opt.Json = False) -> None:
+def command(src: Source, output: Output = None, dtype: Dtype = None, keep_quantized: KeepQuantized = False,
+            json_out: opt.Json = False) -> None:
     from dataclasses import asdict
 
     from rich.console import Console
@@ -66,7 +69,7 @@ def command(src: Source, output: Output = None, dtype: Dtype = None, json_out: o
     output = output or Path("runs") / Path(src.rstrip("/")).name
     err = Console(stderr=True, highlight=False)
     with ShardProgress(err) as bar:
-        summary = import_checkpoint(src, output, dtype=dtype, on_progress=bar.update)
+        summary = import_checkpoint(src, output, dtype=dtype, keep_quantized=keep_quantized, on_progress=bar.update)
     s = asdict(summary)
     if json_out:
         typer.echo(json.dumps(s, indent=2))
@@ -74,7 +77,13 @@ def command(src: Source, output: Output = None, dtype: Dtype = None, json_out: o
     console = Console(highlight=False, soft_wrap=True)
     console.print(f"imported {s['source']} ({s['layout']} layout, {_size(s['source_bytes'])}) -> {s['output']}")
     console.print(f"model {s['model_name']}  ·  {s['params']:,} parameters  ·  dtype {s['dtype']} ({s['dtype_reason']})")
-    console.print(f"tensors {s['tensors']} (FP8 dequantised {s['fp8']}, FP4 dequantised {s['fp4']})  ·  "
+    kept = (f"kept as released: FP8 {s['kept_fp8']}, FP4 {s['kept_fp4']}, {_size(s['kept_bytes'])}; "
+            if s["keep_quantized"] else "")
+    console.print(f"tensors {s['tensors']} ({kept}FP8 dequantised {s['fp8']}, FP4 dequantised {s['fp4']})  ·  "
                   f"mtp.* skipped {s['mtp_skipped']}  ·  indexer {'yes' if s['use_indexer'] else 'none (use_indexer=false)'}  ·  "
                   f"router bias {'yes' if s['routed_bias'] else 'none'}")
-    console.print(f"next: dsv4 warmup (or sparse) --init-from {s['output']} --model {s['output']}/config.yml")
+    if s["keep_quantized"]:  # the held weights are frozen: only the warm-up can start from them
+        console.print(f"frozen_weights: released  ·  next: dsv4 warmup --init-from {s['output']} "
+                      f"--model {s['output']}/config.yml")
+    else:
+        console.print(f"next: dsv4 warmup (or sparse) --init-from {s['output']} --model {s['output']}/config.yml")

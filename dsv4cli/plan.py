@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Optional
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
@@ -15,24 +16,38 @@ HELP = ("Plan a training run: compile the training command's own step ahead of t
         "or fake CPU devices, and report per device the exact state bytes, the compiler's temporaries and code, "
         "the verdict against the usable memory, the largest temporaries, FLOPs and a roofline estimate. "
         "Exit codes: 0 fits, 1 does not fit, 2 bad input (unknown target, a mesh that does not divide, "
-        "a missing extra: pip install \"dsv4\\[tpu]\" or \"dsv4\\[cuda]\").")
+        "a missing extra: pip install \"dsv4\\[tpu]\" or \"dsv4\\[cuda]\"). With --search: every mesh "
+        "(data x fsdp x tensor x expert over ici, and dcn across slices) and per-device batch the model's sharding allows, "
+        "pruned on exact state bytes, the rest compiled one by one and cached, a table of those that fit by estimated "
+        "tokens/s; exit 0 if any fits, 1 if none.")
 EPILOG = ("Example: dsv4 plan --target cpu:8 ici_fsdp_parallelism=-1    |    "
-          "dsv4 plan --model deepseek4-284b --stage warmup --target v5p-128 ici_fsdp_parallelism=-1 --top 5")
+          "dsv4 plan --model deepseek4-284b --stage warmup --target v5p-128 ici_fsdp_parallelism=-1 --top 5    |    "
+          "dsv4 plan --model deepseek4-284b --stage warmup --target v5p-128 --search ici_tensor_parallelism=1")
 
 Target = Annotated[str, typer.Option("--target", "-t", help="v4-N, v5e-N, v5p-N, v6e-N (MaxText's TPU names), h100xN, h200xN, b200xN (8 per host) or cpu:N.")]
 Stage = Annotated[str, typer.Option("--stage", help="The training command whose step is planned: pretrain, warmup or sparse.")]
 Top = Annotated[int, typer.Option("--top", min=0, help="How many of the largest temporaries to list.")]
+Search = Annotated[bool, typer.Option("--search", help="Search the meshes and per-device batches (ici_*, dcn_*, per_device_batch_size given as overrides stay fixed).")]
+MaxBatch = Annotated[int, typer.Option("--max-batch", help="--search: the largest per-device batch tried (1, 2, 4, ... up to it).")]
+Cache = Annotated[Path, typer.Option("--cache", help="--search: a directory with one JSON per candidate; a rerun reads them instead of compiling.")]
+CompileTimeout = Annotated[float, typer.Option("--compile-timeout", help="--search: seconds each compile may take (a full-size TPU compile takes ~3.5 min here).")]
 
 
 @handle_errors
 def command(target: Target, overrides: opt.Overrides = None, model: opt.Model = "deepseek4-tiny", stage: Stage = "sparse",
-            config: opt.ConfigFile = None, top: Top = 5, json_out: opt.Json = False) -> None:
+            config: opt.ConfigFile = None, top: Top = 5, json_out: opt.Json = False, search: Search = False,
+            max_batch: MaxBatch = 8, cache: Cache = Path("runs/plan-cache"), compile_timeout: CompileTimeout = 900.0) -> None:
     from core.config.files import STAGES
     from core.errors import ConfigError
     from core.plan import compile as plan_compile
 
     if stage not in STAGES:
         raise ConfigError(f"--stage {stage!r}: use one of {', '.join(STAGES)}.")
+    if search:
+        from dsv4cli import plan_search
+
+        raise typer.Exit(plan_search.run(model, stage, target, overrides or [], config_file=None if config is None else str(config),
+                                         max_batch=max_batch, cache=cache, timeout_s=compile_timeout, top=top, json_out=json_out))
     def started() -> None:
         if not json_out:
             display.console().print(f"[dim]compiling {model} {stage} for {target} (a TPU compile of a full-size "

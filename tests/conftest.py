@@ -73,6 +73,20 @@ def pytest_unconfigure(config):
         shutil.rmtree(_CACHE_HOME, ignore_errors=True)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Test files in the order pytest-xdist's --dist loadfile hands them to its workers: first the
+    files that hold `slow` tests (most of them first), then the others by test count (xdist's own
+    --loadscope-reorder rule, which pyproject.toml's addopts turns off for this order). A long file
+    started last runs on alone while the other worker idles; started first, the short files fill
+    in around it. The tests inside a file keep their order."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    slow = {f: sum(i.get_closest_marker("slow") is not None for i in tests) for f, tests in files.items()}
+    order = sorted(files, key=lambda f: (-slow[f], -len(files[f])))  # stable: ties keep collection order
+    items[:] = [item for f in order for item in files[f]]
+
+
 @pytest.fixture
 def x64():
     """float64 JAX for the duration of one test (float64 reference parity)."""
@@ -96,27 +110,10 @@ def packed(lengths, t):
     return pos, seg
 
 
-# The stage chain pretrain -> warmup -> sparse through the CLI (issue 11), shared by the tests
-# that need it (tests/train/test_stages.py, and tests/train/test_train.py's sparse and resume tests, whose
-# fresh warm-up takes CHAIN_STEPS["warmup"] steps too), so a full session compiles each step once
-# and runs each stage once. Pretraining runs long enough that its LM loss ends well below
-# test_stages' bound (the last steps' mean under 0.8 of the first steps'), not longer.
+# Steps of the stage chain pretrain -> warmup -> sparse through the CLI (issue 11; the
+# `stage_chain` fixture of tests/train/test_stages.py, which holds every test that uses it, so
+# that one xdist worker runs it once). tests/train/test_train.py's fresh warm-up takes as many
+# steps, so the two compile one step when they share a process. Pretraining runs long enough that
+# its LM loss ends well below test_stages' bound (the last steps' mean under 0.8 of the first
+# steps'), not longer.
 CHAIN_STEPS = {"pretrain": 20, "warmup": 6, "sparse": 12}
-
-
-@pytest.fixture(scope="session")
-def stage_chain(tmp_path_factory):
-    """{"pretrain" | "warmup" | "sparse": (run dir, CLI output)}, each run --init-from the previous."""
-    from typer.testing import CliRunner
-
-    from dsv4cli.main import app
-
-    root, runs, previous = tmp_path_factory.mktemp("chain"), {}, None
-    for stage, steps in CHAIN_STEPS.items():
-        run = root / stage
-        init = ["--init-from", str(previous)] if previous else []
-        result = CliRunner().invoke(app, [stage, "--steps", str(steps), "--output", str(run), *init,
-                                          *TINY_OVERRIDES, "checkpoint_period=4"])
-        assert result.exit_code == 0, result.output
-        runs[stage], previous = (run, result.output), run
-    return runs

@@ -22,10 +22,12 @@ from safetensors.numpy import save_file
 FP8_MAX, FP4_MAX = 448.0, 6.0
 
 
-def official_inventory(c: dict, *, mtp: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+def official_inventory(c: dict, *, mtp: bool = False, experts: str = "fp4") -> dict[str, tuple[tuple[int, ...], str]]:
     """{name: (shape, kind)}, kind in fp8 | fp4 | bf16 | f32 | i64 (shapes: logical [out, in]).
 
-    `c` uses config.json names (hidden_size, compress_ratios, num_hash_layers, ...).
+    `c` uses config.json names (hidden_size, compress_ratios, num_hash_layers, ...). `experts`: the
+    routed experts' kind, fp4 as released, or fp8 (128 x 128 blocks, as the official convert.py's
+    `--expert-dtype fp8` writes them).
     """
     m, n, hd = c["hidden_size"], c["hc_mult"], c["head_dim"]
     h, e, f = c["num_attention_heads"], c["n_routed_experts"], c["moe_intermediate_size"]
@@ -67,7 +69,7 @@ def official_inventory(c: dict, *, mtp: bool = False) -> dict[str, tuple[tuple[i
         for w, shape in (("w1", (f, m)), ("w2", (m, f)), ("w3", (f, m))):
             inv[f"{p}ffn.shared_experts.{w}.weight"] = (shape, "fp8")
             for x in range(e):
-                inv[f"{p}ffn.experts.{x}.{w}.weight"] = (shape, "fp4")
+                inv[f"{p}ffn.experts.{x}.{w}.weight"] = (shape, experts)
 
     for i in range(c["num_hidden_layers"]):
         block(f"layers.{i}.", c["compress_ratios"][i], i < c["num_hash_layers"])
@@ -151,16 +153,17 @@ def _encode(name: str, shape, kind: str, c: dict, rng) -> tuple[dict[str, np.nda
 
 
 def write_official(root: Path, c: dict, *, seed: int = 0, mtp: bool = True, shards: int | None = 2,
-                   keep_values: bool = True) -> dict[str, np.ndarray]:
+                   keep_values: bool = True, experts: str = "fp4") -> dict[str, np.ndarray]:
     """Write a random official-layout checkpoint, one shard at a time.
 
     Args:
       shards: how many equal shards, or None for the official split (embed / each layer / rest / MTP).
       keep_values: return {name: float64 dequantised value (int64 tid2eid)}; else {} (big checkpoints).
+      experts: the routed experts' kind (`official_inventory`).
     """
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)
-    inv = official_inventory(c, mtp=mtp)
+    inv = official_inventory(c, mtp=mtp, experts=experts)
     groups = _groups(list(inv), shards)
     values, weight_map, total = {}, {}, 0
     for k, group in enumerate(groups):
@@ -179,7 +182,7 @@ def write_official(root: Path, c: dict, *, seed: int = 0, mtp: bool = True, shar
                                                                     "weight_map": weight_map}))
     config = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", **c,
               "compress_ratios": list(c["compress_ratios"]) + ([0] if mtp else []),
-              "num_nextn_predict_layers": int(mtp), "expert_dtype": "fp4", "torch_dtype": "bfloat16",
+              "num_nextn_predict_layers": int(mtp), "expert_dtype": experts, "torch_dtype": "bfloat16",
               "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                       "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}}
     (root / "config.json").write_text(json.dumps(config, indent=2))

@@ -39,7 +39,7 @@ GLUE = {
     "eval/metrics", "eval/evaluate",
     "hf/names", "hf/config_json", "hf/safetensors_io", "hf/importer", "hf/exporter",
     "bench/loss", "bench/train", "bench/trace", "bench/components",
-    "plan/targets", "plan/compile", "plan/report", "plan/hlo",
+    "plan/targets", "plan/compile", "plan/report", "plan/hlo", "plan/search",
 }
 CORE = Path(__file__).resolve().parents[1]
 

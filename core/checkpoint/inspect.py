@@ -6,7 +6,10 @@ optimizer items from Orbax's tree metadata). Sizes on disk come from the step di
 
 Variable kinds are told apart by path, following core/model/moe.py's names: `.../gate/tid2eid` is the
 hash-routing table (not a parameter), `.../gate/bias` the router selection bias (moved by the
-load-balance update, not by gradients), everything else an `nnx.Param`. Totals are
+load-balance update, not by gradients), everything else an `nnx.Param`. A frozen weight held in the
+released format (core/model/quant.py) is two leaves: `.../codes`, kind `held_fp8` (float8_e4m3fn)
+or `held_fp4` (e2m1 packed two per int8 byte: its count is bytes, the weight has twice as many
+elements), never trainable, and `.../scales` (kind `scales`, float8_e8m0fnu); `held()` sums them. Totals are
 `core.model.params.count_parameters`, the one count the training header and `core.model.transformer.param_counts`
 also use: parameters = the nnx.Params + the router biases (the official inventory, MTP excluded)
 = trainable + frozen + router bias; the hash tables are listed beside it, not counted. Trainable
@@ -42,7 +45,7 @@ class Leaf:
     path: str
     shape: tuple[int, ...]
     dtype: str
-    kind: str          # one of KINDS
+    kind: str          # one of KINDS, or held_fp8 / held_fp4 for the codes of a weight held released
     trainable: bool    # kind == "param" and matched by the run's trainable mask
 
     @property
@@ -63,6 +66,13 @@ def _itemsize(dtype: str) -> int:
         import ml_dtypes
 
         return np.dtype(getattr(ml_dtypes, dtype)).itemsize
+
+
+def leaf_kind(path: str, dtype: str) -> str:
+    """`core.model.params.variable_kind`, with held_fp8 / held_fp4 for a held weight's `.../codes`."""
+    if path.endswith("/codes"):
+        return "held_fp4" if dtype == "int8" else "held_fp8"
+    return variable_kind(path)
 
 
 def fold(leaves: Sequence[Leaf], depth: int | None) -> list[dict[str, Any]]:
@@ -136,6 +146,13 @@ class CheckpointSummary:
             "disk_bytes": self.disk_bytes,
         }
 
+    def held(self) -> dict[str, int]:
+        """The weights held released: {"leaves" (codes leaves), "elements" (FP4: two per byte), "bytes" (codes +
+        scales)}."""
+        codes = [l for l in self.leaves if l.kind in ("held_fp8", "held_fp4")]
+        return {"leaves": len(codes), "elements": sum(l.count * (2 if l.kind == "held_fp4" else 1) for l in codes),
+                "bytes": sum(l.bytes for l in self.leaves if l.kind in ("held_fp8", "held_fp4", "scales"))}
+
     def to_dict(self, depth: int | None = None) -> dict[str, Any]:
         return {
             "run_dir": self.run_dir, "checkpoint": self.checkpoint, "step": self.step, "steps": self.steps,
@@ -171,7 +188,7 @@ def summarize_checkpoint(path: str | Path, step: int | None = None) -> Checkpoin
                               "it was not written by dsv4 or is corrupted; use another step (--step) or retrain.")
     config = meta["config"]
     trainable = mask_matcher(config.get("trainable_parameters_mask") or [], config.get("frozen_parameters_mask") or [])
-    leaves = [Leaf(p, shape, dtype, kind := variable_kind(p), kind == "param" and trainable(p))
+    leaves = [Leaf(p, shape, dtype, kind := leaf_kind(p, dtype), kind == "param" and trainable(p))
               for p, (shape, dtype) in model_tree.items()]
     indexer = {k: config.get(k) for k in INDEXER_KEYS}
     indexer["csa_layers"] = [i for i, r in enumerate(config.get("compress_ratios") or []) if r == 4]

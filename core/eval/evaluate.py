@@ -193,16 +193,19 @@ def parse_ks(text: str | Iterable[int] | None, default: int, num_blocks: int) ->
 
 
 @functools.lru_cache(maxsize=8)
-def make_eval_step(ks: tuple[int, ...]) -> Callable[..., Any]:
+def make_eval_step(ks: tuple[int, ...], mesh=None) -> Callable[..., Any]:
     """A jitted (model, batch arrays, key) -> (metric sums, nll dense, nll top-k, target weight).
 
     Runs the decoder twice: mode "eval_dense" with collect=True (teacher, indexer scores,
-    dense LM loss) and mode "eval" (top-k LM loss). Cached per ks, so repeated evaluations of
-    same-shaped models reuse the compiled step.
+    dense LM loss) and mode "eval" (top-k LM loss). With a `mesh` it is traced under the mesh's
+    abstract mesh, as the train step is (`core.train.step.with_mesh`), so the MoE takes the same
+    path as in training (expert parallelism on an `expert` axis). Cached per (ks, mesh), so
+    repeated evaluations of same-shaped models reuse the compiled step.
     """
     from flax import nnx
 
-    @nnx.jit
+    from core.train.step import with_mesh
+
     def step(model, tokens, positions, segment_ids, targets, loss_mask, key):
         logits_dense, aux = model(tokens, positions, segment_ids, mode="eval_dense", collect=True)
         logits_topk, _ = model(tokens, positions, segment_ids, mode="eval")
@@ -212,11 +215,11 @@ def make_eval_step(ks: tuple[int, ...]) -> Callable[..., Any]:
         nll_topk, _ = token_nll(logits_topk, targets, loss_mask)
         return sums, nll_dense, nll_topk, weight
 
-    return step
+    return nnx.jit(step if mesh is None else with_mesh(mesh, step))
 
 
 def evaluate_indexer(model, cfg, batches: Iterable[dict[str, Any]], *, ks: Sequence[int] | None = None,
-                     seed: int = 0, on_batch: Callable[[int], None] | None = None) -> IndexerEval:
+                     seed: int = 0, on_batch: Callable[[int], None] | None = None, mesh=None) -> IndexerEval:
     """Measure a decoder's indexers against their dense teachers over held-out batches.
 
     Args:
@@ -227,6 +230,8 @@ def evaluate_indexer(model, cfg, batches: Iterable[dict[str, Any]], *, ks: Seque
       ks: the k values to sweep (default: cfg.indexer_topk).
       seed: the random baseline's seed (batch i uses fold_in(key(seed), i)).
       on_batch: called with the number of batches done after each one (progress display).
+      mesh: the device mesh the model's state lives on (`core.parallel.sharding.shard_state`):
+        batches are split over it as in training and the step is traced under it; None: as placed.
 
     Returns:
       IndexerEval (this module's and core/eval/metrics.py's docstrings define every number).
@@ -237,12 +242,19 @@ def evaluate_indexer(model, cfg, batches: Iterable[dict[str, Any]], *, ks: Seque
         raise ConfigError("this model has no lightning indexer to evaluate: it needs use_indexer=true "
                           "and at least one CSA layer (compress_ratios entry 4).")
     ks = tuple(ks or (cfg.indexer_topk,))
-    step = make_eval_step(ks)
+    step = make_eval_step(ks, mesh)
     acc = MetricSums(cfg.csa_layers, ks)
     nll = np.zeros(3, np.float64)  # dense, top-k, weight
     done = rows = 0
+    names = ("tokens", "positions", "segment_ids", "targets", "loss_mask")
     for batch in batches:
-        arrays = [jnp.asarray(batch[name]) for name in ("tokens", "positions", "segment_ids", "targets", "loss_mask")]
+        if mesh is None:
+            arrays = [jnp.asarray(batch[name]) for name in names]
+        else:
+            from core.parallel.sharding import shard_batch
+
+            placed = shard_batch({name: batch[name] for name in names}, mesh)
+            arrays = [placed[name] for name in names]
         sums, nll_dense, nll_topk, weight = step(model, *arrays, jax.random.fold_in(jax.random.key(seed), done))
         acc.add(jax.tree.map(np.asarray, sums))
         nll += [float(nll_dense), float(nll_topk), float(weight)]
@@ -276,33 +288,57 @@ def evaluate_checkpoint(path, *, step: int | None = None, overrides: Sequence[st
                         on_batch: Callable[[int], None] | None = None) -> IndexerEval:
     """Restore a checkpoint's model and run `evaluate_indexer` on its held-out eval batches.
 
+    The model runs on the config's mesh over every device (`core.parallel.mesh.make_mesh`, the
+    training commands' mesh), its state restored straight into the rule shardings, so the MoE
+    takes the training path (expert parallelism on an `expert` axis); a batch holds
+    per_device_batch_size rows per device, as a training step does.
+
     Args:
       path: a run directory, its checkpoints/ directory or one step directory.
       step: the checkpoint step (default: the latest).
       overrides: "KEY=VALUE" changes to the saved config (e.g. the data source: hf_path,
         hf_eval_split, per_device_batch_size); keys that change parameter shapes fail with a
         CheckpointError naming the parameter.
-      batches: at most this many eval batches of per_device_batch_size rows (fewer if the held-out
-        documents run out).
+      batches: at most this many eval batches of per_device_batch_size x devices rows (fewer if
+        the held-out documents run out).
       ks: '4,8,16' or a sequence (default: the config's indexer_topk).
       seed, on_batch: as in `evaluate_indexer`.
     """
     from core.checkpoint import store as ckpt
     from core.data.batches import data_fingerprint, eval_batches
+    from core.parallel.mesh import make_mesh
 
     _, ckpt_dir, step = ckpt.resolve_checkpoint(path, step)
     cfg = ckpt.config_of(ckpt_dir, step)
     cfg = with_overrides(cfg, overrides)
     ks = parse_ks(ks, cfg.indexer_topk, cfg.max_target_length // 4)
-    model, cfg, meta = ckpt.restore_model(ckpt_dir, step, cfg)
-    data = eval_batches(cfg, cfg.per_device_batch_size, batches)
-    result = evaluate_indexer(model, cfg, data, ks=ks, seed=seed, on_batch=on_batch)
+    mesh = make_mesh(cfg)  # a mesh that does not fit these devices: ConfigError naming the ici_* keys
+    model, meta = restore_on_mesh(ckpt_dir, step, cfg, mesh)
+    rows_per_batch = cfg.per_device_batch_size * mesh.size
+    data = eval_batches(cfg, rows_per_batch, batches)
+    result = evaluate_indexer(model, cfg, data, ks=ks, seed=seed, on_batch=on_batch, mesh=mesh)
     if not result.batches:
         from core.errors import DataError
 
         raise DataError(f"the evaluation data of {data_fingerprint(cfg)['source']!r} is empty: give held-out "
                         "documents (hf_eval_split=..., a larger eval_holdout_fraction, or more data).")
     context = {"checkpoint": str(ckpt_dir / str(step)), "step": step, "stage": meta.get("stage"),
-               "model_name": cfg.model_name, "batch_size": cfg.per_device_batch_size,
+               "model_name": cfg.model_name, "batch_size": rows_per_batch,
                "max_target_length": cfg.max_target_length, "data": data_fingerprint(cfg)["source"]}
     return dataclasses.replace(result, context=context)
+
+
+def restore_on_mesh(ckpt_dir, step: int, cfg, mesh):
+    """(model, metadata): `cfg`'s decoder with the checkpoint's variables, each restored straight into
+    its rule sharding on `mesh` (`core.checkpoint.store.restore_model` with sharded targets: no device
+    ever holds the whole model). Shape mismatches raise its CheckpointError naming the parameter."""
+    from flax import nnx
+
+    from core.checkpoint import store as ckpt
+    from core.model import transformer
+    from core.parallel.sharding import abstract_state
+
+    graphdef, state = nnx.split(transformer.abstract(cfg))
+    values, _ = ckpt.restore_model_state(ckpt_dir, nnx.to_pure_dict(abstract_state(state, mesh)), step)
+    nnx.replace_by_pure_dict(state, values)
+    return nnx.merge(graphdef, state), ckpt.read_metadata(ckpt_dir, step)

@@ -15,7 +15,7 @@ Training keys (steps, learning rate, data, mesh...) keep configs/base.yml's defa
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Collection
 
 from core.errors import ConfigError
 
@@ -168,8 +168,17 @@ def from_hf_config(hf: dict, *, model_name: str, weight_dtype: str = "float32", 
     return from_values(values)
 
 
-def to_hf_config(cfg, torch_dtype: str) -> dict[str, Any]:
-    """The official-style config.json of a dsv4 Config (no MTP, no quantization_config)."""
+QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+                       "weight_block_size": [128, 128]}  # the released checkpoints' (notes/checkpoint-format.md)
+
+
+def to_hf_config(cfg, torch_dtype: str, *, released: Collection[str] = ()) -> dict[str, Any]:
+    """The official-style config.json of a dsv4 Config (no MTP).
+
+    Args:
+      released: the formats ("fp8", "fp4") of the weights written as the release stores them; any:
+        the official quantization_config, and "fp4": expert_dtype "fp4" (routed experts in FP4).
+    """
     theirs = {ours: h for h, ours in MAPPED.items()}
     out: dict[str, Any] = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}
     for ours, h in theirs.items():
@@ -178,6 +187,10 @@ def to_hf_config(cfg, torch_dtype: str) -> dict[str, Any]:
                compress_ratios=list(cfg.compress_ratios), topk_method="noaux_tc", hidden_act="silu",
                attention_bias=False, tie_word_embeddings=False, num_nextn_predict_layers=0,
                bos_token_id=0, eos_token_id=1, torch_dtype=torch_dtype)
+    if released:
+        out["quantization_config"] = dict(QUANTIZATION_CONFIG)
+    if "fp4" in released:
+        out["expert_dtype"] = "fp4"
     if cfg.rope_type == "yarn":
         out["rope_scaling"] = {"type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.beta_fast,
                                "beta_slow": cfg.beta_slow,

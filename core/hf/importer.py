@@ -7,7 +7,8 @@ DESIGN.md, "Real checkpoints". The source is a directory with config.json and *.
   2. one host buffer per dsv4 parameter, in the output dtype, shaped like the model's state
      (scanned segments of core.model.transformer.layer_plan stacked on their leading axis);
   3. shard by shard, tensor by tensor: map the name (core.hf.names), dequantise FP8 / FP4 to
-     float32, convert the layout, write the slice into its buffer;
+     float32, convert the layout, write the slice into its buffer (a kept weight: its codes and
+     scales as they are, below);
   4. every parameter complete -> config.yml + checkpoints/0 through core.checkpoint.store, the buffers
      written in place in bounded chunks (core.checkpoint.host_tree), in a temporary directory renamed
      to the output at the end.
@@ -16,13 +17,22 @@ save adds a bounded number of 16 MiB chunks, not a copy;
 docs/benchmarks.md#checkpoint-import-and-export-at-flash-width).
 Output dtype: --dtype, else bfloat16 above 1e9 parameters and float32 below. dsv4 stores every
 parameter in one weight_dtype, so bfloat16 also rounds the float32 tensors (mHC, ape, sinks).
+
+`keep_quantized` (--keep-quantized, official layout only): the FP8 / FP4 weights that the warm-up
+freezes and dsv4 holds released (core/model/quant.py RELEASED: all of them but the indexer's wq_b,
+which the warm-up trains) are stored as the release stores them, codes and e8m0 scales bit for bit,
+at `<param path>/codes` and `<param path>/scales`. The run's config.yml then says
+`frozen_weights: released` with the warm-up's trainable_parameters_mask, so the model it describes
+holds exactly those leaves (and `dsv4 warmup --init-from` loads them with no re-quantisation); a
+stage that would train them is refused (core.model.quant.restore_target). A transformers-layout
+source is refused: it holds no FP8 / FP4 codes to keep (a frozen_weights=released run quantises a
+float checkpoint when it loads it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 import shutil
@@ -33,7 +43,8 @@ import numpy as np
 
 from core.hf import names
 from core.hf import safetensors_io as st
-from core.errors import CheckpointError
+from core.errors import CheckpointError, ConfigError
+from core.model.params import count_parameters
 
 INDEX_FILE = "model.safetensors.index.json"
 BF16_ABOVE = 1_000_000_000
@@ -53,8 +64,12 @@ class ImportSummary:
     dtype: str
     dtype_reason: str
     tensors: int = 0
-    fp8: int = 0
-    fp4: int = 0
+    fp8: int = 0               # FP8 tensors dequantised
+    fp4: int = 0               # FP4 tensors dequantised
+    kept_fp8: int = 0          # FP8 tensors stored as they are (--keep-quantized), scales not counted
+    kept_fp4: int = 0
+    kept_bytes: int = 0        # their codes and scales
+    keep_quantized: bool = False
     mtp_skipped: int = 0
     source_bytes: int = 0
     use_indexer: bool = True
@@ -129,12 +144,21 @@ def _has(table, pattern: str) -> bool:
     return any(re.search(pattern, n) for n in table)
 
 
-def build_config(config: dict, table: dict, *, model_name: str, dtype: str | None):
-    """(Config, layout, dtype reason) from config.json and the tensor names."""
+def build_config(config: dict, table: dict, *, model_name: str, dtype: str | None, keep_quantized: bool = False):
+    """(Config, layout, dtype reason) from config.json and the tensor names.
+
+    With `keep_quantized`: frozen_weights=released and the warm-up's trainable_parameters_mask
+    (module docstring). Raises ConfigError for a transformers-layout source.
+    """
+    from core.config.files import stage_presets
     from core.hf.config_json import from_hf_config
     from core.model.transformer import param_counts
 
     layout = names.detect_layout(table)
+    if keep_quantized and layout != "official":
+        raise ConfigError("--keep-quantized keeps the official layout's FP8/FP4 codes, but this checkpoint is in the "
+                          "transformers layout (unquantised): import it without --keep-quantized (a run with "
+                          "frozen_weights=released quantises its frozen weights when it loads it).")
     groups = dict(use_indexer=_has(table, r"\.indexer\."),
                   routed_bias=_has(table, r"\.gate\.(bias|e_score_correction_bias)$"))
     cfg = from_hf_config(config, model_name=model_name, **groups)
@@ -144,10 +168,22 @@ def build_config(config: dict, table: dict, *, model_name: str, dtype: str | Non
         reason = f"the default {'above' if total > BF16_ABOVE else 'at or below'} 1e9 parameters"
     else:
         reason = "--dtype"
-    return cfg.replace(weight_dtype=dtype), layout, reason
+    warmup = stage_presets("warmup")["trainable_parameters_mask"]
+    held = dict(frozen_weights="released", trainable_parameters_mask=warmup) if keep_quantized else {}
+    return cfg.replace(weight_dtype=dtype, **held), layout, reason
 
 
 # ----------------------------------------------------------------------------- reading one tensor
+
+
+def _scale_of(name: str, info: st.TensorInfo, table: dict) -> tuple[Path, st.TensorInfo]:
+    """(shard, header entry) of an FP8 / FP4 weight's block scales."""
+    base = name[:-len(".weight")] if name.endswith(".weight") else name
+    scale = next((table[k] for k in (f"{base}.scale", f"{base}.weight_scale_inv") if k in table), None)
+    if scale is None:
+        raise CheckpointError(f"tensor {name} is {info.dtype} but has no {base}.scale: an FP8/FP4 weight needs its "
+                              "block scales; the checkpoint is incomplete.")
+    return scale
 
 
 def _value(name: str, shard: Path, info: st.TensorInfo, table: dict, summary: ImportSummary) -> np.ndarray:
@@ -155,12 +191,7 @@ def _value(name: str, shard: Path, info: st.TensorInfo, table: dict, summary: Im
     raw = st.read_tensor(shard, info)
     if info.dtype not in ("F8_E4M3", "I8"):
         return raw
-    base = name[:-len(".weight")] if name.endswith(".weight") else name
-    scale = next((table[k] for k in (f"{base}.scale", f"{base}.weight_scale_inv") if k in table), None)
-    if scale is None:
-        raise CheckpointError(f"tensor {name} is {info.dtype} but has no {base}.scale: an FP8/FP4 weight needs its "
-                              "block scales; the checkpoint is incomplete.")
-    s = st.read_tensor(*scale)
+    s = st.read_tensor(*_scale_of(name, info, table))
     if info.dtype == "F8_E4M3":
         summary.fp8 += 1
         return st.dequant_fp8(raw, s)
@@ -218,12 +249,74 @@ def _place(name, load, shape, m, layout, dims, where, leaves, buffers, filled, n
         filled.add((key, index))
 
 
+_HELD_CODES = {"int8": ("I8", "FP4 e2m1 (two per int8)"), "float8_e4m3fn": ("F8_E4M3", "FP8 e4m3")}
+
+
+def _held_slots(m: names.Match, where: dict) -> dict[str, tuple[str, int | None]] | None:
+    """{"codes", "scales": (state key, stacked index)} when the model holds this tensor's parameter released."""
+    if len(m.rules) != 1 or f"{names.logical_path(m.rules[0], m.layer)}.codes" not in where:
+        return None
+    path = names.logical_path(m.rules[0], m.layer)
+    return {part: where[f"{path}.{part}"] for part in ("codes", "scales")}
+
+
+def _check_keepable(table: dict, layout: str, where: dict, leaves: dict) -> None:
+    """--keep-quantized, from the headers before any tensor is read: every tensor whose parameter the
+    model holds released is stored as dsv4 holds it (FP8 e4m3 or packed FP4 codes, e8m0 scales)."""
+    for name, (_, info) in table.items():
+        m = None if names.MTP.match(name) or _is_consumed_scale(name, table) else names.match(name, layout)
+        slots = _held_slots(m, where) if m is not None else None
+        if slots is None:
+            continue
+        code, what = _HELD_CODES[np.dtype(leaves[slots["codes"][0]].dtype).name]
+        if info.dtype != code:
+            path = names.logical_path(m.rules[0], m.layer)
+            raise CheckpointError(f"tensor {name} is {info.dtype}, but dsv4 holds {path} released as {what} codes "
+                                  f"({code}): --keep-quantized keeps the release's own codes; import without it.")
+        scale = _scale_of(name, info, table)[1]
+        if scale.dtype != "F8_E8M0":
+            raise CheckpointError(f"tensor {scale.name} is {scale.dtype}, but dsv4 holds e8m0 block scales (F8_E8M0): "
+                                  "--keep-quantized keeps the release's own scales; import without it.")
+
+
+def _place_held(name: str, source: tuple[Path, st.TensorInfo], m: names.Match, slots: dict, leaves: dict,
+                buffers: dict, filled: set, table: dict) -> int:
+    """Store one FP8 / FP4 weight and its scales as they are (--keep-quantized; dtypes checked by
+    `_check_keepable`): the official codes and e8m0 scales, bit for bit, into the held leaves'
+    buffers. Returns the bytes stored."""
+    path = names.logical_path(m.rules[0], m.layer)
+    scale = _scale_of(name, source[1], table)
+    stored = 0
+    for part, (shard, tinfo) in (("codes", source), ("scales", scale)):
+        key, j = slots[part]
+        leaf = leaves[key]
+        want = tuple(leaf.shape[1:] if j is not None else leaf.shape)
+        if m.expert is not None:
+            if not 0 <= m.expert < want[0]:
+                raise CheckpointError(f"tensor {name} is for expert {m.expert}, but config.json has {want[0]} experts.")
+            want = want[1:]
+        if tuple(tinfo.shape) != want:
+            raise CheckpointError(f"tensor {tinfo.name} has shape {list(tinfo.shape)}, but config.json implies "
+                                  f"{list(want)}: the checkpoint and its config.json disagree.")
+        index = tuple(i for i in (j, m.expert) if i is not None)
+        if (key, index) in filled:
+            raise CheckpointError(f"tensor {tinfo.name} fills {path}/{part} a second time: the checkpoint holds "
+                                  "it twice.")
+        if key not in buffers:
+            buffers[key] = np.empty(leaf.shape, leaf.dtype)
+        buffers[key][index] = st.read_tensor(shard, tinfo)
+        filled.add((key, index))
+        stored += tinfo.nbytes
+    return stored
+
+
 def _check_complete(where, leaves, filled, layout) -> None:
     """Every dsv4 parameter (every stacked slice, every expert) was written exactly once."""
     rules = {r.ours: r for r in names.LAYER_RULES + names.ROOT_RULES}
     for path, (key, j) in where.items():
         ours = re.sub(r"^layers\.\d+\.", "", path)
-        rule = rules[ours]
+        part = ours.rsplit(".", 1)[-1] if ours.endswith((".codes", ".scales")) else None
+        rule = rules[ours.removesuffix(f".{part}")] if part else rules[ours]
         experts = range(leaves[key].shape[0 if j is None else 1]) if rule.per_expert(layout) else [None]
         for e in experts:
             index = tuple(i for i in (j, e) if i is not None)
@@ -231,6 +324,7 @@ def _check_complete(where, leaves, filled, layout) -> None:
                 layer = re.match(r"layers\.(\d+)\.", path)
                 prefix = f"{names.PREFIX[layout]}{layer.group(1)}." if layer else ""
                 hf = prefix + rule.name(layout).replace("{e}", str(e))
+                hf = names.scale_name(hf) if part == "scales" else hf
                 raise CheckpointError(f"the checkpoint has no tensor {hf} (dsv4 {path}): it is incomplete or "
                                       "its config.json describes a different model.")
 
@@ -238,7 +332,7 @@ def _check_complete(where, leaves, filled, layout) -> None:
 # ----------------------------------------------------------------------------- the command
 
 
-def import_checkpoint(src: str, output: str | Path, *, dtype: str | None = None,
+def import_checkpoint(src: str, output: str | Path, *, dtype: str | None = None, keep_quantized: bool = False,
                       on_progress: Callable[[dict], None] | None = None) -> ImportSummary:
     """Convert a DeepSeek-V4 checkpoint into a dsv4 run directory (module docstring).
 
@@ -246,6 +340,7 @@ def import_checkpoint(src: str, output: str | Path, *, dtype: str | None = None,
       src: local directory or hub id.
       output: the run directory to create (must not exist, or be empty).
       dtype: "bfloat16" | "float32" | None (by parameter count).
+      keep_quantized: store the frozen FP8 / FP4 weights as they are (module docstring).
       on_progress: called with {"shard", "shards", "name", "bytes", "total_bytes"} after each tensor.
     Raises:
       CheckpointError / ConfigError: one line naming the tensor, field or file; nothing is left behind.
@@ -256,12 +351,15 @@ def import_checkpoint(src: str, output: str | Path, *, dtype: str | None = None,
     root = resolve_source(src)
     config, table = read_source(root)
     model_name = re.sub(r"[^\w.-]", "-", Path(src.rstrip("/")).name or "imported")
-    cfg, layout, reason = build_config(config, table, model_name=model_name, dtype=dtype)
+    cfg, layout, reason = build_config(config, table, model_name=model_name, dtype=dtype,
+                                       keep_quantized=keep_quantized)
     where, leaves, treedef = names.state_slots(cfg)
     dims = {**names.dims_of(cfg), "experts": cfg.num_experts}
-    params = sum(math.prod(v.shape) for v in leaves.values() if not np.issubdtype(v.dtype, np.integer))
-    summary = ImportSummary(str(src), str(output), layout, cfg.model_name, params,
-                            cfg.weight_dtype, reason, use_indexer=cfg.use_indexer, routed_bias=cfg.routed_bias)
+    params = count_parameters({k: v.shape for k, v in leaves.items()})["parameters"]
+    summary = ImportSummary(str(src), str(output), layout, cfg.model_name, params, cfg.weight_dtype, reason,
+                            keep_quantized=keep_quantized, use_indexer=cfg.use_indexer, routed_bias=cfg.routed_bias)
+    if keep_quantized:
+        _check_keepable(table, layout, where, leaves)
     buffers: dict[str, np.ndarray] = {}
     filled: set = set()
     shards = sorted({shard for shard, _ in table.values()})
@@ -279,9 +377,15 @@ def import_checkpoint(src: str, output: str | Path, *, dtype: str | None = None,
                 if m is None:
                     raise CheckpointError(f"tensor {name} matches no DeepSeek-V4 parameter of the {layout} layout: "
                                           "dsv4 cannot import it (is this a DeepSeek-V4 checkpoint?).")
-                load = lambda: _value(name, shard, info, table, summary)  # noqa: E731
-                _place(name, load, _logical_shape(name, info), m, layout, dims, where, leaves, buffers, filled,
-                       cfg.num_layers)
+                held = _held_slots(m, where) if keep_quantized else None
+                if held is not None:
+                    summary.kept_bytes += _place_held(name, (shard, info), m, held, leaves, buffers, filled, table)
+                    summary.kept_fp4 += info.dtype == "I8"
+                    summary.kept_fp8 += info.dtype != "I8"
+                else:
+                    load = lambda: _value(name, shard, info, table, summary)  # noqa: E731
+                    _place(name, load, _logical_shape(name, info), m, layout, dims, where, leaves, buffers, filled,
+                           cfg.num_layers)
                 summary.tensors += 1
             if on_progress:
                 on_progress({"shard": k + 1, "shards": len(shards), "name": name, "bytes": done, "total_bytes": total})

@@ -15,6 +15,8 @@ error naming it.
 
 dsv4 logical paths name decoder layer i `layers.{i}.<block path>` whatever the scan grouping;
 `set_params` (and core.hf.importer) place them into the stacked segments of `core.model.transformer.layer_plan`.
+A weight held in the released format (core/model/quant.py) is `<path>.codes` + `<path>.scales` there:
+the official tensor and its `<module>.scale`, unchanged (`held_to_official`).
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ def _lookup(layout: str) -> tuple[dict[str, list[Rule]], dict[str, list[Rule]]]:
 
 
 _TABLES = {layout: _lookup(layout) for layout in LAYOUTS}
+_BY_OURS = {r.ours: r for r in LAYER_RULES + ROOT_RULES}
 _EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(.+)")
 
 
@@ -212,6 +215,33 @@ def logical_path(rule: Rule, layer: int | None) -> str:
     return rule.ours if layer is None else f"layers.{layer}.{rule.ours}"
 
 
+def rule_of(path: str) -> tuple[Rule, int | None]:
+    """(the rule, the decoder layer or None) of a dsv4 logical path."""
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", path)
+    return (_BY_OURS[m.group(2)], int(m.group(1))) if m else (_BY_OURS[path], None)
+
+
+def scale_name(weight: str) -> str:
+    """The official name of an FP8 / FP4 weight's e8m0 block scales: `<module>.weight` -> `<module>.scale`."""
+    return weight.removesuffix(".weight") + ".scale"
+
+
+def held_to_official(path: str, codes: np.ndarray, scales: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """A weight held in the released format (core/model/quant.py: official [out, in] codes and e8m0 scales,
+    one layer's slice) -> its official tensors unchanged: `<module>.weight` = codes, `<module>.scale` =
+    scales, one pair per routed expert where the official layout splits them (the leading axis)."""
+    rule, layer = rule_of(path)
+    prefix = "" if layer is None else f"{PREFIX['official']}{layer}."
+    if rule.per_expert("official"):
+        for e in range(codes.shape[0]):
+            name = prefix + rule.official.format(e=e)
+            yield name, codes[e]
+            yield scale_name(name), scales[e]
+    else:
+        yield prefix + rule.official, codes
+        yield scale_name(prefix + rule.official), scales
+
+
 # ----------------------------------------------------------------------------- whole dicts
 
 
@@ -244,7 +274,7 @@ def dsv4_to_hf(params: dict[str, np.ndarray], dims: dict[str, int], layout: str)
 
     A fused transformers tensor is yielded once, after all of its parts are present.
     """
-    rules = {r.ours: r for r in LAYER_RULES + ROOT_RULES}
+    rules = _BY_OURS
     pending: dict[str, dict[int, np.ndarray]] = {}
     for path, value in params.items():
         m = re.fullmatch(r"layers\.(\d+)\.(.+)", path)

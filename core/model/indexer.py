@@ -35,7 +35,8 @@ def local_gradient_loss(module: nnx.Module, loss_of):
     For a loss that reaches nothing but `module`'s own nnx.Params (the indexer loss: the indexer's
     inputs and teacher are detached). Returns the surrogate
 
-        value + sum over parameters p of  sum((p - stop_gradient(p)) * g_p),   g = d loss / d p,
+        stop_gradient(value) + sum over parameters p of  sum((p - stop_gradient(p)) * g_p),
+        g = d loss / d p,
 
     equal to the loss in value and with gradient g for p, and no gradient for anything else. The
     outer backward then needs only g (named "indexer_local_grads", which every remat policy saves),
@@ -51,7 +52,7 @@ def local_gradient_loss(module: nnx.Module, loss_of):
         return jnp.sum((p.astype(acc) - sg(p).astype(acc)) * g.astype(acc))
 
     inner = [inner(p, g) for p, g in zip(jax.tree.leaves(params), jax.tree.leaves(grads))]
-    return value + sum(inner)
+    return sg(value) + sum(inner)
 
 
 # ----------------------------------------------------------------------------- module

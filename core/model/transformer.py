@@ -128,7 +128,7 @@ class Block(nnx.Module):
 
     def __call__(self, x_btnm, tokens_bt, positions_bt, segment_ids_bt, *, dense: bool,
                  indexer_loss: bool, collect: bool):
-        """[B, T, n, M] -> ([B, T, n, M], aux: lb_loss, load [E] and the attention's aux)."""
+        """[B, T, n, M] -> ([B, T, n, M], aux: lb_loss, load [E], dropped and the attention's aux)."""
         y_btm, post_btn, comb_btnn = self.hc_attn.pre(x_btnm)
         out_btm, aux = self.attn(self.attn_norm(y_btm), positions_bt, segment_ids_bt, dense=dense,
                                  indexer_loss=indexer_loss, collect=collect)
@@ -136,7 +136,7 @@ class Block(nnx.Module):
         y_btm, post_btn, comb_btnn = self.hc_ffn.pre(x_btnm)
         out_btm, moe_aux = self.ffn(self.ffn_norm(y_btm), tokens_bt, segment_ids_bt > 0)
         x_btnm = HyperConnection.post(out_btm, x_btnm, post_btn, comb_btnn)
-        return x_btnm, {**aux, "lb_loss": moe_aux["lb_loss"], "load": moe_aux["load"]}
+        return x_btnm, {**aux, "lb_loss": moe_aux["lb_loss"], "load": moe_aux["load"], "dropped": moe_aux["dropped"]}
 
 
 class BlockGroup(nnx.Module):
@@ -207,17 +207,33 @@ def run_segment(layer, x_btnm, args, flags, *, remat: bool, policy, scanned: boo
     warm-up: tests/model/test_remat.py pins the compiled temp). Inputs outside the differentiated
     state (frozen parameters, router biases) get no tangent, so the backward builds no gradient
     for them.
+
+    The tokens, positions and segment ids (`args`) ride in the scan's carry (through an
+    optimization barrier, so that JAX cannot see that they pass unchanged and turn them back into
+    constants), not as constants of its body. When JAX linearizes a scan it hoists out of the loop
+    whatever the body computes from its constants alone (`_scan_known_hoisting`), and it does so
+    inside nested loops too: the streamed indexer loss's per-block visibility masks, broadcast over
+    heads, were built once for all layers and all query blocks and kept, stacked, through the step
+    (three `pred[16,1,128,4,512]` on deepseek4-tiny at T = 2048; 16 GiB each,
+    `pred[256,1,128,64,8192]`, on V4-Flash at T = 32768).
     """
     graphdef, state = nnx.split(layer)
 
-    def body(x, variables):
-        return nnx.merge(graphdef, variables)(x, *args, **flags)
+    def body(x, variables, a):
+        return nnx.merge(graphdef, variables)(x, *a, **flags)
 
     if remat:
         body = jax.checkpoint(body, policy=policy, prevent_cse=not scanned)
     if not scanned:
-        return body(x_btnm, state)
-    return jax.lax.scan(body, x_btnm, state)
+        return body(x_btnm, state, args)
+
+    def step(carry, variables):
+        x, a = carry
+        x, aux = body(x, variables, a)
+        return (x, jax.lax.optimization_barrier(a)), aux  # a carry that is not a constant in disguise
+
+    (x_btnm, _), aux = jax.lax.scan(step, (x_btnm, args), state)
+    return x_btnm, aux
 
 
 class Transformer(nnx.Module):
@@ -264,7 +280,8 @@ class Transformer(nnx.Module):
         Returns:
           (logits float32 [B, T, V] or None, aux) with aux["indexer_loss"] (mean over CSA layers
           of the scaled layer losses, 0.0 when not computed), aux["moe_lb_loss"] (mean over
-          learned-routing layers), aux["expert_load"] [L, E]; with `collect`, per CSA layer in
+          learned-routing layers), aux["expert_load"] [L, E], aux["moe_dropped"] (the fraction of
+          routed slots dropped for expert-parallel capacity, mean over layers); with `collect`, per CSA layer in
           layer order (leading axis len(csa_layers)): index_scores, topk_idx, topk_valid,
           teacher_query, compressed_kv, visible (+ raw_kv, window, sink for the joint teacher).
         """
@@ -318,6 +335,7 @@ class Transformer(nnx.Module):
                              else jnp.zeros((), jnp.float32)),
             "moe_lb_loss": jnp.mean(lb) if lb is not None else jnp.zeros((), jnp.float32),
             "expert_load": self._layer_values(auxes, "load", set(range(self.num_layers))),
+            "moe_dropped": jnp.mean(self._layer_values(auxes, "dropped", set(range(self.num_layers)))),
         }
         if collect and csa:
             for key in COLLECT_KEYS + (JOINT_KEYS if self.joint else ()):

@@ -10,6 +10,7 @@ Parent side, `plan(...)`: validates the config and the mesh (bad input fails her
 runs `python -m core.plan.compile` with `targets.child_env(target)`, so the platform and the fake
 device count are set before JAX starts and an extra's start-up messages stay in the child. The
 child prints one JSON line (marker `__PLAN__`): the report of core/plan/report.py, or an error.
+`run_child` is that parent side for any such child (core/plan/search.py's state pass is another).
 XLA's buffer assignment, for the largest temporaries, is read from an XLA dump in a temporary
 directory of the child (a dump does not change the program).
 
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import core
+from core.errors import ConfigError
 from core.plan import targets as tg
 
 MARKER = "__PLAN__"
@@ -45,6 +47,10 @@ def load(model: str, stage: str | None, overrides: Sequence[str], config_file: s
     return load_config(model, list(overrides), config_file=config_file, stage=stage)
 
 
+class CompileTimeout(ConfigError):
+    """A child compile that ran past its time limit (`plan(timeout_s=...)`)."""
+
+
 def plan(model: str, stage: str | None, target_name: str, overrides: Sequence[str] = (), *,
          config_file: str | None = None, top: int = 10, analytic: bool = True,
          timeout_s: float | None = None, on_start: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -53,14 +59,15 @@ def plan(model: str, stage: str | None, target_name: str, overrides: Sequence[st
     Args:
       top: how many of the largest temporaries to list; analytic: also count the step's FLOPs from
         its jaxpr (core.bench.train), a second trace of the step beside the compile.
+      timeout_s: the child's time limit (None: none).
       on_start: called once the input is valid, before the child starts compiling.
     Returns:
       core/plan/report.py's report (a dict; its `fits` is the verdict).
     Raises:
       ConfigError: unknown target, bad config, a mesh that does not divide the target's devices.
       MissingExtraError: the target's extra is not installed.
+      CompileTimeout: the compile ran past `timeout_s`.
     """
-    from core.errors import ConfigError
     from core.parallel.mesh import plan_mesh
 
     target = tg.parse_target(target_name)
@@ -72,25 +79,39 @@ def plan(model: str, stage: str | None, target_name: str, overrides: Sequence[st
     args = {"model": model, "stage": stage, "overrides": list(overrides), "config_file": config_file,
             "target": target_name, "top": top, "analytic": analytic}
     with tempfile.TemporaryDirectory(prefix="dsv4-plan-") as dump:
-        env = tg.child_env(target)
-        root = str(Path(core.__file__).parent.parent)  # the checkout or site-packages that holds this core
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
-        env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} --xla_dump_to={dump} --xla_dump_hlo_module_re=.*jit_step.*".strip()
-        try:
-            proc = subprocess.run([sys.executable, "-m", "core.plan.compile", json.dumps({**args, "dump": dump})],
-                                  capture_output=True, text=True, env=env, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise ConfigError(f"--target {target_name}: the compile ran past {timeout_s:.0f} s.") from None
+        return run_child("core.plan.compile", {**args, "dump": dump}, target, timeout_s=timeout_s,
+                         xla_flags=f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*jit_step.*")
+
+
+def run_child(module: str, args: dict[str, Any], target: tg.Target, *, timeout_s: float | None = None,
+              xla_flags: str = "", what: str = "the compile") -> dict[str, Any]:
+    """`python -m module '<args as JSON>'` in `targets.child_env(target)`; the JSON of its MARKER line.
+
+    The child prints one line `MARKER + json` (a result, or {"error": message} for a DsvError);
+    anything else it prints stays in the child.
+    Raises:
+      ConfigError: the child's error, or its last error line when it died without a result.
+      CompileTimeout: it ran past `timeout_s`.
+    """
+    env = tg.child_env(target)
+    root = str(Path(core.__file__).parent.parent)  # the checkout or site-packages that holds this core
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
+    env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {xla_flags}".strip()
+    try:
+        proc = subprocess.run([sys.executable, "-m", module, json.dumps(args)], capture_output=True, text=True,
+                              env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise CompileTimeout(f"--target {target.name}: {what} ran past {timeout_s:.0f} s.") from None
     for line in proc.stdout.splitlines():
         if line.startswith(MARKER):
             out = json.loads(line[len(MARKER):])
-            if "error" in out:
+            if isinstance(out, dict) and "error" in out:
                 raise ConfigError(out["error"])
             return out
     lines = proc.stderr.strip().splitlines()
     errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
     tail = (errors or lines or [f"exit code {proc.returncode}"])[-1]
-    raise ConfigError(f"--target {target_name}: the compile failed (exit code {proc.returncode}): {tail[:400]}")
+    raise ConfigError(f"--target {target.name}: {what} failed (exit code {proc.returncode}): {tail[:400]}")
 
 
 # ----------------------------------------------------------------------------- child side
@@ -112,9 +133,13 @@ def device_mesh(cfg, devices: Sequence[Any]):
     return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def step_inputs(cfg, mesh) -> tuple[Any, Any, dict[str, Any]]:
+def step_inputs(cfg, mesh, model: tuple[Any, Any] | None = None) -> tuple[Any, Any, dict[str, Any]]:
     """(graphdef, abstract state, abstract batch) of the train step on `mesh`, as
-    core/train/precompile.py's `abstract_inputs` builds them for the run's own mesh."""
+    core/train/precompile.py's `abstract_inputs` builds them for the run's own mesh.
+
+    `mesh` may be a `jax.sharding.AbstractMesh` (shardings without devices: the state bytes of a
+    mesh no process has); `model` is `abstract_model_and_optimizer(cfg)` when the caller has it
+    (it depends on neither the mesh nor the batch)."""
     import jax
     import jax.numpy as jnp
 
@@ -122,7 +147,7 @@ def step_inputs(cfg, mesh) -> tuple[Any, Any, dict[str, Any]]:
     from core.parallel.sharding import abstract_state, batch_sharding
     from core.train.precompile import abstract_model_and_optimizer
 
-    graphdef, state = abstract_model_and_optimizer(cfg)
+    graphdef, state = abstract_model_and_optimizer(cfg) if model is None else model
     spec = jax.ShapeDtypeStruct((cfg.per_device_batch_size * mesh.size, cfg.max_target_length), jnp.int32,
                                 sharding=batch_sharding(mesh))
     return graphdef, abstract_state(state, mesh), {k: spec for k in BATCH_KEYS}

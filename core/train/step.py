@@ -54,7 +54,9 @@ from core.parallel.sharding import abstract_state, create_sharded, shard_state, 
 from core.parallel.mesh import make_mesh
 from core.train.handoff import is_indexer, without_indexer
 
-METRIC_KEYS = ("total_loss", "lm_loss", "indexer_loss", "moe_lb_loss", "grad_norm", "learning_rate")
+# moe_dropped: the fraction of routed (token, expert) slots that expert parallelism's capacity
+# (moe_capacity_factor) dropped, mean over layers; exactly 0 when drop-free (the default)
+METRIC_KEYS = ("total_loss", "lm_loss", "indexer_loss", "moe_lb_loss", "moe_dropped", "grad_norm", "learning_rate")
 
 
 # ----------------------------------------------------------------------------- losses and schedule
@@ -259,7 +261,8 @@ def step_fn(cfg, graphdef):
         (total, (lm, aux)), grads = grad_fn(model)
         zeros = jax.tree.map(jnp.zeros_like, nnx.state(model, frozen_filter))
         metrics = {"total_loss": total, "lm_loss": lm, "indexer_loss": aux["indexer_loss"],
-                   "moe_lb_loss": aux["moe_lb_loss"], "grad_norm": optax.tree.norm(grads),
+                   "moe_lb_loss": aux["moe_lb_loss"], "moe_dropped": aux["moe_dropped"],
+                   "grad_norm": optax.tree.norm(grads),
                    "learning_rate": schedule(optimizer.step[...])}
         optimizer.update(model, nnx.merge_state(grads, zeros))
         # a snapshot (new Variables): update_router_biases changes the model's Variables in place

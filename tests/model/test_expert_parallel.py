@@ -3,7 +3,8 @@
 This pytest process has already started JAX with one device, so the mesh cases run in one subprocess
 (`XLA_FLAGS=--xla_force_host_platform_device_count=8`, this very file as its entry point, as
 tests/parallel/test_sharding.py does) that prints one JSON object: per case, the max differences to
-the one-device MoE (no mesh: the tiled path), and compiled memory figures. The module is traced
+the one-device MoE (no mesh: the tiled path), compiled memory figures, and a one-step training run's
+drop rate (metrics.jsonl) with its checkpoint's evaluation on the same mesh. The module is traced
 under `jax.set_mesh(mesh)`, which makes the mesh visible to `jax.sharding.get_abstract_mesh()`.
 """
 
@@ -84,6 +85,28 @@ def test_expert_parallel_largest_temporary_grows_with_tokens(worker):
         assert capped <= slots_bytes, f"N={n}, capacity 1: largest temporary {capped} > {slots_bytes}"
 
 
+def test_capacity_drop_rate_reaches_the_training_metrics(worker):
+    """A training run on expert 8 with moe_capacity_factor 1 (two hash-routed layers: the routing is the
+    tables' and the batch's, known in advance): metrics.jsonl's moe_dropped is the fraction of slots past
+    each destination's ceil(f n k / P) rows, by hand, mean over layers; the same model drop-free drops 0."""
+    case = worker["training"]
+    assert 0.01 < case["expected_dropped"] < 0.5, case
+    assert abs(case["row_dropped"] - case["expected_dropped"]) < 1e-6, case
+    assert case["jsonl_dropped"] == case["row_dropped"], case
+    assert case["forward_dropped_free"] == 0.0, case
+
+
+def test_evaluation_runs_the_expert_parallel_moe_and_equals_data_parallel(worker):
+    """`evaluate_checkpoint` on the expert-8 run traces the MoE's expert-parallel exchange (the training
+    path), and its figures equal the same checkpoint's evaluation on data 8 (the tiled MoE) to rounding."""
+    case = worker["eval"]
+    assert case["expert_parallel_calls"] > 0, "eval on an expert mesh should take the expert-parallel MoE"
+    assert case["data_parallel_calls"] == 0, case
+    assert case["batch_size"] == 8, case
+    for what, (diff, scale) in case["diffs"].items():
+        assert diff <= 1e-5 * max(1.0, scale), f"eval {what}: max |diff| = {diff:.3e} (scale {scale:.2e})"
+
+
 # ----------------------------------------------------------------------------- the 8-device worker
 
 
@@ -136,6 +159,14 @@ def _step(model, x, tokens, valid, cot):
     return nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(model, x)
 
 
+def _diff(a, b):
+    """[max |a - b|, max |b|] in float64."""
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return [float(np.max(np.abs(a - b))), float(np.max(np.abs(b)))]
+
+
 @functools.cache
 def _one_device(routing):
     return _step(_models(routing), *_inputs())
@@ -158,15 +189,11 @@ def _parity(mesh_name, routing):
         graphdef, state = nnx.split(model)
         hlo = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, tokens, valid)[0]).lower(state, xs).as_text()
 
-    def diff(a, b):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        return [float(np.max(np.abs(a - b))), float(np.max(np.abs(b)))]
-
-    diffs = {"loss": diff(v1, v0), "y": diff(y1, y0), "d x": diff(gx1, gx0)}
+    diffs = {"loss": _diff(v1, v0), "y": _diff(y1, y0), "d x": _diff(gx1, gx0)}
     flat0, flat1 = dict(nnx.to_flat_state(g0)), dict(nnx.to_flat_state(g1))
     assert set(flat0) == set(flat1)
     for path, v in flat0.items():
-        diffs["d " + "/".join(map(str, path))] = diff(flat1[path].get_value(), v.get_value())
+        diffs["d " + "/".join(map(str, path))] = _diff(flat1[path].get_value(), v.get_value())
     e_local = 8 // MESHES[mesh_name][3]
     idx = np.asarray(_models(routing).gate.tid2eid[...])[np.asarray(tokens)] if ROUTINGS[routing][0] else None
     receivers = None if idx is None else len(np.unique(idx // e_local))
@@ -245,8 +272,106 @@ def _memory():
     return out
 
 
+# a 2-layer deepseek4-tiny (SWA, CSA), both layers hash-routed, one row per device on expert 8
+RUN_OVERRIDES = ("compress_ratios=[0,4]", "base_num_decoder_layers=2", "first_num_hash_layers=2", "vocab_size=512",
+                 "max_target_length=64", "per_device_batch_size=1", "indexer_topk=4", "dataset_type=synthetic",
+                 "jax_cache_dir=", "steps=1", "enable_tensorboard=false", "async_checkpointing=false", "compile_ahead=false",
+                 "ici_data_parallelism=1", "ici_expert_parallelism=8")
+CAPACITY = 1.0
+
+
+def _expected_dropped(model, tokens_bt, k: int, experts: int, devices: int) -> float:
+    """Per hash layer, per device (its contiguous tokens) and destination, the slots past ceil(f n k / P)
+    in token order; their fraction of all B*T*k slots, mean over the layers."""
+    import math
+
+    import numpy as np
+
+    n = tokens_bt.size // devices
+    cap = math.ceil(CAPACITY * n * k / devices)
+    fractions = []
+    for block in model.layers:
+        dest_dnk = np.asarray(block.ffn.gate.tid2eid[...])[tokens_bt.reshape(devices, n)] // (experts // devices)
+        counts = np.stack([np.bincount(dest_dnk[d].reshape(-1), minlength=devices) for d in range(devices)])
+        fractions.append(np.maximum(counts - cap, 0).sum() / (tokens_bt.size * k))
+    return float(np.mean(fractions))
+
+
+def _forward_dropped(cfg, run_dir, batch):
+    """aux["moe_dropped"] of a train-mode forward of the run's checkpoint on `cfg`'s mesh."""
+    import jax
+    from flax import nnx
+
+    from core.eval.evaluate import restore_on_mesh
+    from core.parallel.mesh import make_mesh
+    from core.parallel.sharding import shard_batch
+    from core.train.step import with_mesh
+
+    mesh = make_mesh(cfg)
+    model, _ = restore_on_mesh(Path(run_dir) / "checkpoints", 0, cfg, mesh)
+    graphdef, state = nnx.split(model)
+    b = shard_batch({k: batch[k] for k in ("tokens", "positions", "segment_ids")}, mesh)
+    forward = with_mesh(mesh, lambda s, t, p, g: nnx.merge(graphdef, s).hidden(t, p, g, mode="train")[1]["moe_dropped"])
+    return float(jax.jit(forward)(state, b["tokens"], b["positions"], b["segment_ids"]))
+
+
+def _training_and_eval():
+    """A 1-step expert-8 warm-up run with capacity CAPACITY: its drop rate; then eval of its checkpoint on
+    expert 8 (drop-free) against data 8, counting the traces of the expert-parallel MoE."""
+    import numpy as np
+    from flax import nnx
+
+    from core.checkpoint import run_files
+    from core.data.batches import train_batches
+    from core.eval.evaluate import evaluate_checkpoint
+    from core.model import moe
+    from core.train.run import Trainer
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config("warmup", *RUN_OVERRIDES, f"moe_capacity_factor={CAPACITY}")
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        trainer = Trainer(cfg, stage="warmup", run_dir=run_dir)
+        [row] = list(trainer.run())
+        batch = next(train_batches(cfg, trainer.setup.batch_size))                  # the step's batch
+        model, _ = nnx.merge(trainer.graphdef, trainer.state)
+        expected = _expected_dropped(model, batch["tokens"], cfg.num_experts_per_tok, cfg.num_experts, 8)
+        training = {"row_dropped": row["moe_dropped"], "expected_dropped": expected,
+                    "jsonl_dropped": run_files.read_metrics(run_dir)[0]["moe_dropped"],
+                    "forward_dropped_free": _forward_dropped(cfg.replace(moe_capacity_factor=0.0), run_dir, batch)}
+
+        calls = [0]
+        exchange = moe.expert_parallel_experts
+
+        def counted(*args, **kw):
+            calls[0] += 1
+            return exchange(*args, **kw)
+
+        moe.expert_parallel_experts = counted
+        evals = {}
+        try:
+            for name, extra in (("expert", ()), ("data", ("ici_expert_parallelism=1", "ici_data_parallelism=8"))):
+                before = calls[0]
+                evals[name] = evaluate_checkpoint(run_dir, overrides=["moe_capacity_factor=0", *extra], batches=1,
+                                                  ks="2,4").to_dict()
+                evals[name + "_calls"] = calls[0] - before
+        finally:
+            moe.expert_parallel_experts = exchange
+
+    ep, dp = evals["expert"], evals["data"]
+    diffs = {f"lm_loss {k}": _diff(ep["lm_loss"][k], dp["lm_loss"][k]) for k in ("dense", "topk")}
+    for got, ref in zip(ep["overall"]["by_k"], dp["overall"]["by_k"], strict=True):
+        for subset in ("all", "informative"):
+            for metric, value in ref[subset].items():
+                if value is not None:
+                    diffs[f"k={ref['k']} {subset} {metric}"] = _diff(got[subset][metric], value)
+    return training, {"expert_parallel_calls": evals["expert_calls"], "data_parallel_calls": evals["data_calls"],
+                      "batch_size": ep["checkpoint"]["batch_size"], "diffs": diffs}
+
+
 if __name__ == "__main__":
     results = {f"{m}/{r}": _parity(m, r) for m, r in CASES}
     results["capacity"] = _capacity()
     results["memory"] = _memory()
+    results["training"], results["eval"] = _training_and_eval()
     print(json.dumps(results))

@@ -1,10 +1,18 @@
-"""DeepSeek-V4's three stages as commands: `dsv4 pretrain`, `dsv4 warmup --init-from`
-(also from a model without an indexer), the chain into `dsv4 sparse` and `dsv4 eval-indexer`, and
-the warnings for a top-k that cannot bind. The chain runs once per session (conftest.stage_chain)."""
+"""DeepSeek-V4's three stages as commands, chained: `dsv4 pretrain`, `dsv4 warmup --init-from` it
+(and from a model without an indexer; other mismatches stay one-line errors), `dsv4 sparse
+--init-from` the warm-up (what it trains; an interrupted and resumed run against the straight one)
+and `dsv4 eval-indexer` on the result.
+
+The chain runs once, in the `stage_chain` fixture, and every test that needs one of its runs or
+compiled steps lives in this file: under pytest-xdist's --dist loadfile one worker builds it,
+once. The stages' options and checks that need no chain are tests/train/test_stage_checks.py's.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -19,10 +27,34 @@ from core.train import run as train
 from core.train import step as train_step
 from core.errors import CheckpointError
 from core.model.transformer import Transformer
-from core.train.handoff import is_indexer, topk_warning
+from core.train.handoff import is_indexer
+from dsv4cli import display
 from dsv4cli.main import app
 
+pytestmark = pytest.mark.slow  # the chain: three compiled steps, 38 steps trained
 runner = CliRunner()
+LOSS_KEYS = ("total_loss", "lm_loss", "indexer_loss", "moe_lb_loss", "grad_norm", "learning_rate")
+WARMUP_STEPS, SPARSE_STEPS = CHAIN_STEPS["warmup"], CHAIN_STEPS["sparse"]
+
+
+def _invoke(*args):
+    return runner.invoke(app, [*args, *TINY_OVERRIDES, "checkpoint_period=4"])
+
+
+@pytest.fixture(scope="module")
+def stage_chain(tmp_path_factory):
+    """{"pretrain" | "warmup" | "sparse": (run dir, CLI output)}, each run --init-from the previous.
+
+    CHAIN_STEPS steps each, checkpoint_period=4 (the resumed sparse run below restarts the chain's
+    sparse run with the same period and must match it row for row)."""
+    root, runs, previous = tmp_path_factory.mktemp("chain"), {}, None
+    for stage, steps in CHAIN_STEPS.items():
+        run = root / stage
+        init = ["--init-from", str(previous)] if previous else []
+        result = _invoke(stage, "--steps", str(steps), "--output", str(run), *init)
+        assert result.exit_code == 0, result.output
+        runs[stage], previous = (run, result.output), run
+    return runs
 
 
 def _variables(model) -> dict[str, np.ndarray]:
@@ -89,6 +121,59 @@ def test_chain_into_sparse_and_eval(stage_chain):
     assert "warning: top-k never binds at k=32" in table.stdout
 
 
+def test_sparse_from_warmup_trains_everything(stage_chain):
+    warm, (run, output) = stage_chain["warmup"], stage_chain["sparse"]
+    assert f"initialised from {warm[0]} (step {WARMUP_STEPS - 1})" in output.replace("\n", "")
+    rows = run_files.read_metrics(run)
+    assert len(rows) == SPARSE_STEPS and all(r["lm_loss"] > 0 and r["indexer_loss"] > 0 for r in rows)
+    first, last = np.mean([r["total_loss"] for r in rows[:5]]), np.mean([r["total_loss"] for r in rows[-5:]])
+    assert last < first - 0.1, (first, last)
+
+    start, _, _ = ckpt.restore_model(warm[0])
+    end, _, meta = ckpt.restore_model(run)
+    assert meta["stage"] == "sparse"
+    before, after = _variables(start), _variables(end)
+    moved = {k: not np.array_equal(before[k], after[k]) for k in before}
+    fixed = [k for k, m in moved.items() if not m]
+    assert fixed == [k for k in before if k.endswith("tid2eid")], fixed  # only the hash tables stay
+    assert any(k.endswith("gate/bias") and moved[k] for k in moved)  # router biases moved too
+    opt_paths = ckpt.read_tree(run, item="optimizer")
+    assert any(p.endswith("/mu/embed") for p in opt_paths) and any("/mu/" in p and "indexer" in p for p in opt_paths)
+
+
+def test_interrupted_and_resumed_run_matches_the_straight_one(stage_chain, tmp_path, monkeypatch):
+    run = tmp_path / "resumed"
+    original = display.TrainDisplay.row
+
+    def row_then_ctrl_c(self, row):
+        original(self, row)
+        if row["step"] == 5:  # not a checkpoint_period step: the interrupt itself must save
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(display.TrainDisplay, "row", row_then_ctrl_c)
+    args = ("sparse", "--steps", str(SPARSE_STEPS), "--output", str(run), "--init-from", str(stage_chain["warmup"][0]))
+    first = _invoke(*args)
+    assert first.exit_code == 130, first.output
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [3, 5]
+    monkeypatch.setattr(display.TrainDisplay, "row", original)
+    reads = []
+    read_metrics = run_files.read_metrics
+    monkeypatch.setattr(run_files, "read_metrics", lambda *a, **k: reads.append(a) or read_metrics(*a, **k))
+    second = _invoke(*args)
+    assert second.exit_code == 0, second.output
+    assert len(reads) == 2, reads  # metrics.jsonl read once to resume, once for the summary
+    monkeypatch.setattr(run_files, "read_metrics", read_metrics)
+    assert "resuming from checkpoint step 5" in second.output
+    straight, resumed = run_files.read_metrics(stage_chain["sparse"][0]), run_files.read_metrics(run)
+    assert [r["step"] for r in resumed] == list(range(SPARSE_STEPS))
+    for a, b in zip(straight, resumed):
+        for k in LOSS_KEYS:
+            assert a[k] == b[k], (a["step"], k, a[k], b[k])
+    again = _invoke(*args)  # the run is complete: nothing to do, nothing overwritten
+    assert again.exit_code == 0 and "nothing to do" in again.output
+    assert run_files.read_metrics(run) == resumed
+
+
 def _save_without_indexer(run, cfg) -> None:
     """A run directory holding a use_indexer=false model, as a converted checkpoint would be."""
     setup = train_step.build(cfg.replace(use_indexer=False))
@@ -124,98 +209,3 @@ def test_other_mismatches_stay_one_line_errors(tmp_path):
     assert result.exit_code == 2 and "shape" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     with pytest.raises(CheckpointError, match="shape"):
         train.Trainer(tiny_config("sparse"), stage="sparse", run_dir=tmp_path / "s", init_from=src)
-
-
-@pytest.mark.parametrize("overrides,warns", [
-    ((), False),                                   # 128 tokens = 32 blocks > k = 16
-    (("indexer_topk=31",), False),
-    (("indexer_topk=32",), True),                  # k = every visible block of the longest row
-    (("indexer_topk=32", "max_target_length=256"), False),
-    (("indexer_topk=32", "use_indexer=false"), False),  # nothing to select with
-])
-def test_training_warns_exactly_when_topk_cannot_bind(overrides, warns):
-    for stage in ("pretrain",) if "use_indexer=false" in overrides else ("pretrain", "sparse"):
-        cfg = tiny_config(stage, *overrides)
-        assert (topk_warning(cfg) is not None) == warns, (stage, overrides)
-    if warns:
-        assert "never binds" in topk_warning(tiny_config("warmup", *overrides))
-
-
-def test_trainer_carries_the_warning_once(tmp_path):
-    cfg = tiny_config("warmup", "indexer_topk=32")
-    trainer = train.Trainer(cfg, stage="warmup", run_dir=tmp_path / "w")
-    trainer.ckpt.close()
-    assert trainer.info["warnings"] == [topk_warning(cfg)] and trainer.info["notices"] == []
-
-
-def test_pretrain_forward_is_dense_with_the_head_and_no_indexer_loss():
-    """mode="train" under dense_pretraining = the eval_dense forward (every visible block), not top-k."""
-    import jax
-    import jax.numpy as jnp
-
-    cfg = tiny_config("pretrain", "indexer_topk=2", "per_device_batch_size=1")
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    tokens = jax.random.randint(jax.random.key(1), (1, cfg.max_target_length), 0, cfg.vocab_size)
-    positions = jnp.arange(cfg.max_target_length)[None]
-    segments = jnp.ones_like(tokens)
-    run = nnx.jit(lambda m, mode: m(tokens, positions, segments, mode=mode), static_argnums=1)
-    (train_logits, aux), (dense_logits, _), (topk_logits, _) = (run(model, m) for m in ("train", "eval_dense", "eval"))
-    assert float(aux["indexer_loss"]) == 0.0 and train_logits is not None
-    np.testing.assert_array_equal(np.asarray(train_logits), np.asarray(dense_logits))
-    assert np.abs(np.asarray(train_logits) - np.asarray(topk_logits)).max() > 1e-6  # top-2 of 32 blocks binds
-
-
-@pytest.mark.parametrize("override,needle", [
-    ("indexer_loss_scaling_factor=0.1", "leaves the indexer idle"),
-    ("dense_pretraining=false", "dense_pretraining=false in dsv4 pretrain"),
-    ("frozen_parameters_mask=[]", "add '.*indexer.*' to frozen_parameters_mask"),
-    ("frozen_parameters_mask=['(']", "not a valid regex"),
-])
-def test_pretrain_bad_inputs_exit_2_with_one_line(tmp_path, override, needle):
-    result = runner.invoke(app, ["pretrain", "--steps", "1", "--output", str(tmp_path / "p"), *TINY_OVERRIDES, override])
-    assert result.exit_code == 2 and needle in result.stderr, result.output
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-
-
-def test_warmup_preset_is_constant_lr_without_decay_and_its_help_lists_it():
-    """The warm-up recipe chosen in docs/benchmarks.md#why-the-defaults: lr 1e-2 constant after the linear
-    warm-up, no weight decay, adam_eps below the warm-up's gradients, adam_b1 0.7; `dsv4 warmup --help` (and
-    `dsv4 pretrain --help`) list every preset key."""
-    from core.config.schema import load_config
-    from core.train.step import learning_rate_schedule
-
-    cfg = load_config("deepseek4-tiny", (), stage="warmup", options={"steps": 100})
-    assert (cfg.learning_rate, cfg.adam_weight_decay, cfg.adam_eps, cfg.adam_b1) == (1e-2, 0.0, 1e-12, 0.7)
-    lr = [float(learning_rate_schedule(cfg)(s)) for s in (4, 50, 99)]
-    assert lr == pytest.approx([1e-2] * 3, rel=1e-6)
-    for stage in ("warmup", "pretrain"):
-        _help_lists_preset(stage)
-
-
-def _help_lists_preset(stage):
-    import re
-
-    import yaml
-
-    from core.config.files import stage_presets
-
-    preset = stage_presets(stage)
-    text = " ".join(runner.invoke(app, [stage, "--help"], terminal_width=400).output.split())
-    for key, value in preset.items():
-        shown = re.search(rf"(?<!\w){key}=(\S+)", text)
-        assert shown, key
-        parsed = yaml.safe_load(shown.group(1))
-        assert (float(parsed) if isinstance(value, float) else parsed) == value, (key, shown.group(1), value)
-
-
-@pytest.mark.parametrize("stage, zero", [("pretrain", True), ("warmup", True), ("sparse", False)])
-def test_indexer_weights_init_reaches_the_indexer(stage, zero):
-    """`indexer_weights_init` (zeros in the pretrain and warm-up presets) is how a CSA layer's
-    indexer weights_proj starts; the sparse preset keeps the random fan-in init."""
-    from core.model.attention import Attention, AttentionSpec
-
-    cfg = tiny_config(stage)
-    layer = cfg.compress_ratios.index(4)
-    attn = Attention(AttentionSpec.from_config(cfg, layer), rngs=nnx.Rngs(0))
-    assert cfg.indexer_weights_init == ("zeros" if zero else "fan_in")
-    assert np.any(np.asarray(attn.indexer.weights_proj[...])) != zero

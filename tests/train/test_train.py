@@ -1,18 +1,17 @@
-"""Training end to end through the CLI (`dsv4 warmup`, `dsv4 sparse`) on a shrunken deepseek4-tiny,
-plus float64 references for the LM loss and the learning-rate schedule.
+"""Training end to end through the CLI (`dsv4 warmup`) on a shrunken deepseek4-tiny: a fresh
+warm-up, local data files, bad input; plus float64 references for the LM loss and the
+learning-rate schedule.
 
-The runs are shared by several tests: a fresh warm-up (6 steps, a module fixture) and the session's
-stage chain (conftest.stage_chain: pretrain, then a warm-up and a sparse run with the same steps and
-checkpoint period, so one compiled step each); the interrupted + resumed sparse run restarts the
-chain's sparse run from the chain's warm-up and must match it row for row.
+The fresh warm-up (a module fixture) is shared by several tests; it takes as many steps as the
+stage chain's warm-up (tests/train/test_stages.py), whose compiled step it then shares when both
+files run in one process. The sparse stage end to end (and an interrupted, resumed run) is
+tests/train/test_stages.py's, on the chain's runs.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 
 import jax
 import numpy as np
@@ -24,7 +23,6 @@ from tests.conftest import CHAIN_STEPS, TINY_OVERRIDES, tiny_config
 from core.checkpoint import store as ckpt
 from core import tree
 from core.checkpoint import run_files
-from core.train import run as train
 from core.loss import lm as lm_loss
 from core.model.transformer import Transformer
 from core.train import step as train_step
@@ -33,8 +31,7 @@ from dsv4cli import display
 from dsv4cli.main import app
 
 runner = CliRunner()
-LOSS_KEYS = ("total_loss", "lm_loss", "indexer_loss", "moe_lb_loss", "grad_norm", "learning_rate")
-WARMUP_STEPS, SPARSE_STEPS = CHAIN_STEPS["warmup"], CHAIN_STEPS["sparse"]
+WARMUP_STEPS = CHAIN_STEPS["warmup"]
 
 
 def _invoke(*args):
@@ -51,18 +48,6 @@ def warm(tmp_path_factory):
     result = _invoke("warmup", "--steps", str(WARMUP_STEPS), "--output", str(run))
     assert result.exit_code == 0, result.output
     return run, result.output
-
-
-@pytest.fixture(scope="module")
-def chain_warm(stage_chain):
-    """(run dir, CLI output) of the chain's warm-up: WARMUP_STEPS steps --init-from its pretrain run."""
-    return stage_chain["warmup"]
-
-
-@pytest.fixture(scope="module")
-def sparse(stage_chain):
-    """(run dir, CLI output) of the chain's sparse run: SPARSE_STEPS steps --init-from `chain_warm`."""
-    return stage_chain["sparse"]
 
 
 # ----------------------------------------------------------------------------- the warm-up
@@ -95,62 +80,6 @@ def test_warmup_trains_only_the_indexer(warm):
     assert any(p.endswith("/mu/" + k) for p in opt_paths for k in indexer[:1])
     assert all("indexer" in p or p.split("/")[-1] in ("count", "step") for p in opt_paths), \
         [p for p in opt_paths if "indexer" not in p][:5]
-
-
-# ----------------------------------------------------------------------------- sparse
-
-
-def test_sparse_from_warmup_trains_everything(chain_warm, sparse):
-    warm, (run, output) = chain_warm, sparse
-    assert f"initialised from {warm[0]} (step {WARMUP_STEPS - 1})" in output.replace("\n", "")
-    rows = run_files.read_metrics(run)
-    assert len(rows) == SPARSE_STEPS and all(r["lm_loss"] > 0 and r["indexer_loss"] > 0 for r in rows)
-    first, last = np.mean([r["total_loss"] for r in rows[:5]]), np.mean([r["total_loss"] for r in rows[-5:]])
-    assert last < first - 0.1, (first, last)
-
-    start, _, _ = ckpt.restore_model(warm[0])
-    end, _, meta = ckpt.restore_model(run)
-    assert meta["stage"] == "sparse"
-    before, after = _variables(start), _variables(end)
-    moved = {k: not np.array_equal(before[k], after[k]) for k in before}
-    fixed = [k for k, m in moved.items() if not m]
-    assert fixed == [k for k in before if k.endswith("tid2eid")], fixed  # only the hash tables stay
-    assert any(k.endswith("gate/bias") and moved[k] for k in moved)  # router biases moved too
-    opt_paths = ckpt.read_tree(run, item="optimizer")
-    assert any(p.endswith("/mu/embed") for p in opt_paths) and any("/mu/" in p and "indexer" in p for p in opt_paths)
-
-
-def test_interrupted_and_resumed_run_matches_the_straight_one(chain_warm, sparse, tmp_path, monkeypatch):
-    run = tmp_path / "resumed"
-    original = display.TrainDisplay.row
-
-    def row_then_ctrl_c(self, row):
-        original(self, row)
-        if row["step"] == 5:  # not a checkpoint_period step: the interrupt itself must save
-            os.kill(os.getpid(), signal.SIGINT)
-
-    monkeypatch.setattr(display.TrainDisplay, "row", row_then_ctrl_c)
-    args = ("sparse", "--steps", str(SPARSE_STEPS), "--output", str(run), "--init-from", str(chain_warm[0]))
-    first = _invoke(*args)
-    assert first.exit_code == 130, first.output
-    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [3, 5]
-    monkeypatch.setattr(display.TrainDisplay, "row", original)
-    reads = []
-    read_metrics = run_files.read_metrics
-    monkeypatch.setattr(run_files, "read_metrics", lambda *a, **k: reads.append(a) or read_metrics(*a, **k))
-    second = _invoke(*args)
-    assert second.exit_code == 0, second.output
-    assert len(reads) == 2, reads  # metrics.jsonl read once to resume, once for the summary
-    monkeypatch.setattr(run_files, "read_metrics", read_metrics)
-    assert "resuming from checkpoint step 5" in second.output
-    straight, resumed = run_files.read_metrics(sparse[0]), run_files.read_metrics(run)
-    assert [r["step"] for r in resumed] == list(range(SPARSE_STEPS))
-    for a, b in zip(straight, resumed):
-        for k in LOSS_KEYS:
-            assert a[k] == b[k], (a["step"], k, a[k], b[k])
-    again = _invoke(*args)  # the run is complete: nothing to do, nothing overwritten
-    assert again.exit_code == 0 and "nothing to do" in again.output
-    assert run_files.read_metrics(run) == resumed
 
 
 # ----------------------------------------------------------------------------- data and errors

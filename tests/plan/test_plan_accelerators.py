@@ -1,0 +1,77 @@
+"""`dsv4 plan` for accelerator targets through their compile-only clients (no TPU or GPU needed):
+v5p-8 through libtpu (the `tpu` extra), h200x8 through the CUDA plugin (the `cuda` extra), each
+skipped without its extra; and no CUDA plugin noise in the other commands. The CPU targets, the
+figures against the training command's own and bad input are tests/plan/test_plan.py's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import TINY_OVERRIDES
+
+# Two layers (SWA, CSA) of 64 tokens: the TPU compiler's verdict on the training step does not
+# depend on the model's size, and it compiles this one in about two thirds of the shrunken
+# deepseek4-tiny's time (TINY_OVERRIDES).
+SMALL = ("compress_ratios=[0,4]", "base_num_decoder_layers=2", "first_num_hash_layers=1", "vocab_size=512",
+         "max_target_length=64", "per_device_batch_size=2")
+
+
+# ----------------------------------------------------------------------------- TPU
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install "dsv4[tpu]"')
+def test_v5p8_compiles_with_libtpu_and_fits():
+    from core.plan.compile import plan
+    from core.plan.targets import GIB
+
+    result = plan("deepseek4-tiny", "sparse", "v5p-8", SMALL, top=3, analytic=False)
+    assert result["platform"] == "tpu" and result["devices"] == 4
+    assert result["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1, "expert": 1}
+    d = result["per_device"]
+    assert result["fits"] and d["usable_bytes"] == int(95.74 * GIB) and d["temp_bytes"] > 0 and d["code_bytes"] > 0
+    assert result["flops_per_step"] > 0 and result["estimated_tokens_per_s"] > 0
+    assert result["top_temporaries"]
+
+
+# ----------------------------------------------------------------------------- GPU (the CUDA plugin, no GPU needed)
+
+
+_CUDA = any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _CUDA, reason='needs the CUDA plugin: pip install "dsv4[cuda]"')
+def test_h200x8_compiles_with_the_cuda_plugin_and_fits():
+    from core.plan.compile import plan
+    from core.plan.targets import gpu_spec_fields
+
+    result = plan("deepseek4-tiny", "warmup", "h200x8", TINY_OVERRIDES, top=3, analytic=False)
+    assert result["platform"] == "cuda" and result["devices"] == 8
+    assert result["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1}
+    d = result["per_device"]
+    assert d["usable_bytes"] == int(0.75 * gpu_spec_fields("h200")["device_memory_size"])
+    assert result["fits"] and d["temp_bytes"] > 0 and d["argument_bytes"] > 0  # XLA:GPU's arguments: 2 KiB off the state's
+    # the compile-only GPU client has no cost analysis: the FLOPs and bytes come from its HLO
+    assert result["xla_cost_analysis_flops"] is None and result["flops_per_step"] > 0 and result["bytes_accessed"] > 0
+    assert result["estimated_tokens_per_s"] > 0 and result["top_temporaries"]
+
+
+@pytest.mark.skipif(not _CUDA, reason='needs the CUDA plugin: pip install "dsv4[cuda]"')
+def test_no_cuda_plugin_noise_in_other_commands(tmp_path):
+    """With the plugin installed and no GPU, `dsv4 --help` is clean and a one-line error that JAX's
+    start-up precedes (the device count of a mesh) stays one line."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    run = [sys.executable, "-c", "from dsv4cli.main import main; main()"]
+    help_out = subprocess.run([*run, "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert help_out.returncode == 0 and help_out.stderr == "", help_out.stderr
+    bad = subprocess.run([*run, "warmup", "--output", str(tmp_path / "run"), *TINY_OVERRIDES, "ici_data_parallelism=3"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), bad.stderr
