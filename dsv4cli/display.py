@@ -235,12 +235,12 @@ def int_list(text: str, option: str, example: str) -> list[int]:
     return values
 
 
-def console():
-    """A Rich console; off a terminal, one that never wraps (lines stay greppable)."""
+def console(*, stderr: bool = False):
+    """A Rich console (on stderr with `stderr`); off a terminal, one that never wraps (lines stay greppable)."""
     from rich.console import Console
 
-    console = Console(highlight=False)
-    return console if console.is_terminal else Console(highlight=False, width=1000, soft_wrap=True)
+    console = Console(stderr=stderr, highlight=False)
+    return console if console.is_terminal else Console(stderr=stderr, highlight=False, width=1000, soft_wrap=True)
 
 
 def fmt_bytes(n: float) -> str:

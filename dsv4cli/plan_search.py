@@ -24,7 +24,7 @@ def run(model: str, stage: str, target: str, overrides: Sequence[str], *, config
 
         def progress(done: int, total: int, what: str) -> None:
             if "bar" not in bars:
-                bars["bar"] = stack.enter_context(display.ProgressBar(total, "compiles", console=_stderr(), quiet=json_out))
+                bars["bar"] = stack.enter_context(display.ProgressBar(total, "compiles", console=display.console(stderr=True), quiet=json_out))
             bars["bar"].update(done, description=what if done == total else f"{what} · {total - done} left · {COMPILE_NOTE}")
 
         result = search(model, stage, target, overrides, config_file=config_file, max_batch=max_batch, cache_dir=cache,
@@ -34,14 +34,6 @@ def run(model: str, stage: str, target: str, overrides: Sequence[str], *, config
     else:
         render(display.console(), result)
     return 0 if result["best"] else 1
-
-
-def _stderr():
-    """The bar's console: off a terminal, one that never wraps (one plain line per compile)."""
-    from rich.console import Console
-
-    console = Console(stderr=True, highlight=False)
-    return console if console.is_terminal else Console(stderr=True, highlight=False, width=1000, soft_wrap=True)
 
 
 def mesh_text(rec: dict[str, Any]) -> str:

@@ -273,21 +273,26 @@ def check_model_shapes(path: str | Path, expected: Mapping[str, tuple[int, ...]]
     return run_dir, ckpt_dir, step
 
 
-def restore_model(path: str | Path, step: int | None = None, cfg=None):
+def restore_model(path: str | Path, step: int | None = None, cfg=None, *, mesh=None):
     """(model, cfg, metadata): a `core.model.transformer.Transformer` with a checkpoint's variables.
 
     Args:
       cfg: the Config to build (default: the checkpoint's own); its shapes must match.
+      mesh: restore each variable straight into its rule sharding on this mesh
+        (`core.parallel.sharding.abstract_state`: no device ever holds the whole model); None: as
+        Orbax places it.
     """
     from flax import nnx
 
     from core.model import transformer
+    from core.parallel.sharding import abstract_state
 
     metadata = read_metadata(path, step)
     if cfg is None:
         cfg = config_of(path, metadata["step"])
     graphdef, state = nnx.split(transformer.abstract(cfg))
-    values, _ = restore_model_state(path, nnx.to_pure_dict(state), metadata["step"])
+    target = state if mesh is None else abstract_state(state, mesh)
+    values, _ = restore_model_state(path, nnx.to_pure_dict(target), metadata["step"])
     nnx.replace_by_pure_dict(state, values)
     return nnx.merge(graphdef, state), cfg, metadata
 

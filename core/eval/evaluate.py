@@ -313,7 +313,7 @@ def evaluate_checkpoint(path, *, step: int | None = None, overrides: Sequence[st
     cfg = with_overrides(cfg, overrides)
     ks = parse_ks(ks, cfg.indexer_topk, cfg.max_target_length // 4)
     mesh = make_mesh(cfg)  # a mesh that does not fit these devices: ConfigError naming the ici_* keys
-    model, meta = restore_on_mesh(ckpt_dir, step, cfg, mesh)
+    model, cfg, meta = ckpt.restore_model(ckpt_dir, step, cfg, mesh=mesh)
     rows_per_batch = cfg.per_device_batch_size * mesh.size
     data = eval_batches(cfg, rows_per_batch, batches)
     result = evaluate_indexer(model, cfg, data, ks=ks, seed=seed, on_batch=on_batch, mesh=mesh)
@@ -327,18 +327,3 @@ def evaluate_checkpoint(path, *, step: int | None = None, overrides: Sequence[st
                "max_target_length": cfg.max_target_length, "data": data_fingerprint(cfg)["source"]}
     return dataclasses.replace(result, context=context)
 
-
-def restore_on_mesh(ckpt_dir, step: int, cfg, mesh):
-    """(model, metadata): `cfg`'s decoder with the checkpoint's variables, each restored straight into
-    its rule sharding on `mesh` (`core.checkpoint.store.restore_model` with sharded targets: no device
-    ever holds the whole model). Shape mismatches raise its CheckpointError naming the parameter."""
-    from flax import nnx
-
-    from core.checkpoint import store as ckpt
-    from core.model import transformer
-    from core.parallel.sharding import abstract_state
-
-    graphdef, state = nnx.split(transformer.abstract(cfg))
-    values, _ = ckpt.restore_model_state(ckpt_dir, nnx.to_pure_dict(abstract_state(state, mesh)), step)
-    nnx.replace_by_pure_dict(state, values)
-    return nnx.merge(graphdef, state), ckpt.read_metadata(ckpt_dir, step)

@@ -209,6 +209,28 @@ def _is_consumed_scale(name: str, table: dict) -> bool:
     return weight is not None and weight[1].dtype in ("F8_E4M3", "I8")
 
 
+def _slot(name: str, m: names.Match, leaf, j: int | None) -> tuple[tuple, tuple]:
+    """(the shape one tensor fills in `leaf`, its index there: stacked slice j, then the expert)."""
+    want = tuple(leaf.shape[1:] if j is not None else leaf.shape)
+    if m.expert is not None:
+        if not 0 <= m.expert < want[0]:
+            raise CheckpointError(f"tensor {name} is for expert {m.expert}, but config.json has {want[0]} experts.")
+        want = want[1:]
+    return want, tuple(i for i in (j, m.expert) if i is not None)
+
+
+def _claim(name: str, path: str, key: str, index: tuple, filled: set) -> None:
+    if (key, index) in filled:
+        raise CheckpointError(f"tensor {name} fills {path} a second time: the checkpoint holds it twice.")
+
+
+def _write_slice(buffers: dict, key: str, leaf, index: tuple, value, filled: set) -> None:
+    if key not in buffers:
+        buffers[key] = np.empty(leaf.shape, leaf.dtype)
+    buffers[key][index] = value
+    filled.add((key, index))
+
+
 def _place(name, load, shape, m, layout, dims, where, leaves, buffers, filled, num_layers) -> None:
     """Write one HF tensor's dsv4 slices into their buffers (shape-checked against the model first;
     `load()` then gives the tensor's values)."""
@@ -223,18 +245,12 @@ def _place(name, load, shape, m, layout, dims, where, leaves, buffers, filled, n
                                   "check compress_ratios / num_hash_layers against the tensors.")
         key, j = where[path]
         leaf = leaves[key]
-        want = tuple(leaf.shape[1:] if j is not None else leaf.shape)
-        if m.expert is not None:
-            if not 0 <= m.expert < want[0]:
-                raise CheckpointError(f"tensor {name} is for expert {m.expert}, but config.json has {want[0]} experts.")
-            want = want[1:]
+        want, index = _slot(name, m, leaf, j)
         hf_want = names.hf_shape(rule, layout, want, dims)
         if tuple(shape) != hf_want:
             raise CheckpointError(f"tensor {name} has shape {list(shape)}, but config.json implies {list(hf_want)}: "
                                   "the checkpoint and its config.json disagree.")
-        index = tuple(i for i in (j, m.expert) if i is not None)
-        if (key, index) in filled:
-            raise CheckpointError(f"tensor {name} fills {path} a second time: the checkpoint holds it twice.")
+        _claim(name, path, key, index, filled)
         value = load() if value is None else value
         ours = names.rule_to_ours(rule, layout, value, dims)
         if np.issubdtype(leaf.dtype, np.integer):
@@ -243,10 +259,7 @@ def _place(name, load, shape, m, layout, dims, where, leaves, buffers, filled, n
                                       f"got dtype {ours.dtype}: the hash table is corrupted.")
         elif np.issubdtype(ours.dtype, np.integer) or ours.dtype == np.bool_:
             raise CheckpointError(f"tensor {name} has integer dtype {ours.dtype} where a float weight belongs.")
-        if key not in buffers:
-            buffers[key] = np.empty(leaf.shape, leaf.dtype)
-        buffers[key][index] = ours
-        filled.add((key, index))
+        _write_slice(buffers, key, leaf, index, ours, filled)
 
 
 _HELD_CODES = {"int8": ("I8", "FP4 e2m1 (two per int8)"), "float8_e4m3fn": ("F8_E4M3", "FP8 e4m3")}
@@ -254,9 +267,9 @@ _HELD_CODES = {"int8": ("I8", "FP4 e2m1 (two per int8)"), "float8_e4m3fn": ("F8_
 
 def _held_slots(m: names.Match, where: dict) -> dict[str, tuple[str, int | None]] | None:
     """{"codes", "scales": (state key, stacked index)} when the model holds this tensor's parameter released."""
-    if len(m.rules) != 1 or f"{names.logical_path(m.rules[0], m.layer)}.codes" not in where:
+    path = names.logical_path(m.rules[0], m.layer) if len(m.rules) == 1 else None
+    if path is None or f"{path}.codes" not in where:
         return None
-    path = names.logical_path(m.rules[0], m.layer)
     return {part: where[f"{path}.{part}"] for part in ("codes", "scales")}
 
 
@@ -290,39 +303,26 @@ def _place_held(name: str, source: tuple[Path, st.TensorInfo], m: names.Match, s
     for part, (shard, tinfo) in (("codes", source), ("scales", scale)):
         key, j = slots[part]
         leaf = leaves[key]
-        want = tuple(leaf.shape[1:] if j is not None else leaf.shape)
-        if m.expert is not None:
-            if not 0 <= m.expert < want[0]:
-                raise CheckpointError(f"tensor {name} is for expert {m.expert}, but config.json has {want[0]} experts.")
-            want = want[1:]
+        want, index = _slot(name, m, leaf, j)
         if tuple(tinfo.shape) != want:
             raise CheckpointError(f"tensor {tinfo.name} has shape {list(tinfo.shape)}, but config.json implies "
                                   f"{list(want)}: the checkpoint and its config.json disagree.")
-        index = tuple(i for i in (j, m.expert) if i is not None)
-        if (key, index) in filled:
-            raise CheckpointError(f"tensor {tinfo.name} fills {path}/{part} a second time: the checkpoint holds "
-                                  "it twice.")
-        if key not in buffers:
-            buffers[key] = np.empty(leaf.shape, leaf.dtype)
-        buffers[key][index] = st.read_tensor(shard, tinfo)
-        filled.add((key, index))
+        _claim(tinfo.name, f"{path}/{part}", key, index, filled)
+        _write_slice(buffers, key, leaf, index, st.read_tensor(shard, tinfo), filled)
         stored += tinfo.nbytes
     return stored
 
 
 def _check_complete(where, leaves, filled, layout) -> None:
     """Every dsv4 parameter (every stacked slice, every expert) was written exactly once."""
-    rules = {r.ours: r for r in names.LAYER_RULES + names.ROOT_RULES}
     for path, (key, j) in where.items():
-        ours = re.sub(r"^layers\.\d+\.", "", path)
-        part = ours.rsplit(".", 1)[-1] if ours.endswith((".codes", ".scales")) else None
-        rule = rules[ours.removesuffix(f".{part}")] if part else rules[ours]
+        part = path.rsplit(".", 1)[-1] if path.endswith((".codes", ".scales")) else None
+        rule, layer = names.rule_of(path.removesuffix(f".{part}") if part else path)
         experts = range(leaves[key].shape[0 if j is None else 1]) if rule.per_expert(layout) else [None]
         for e in experts:
             index = tuple(i for i in (j, e) if i is not None)
             if (key, index) not in filled:
-                layer = re.match(r"layers\.(\d+)\.", path)
-                prefix = f"{names.PREFIX[layout]}{layer.group(1)}." if layer else ""
+                prefix = "" if layer is None else f"{names.PREFIX[layout]}{layer}."
                 hf = prefix + rule.name(layout).replace("{e}", str(e))
                 hf = names.scale_name(hf) if part == "scales" else hf
                 raise CheckpointError(f"the checkpoint has no tensor {hf} (dsv4 {path}): it is incomplete or "

@@ -183,6 +183,13 @@ def abstract_state(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
 
 
+def shard_bytes(x: Any) -> int:
+    """Bytes of one device's shard of an abstract (or concrete) array with a sharding: the largest
+    shard, so uneven and replicated arrays count in full; the whole array without a sharding."""
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+    return math.prod(shape) * x.dtype.itemsize
+
+
 # ----------------------------------------------------------------------------- batches
 
 

@@ -28,7 +28,6 @@ compiler's own usage figures and largest allocations from its message.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from typing import Any
@@ -42,12 +41,6 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 
 # ----------------------------------------------------------------------------- exact state bytes
 
 
-def shard_bytes(x) -> int:
-    """Bytes of one device's shard of an abstract (or concrete) array with a sharding."""
-    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
-    return math.prod(shape) * x.dtype.itemsize
-
-
 def state_bytes(cfg, state, batch: dict[str, Any]) -> dict[str, int]:
     """Per-device bytes of the split (model, optimizer) `state` and the `batch`, from shardings.
 
@@ -58,6 +51,7 @@ def state_bytes(cfg, state, batch: dict[str, Any]) -> dict[str, int]:
     from flax import nnx
 
     from core.model.quant import Released
+    from core.parallel.sharding import shard_bytes
     from core.train.step import config_matcher
 
     trainable = config_matcher(cfg)

@@ -123,15 +123,11 @@ def abstract_inputs(cfg) -> tuple[Any, Any, dict[str, Any], Any]:
 def state_bytes_per_device(state) -> int:
     """Bytes of one device's shards of an abstract state (ShapeDtypeStructs with shardings): the
     largest shard of every leaf, so uneven and replicated leaves count in full."""
-    import math
-
     import jax
 
-    total = 0
-    for leaf in jax.tree.leaves(state):
-        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
-        total += math.prod(shape) * leaf.dtype.itemsize
-    return total
+    from core.parallel.sharding import shard_bytes
+
+    return sum(shard_bytes(leaf) for leaf in jax.tree.leaves(state))
 
 
 def device_memory_bytes(device) -> tuple[int | None, str]:

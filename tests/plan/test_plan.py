@@ -19,26 +19,12 @@ import sys
 import textwrap
 
 import pytest
-from typer.testing import CliRunner
 
 from tests.conftest import TINY_OVERRIDES
+from tests.plan import invoke_plan
 
 FIELDS = ("parameter_bytes", "optimizer_bytes", "batch_bytes", "argument_bytes", "temp_bytes", "code_bytes",
           "total_bytes", "usable_bytes")
-
-
-def _app():
-    import typer
-
-    from dsv4cli import plan as plan_cmd
-
-    app = typer.Typer(add_completion=False)
-    app.command()(plan_cmd.command)
-    return app
-
-
-def _invoke(*args: str):
-    return CliRunner().invoke(_app(), list(args))
 
 
 def _one_line_exit_2(result, *needles: str) -> None:
@@ -105,19 +91,19 @@ def test_gpu_specs_parse_without_fields_jax_rejects():
 
 @pytest.mark.parametrize("target", ["v5p-7", "tpu-8", "h200x12", "cpu:0"])
 def test_unknown_target_is_one_line_exit_2(target):
-    _one_line_exit_2(_invoke("--target", target), "--target")
+    _one_line_exit_2(invoke_plan("--target", target), "--target")
 
 
 def test_mesh_that_does_not_divide_is_one_line_exit_2():
-    _one_line_exit_2(_invoke("--target", "cpu:8", *TINY_OVERRIDES, "ici_data_parallelism=3"), "ici_")
+    _one_line_exit_2(invoke_plan("--target", "cpu:8", *TINY_OVERRIDES, "ici_data_parallelism=3"), "ici_")
 
 
 def test_missing_extra_is_one_line_exit_2(monkeypatch):
     from core.plan import targets
 
     monkeypatch.setattr(targets, "extra_installed", lambda target: False)
-    _one_line_exit_2(_invoke("--target", "v5p-8", *TINY_OVERRIDES), 'pip install "dsv4[tpu]"')
-    _one_line_exit_2(_invoke("--target", "h200x8", *TINY_OVERRIDES), 'pip install "dsv4[cuda]"')
+    _one_line_exit_2(invoke_plan("--target", "v5p-8", *TINY_OVERRIDES), 'pip install "dsv4[tpu]"')
+    _one_line_exit_2(invoke_plan("--target", "h200x8", *TINY_OVERRIDES), 'pip install "dsv4[cuda]"')
 
 
 def test_out_of_memory_refusal_is_a_verdict():

@@ -13,7 +13,8 @@ import json
 import math
 
 import pytest
-from typer.testing import CliRunner
+
+from tests.plan import invoke_plan
 
 SMALL = ("compress_ratios=[0,4]", "base_num_decoder_layers=2", "first_num_hash_layers=1", "vocab_size=256",
          "max_target_length=32", "sliding_window_size=8", "indexer_topk=4")
@@ -25,20 +26,6 @@ def _cfg(*overrides: str):
     from core.plan.compile import load
 
     return load("deepseek4-tiny", "sparse", [*SMALL, *overrides])
-
-
-def _app():
-    import typer
-
-    from dsv4cli import plan as plan_cmd
-
-    app = typer.Typer(add_completion=False)
-    app.command()(plan_cmd.command)
-    return app
-
-
-def _invoke(*args: str):
-    return CliRunner().invoke(_app(), list(args))
 
 
 # ----------------------------------------------------------------------------- enumeration
@@ -165,10 +152,10 @@ def test_cli_search_prints_the_table_and_names_the_best(searched, monkeypatch):
 
     _, cache = searched
     monkeypatch.setattr(plan_compile, "run_child", lambda *a, **k: pytest.fail("the cache should answer"))
-    result = _invoke("--target", "cpu:2", "--search", "--cache", str(cache), *PINNED)
+    result = invoke_plan("--target", "cpu:2", "--search", "--cache", str(cache), *PINNED)
     assert result.exit_code == 0, result.output
     assert "best: fsdp 2, batch 1" in result.output and "pruned 1" in result.output, result.output
-    listed = _invoke("--target", "cpu:2", "--search", "--cache", str(cache), "--json", *PINNED)
+    listed = invoke_plan("--target", "cpu:2", "--search", "--cache", str(cache), "--json", *PINNED)
     rows = json.loads(listed.stdout)
     assert listed.exit_code == 0 and [r["status"] for r in rows] == ["fits", "pruned"]
     assert rows[0]["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1, "expert": 1} and rows[0]["plan"]["fits"]
@@ -246,7 +233,7 @@ def test_failures_are_counted_and_timeouts_retried(monkeypatch, tmp_path):
 
 def test_nothing_fits_exits_1(monkeypatch, tmp_path):
     _stand_in(monkeypatch, fits=lambda m, b: False, rate=lambda m, b: None)
-    result = _invoke("--target", "cpu:2", "--search", "--cache", str(tmp_path), *PINNED)
+    result = invoke_plan("--target", "cpu:2", "--search", "--cache", str(tmp_path), *PINNED)
     assert result.exit_code == 1 and "nothing fits" in result.output, result.output
 
 
@@ -263,7 +250,7 @@ def test_nothing_fits_exits_1(monkeypatch, tmp_path):
 def test_bad_input_is_one_line_exit_2(args, needle, tmp_path):
     file = tmp_path / "file"
     file.write_text("")
-    result = _invoke("--search", *[str(file) if a == "FILE" else a for a in args], *SMALL)
+    result = invoke_plan("--search", *[str(file) if a == "FILE" else a for a in args], *SMALL)
     lines = [line for line in result.output.strip().splitlines() if line.strip()]
     assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:"), result.output
     assert needle in lines[0], lines[0]
