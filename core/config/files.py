@@ -89,3 +89,16 @@ def stage_presets(stage: str) -> dict[str, Any]:
     if stage not in stages:
         raise ConfigError(f"unknown stage {stage!r}: use one of {', '.join(STAGES)}.")
     return dict(stages[stage])
+
+
+def split_model_stages(data: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """A model file's keys and its own `stages:` section (stage -> overrides, e.g. the mesh its
+    sparse stage needs), which `load_config` applies after base.yml's preset of that stage."""
+    data = dict(data)
+    stages = data.pop("stages", None) or {}
+    if not isinstance(stages, dict) or not all(isinstance(v, dict) for v in stages.values()):
+        raise ConfigError(f"model file {path}: `stages:` must map a stage name to KEY: VALUE lines.")
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        raise ConfigError(f"model file {path}: unknown stage {unknown[0]!r} under `stages:`: use one of {', '.join(STAGES)}.")
+    return data, {name: dict(v) for name, v in stages.items()}

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from core.config.files import base_defaults, model_file, read_yaml, stage_presets
+from core.config.files import base_defaults, model_file, read_yaml, split_model_stages, stage_presets
 from core.config.validate import LAYER_KINDS, validate
 from core.config.values import coerce, parse_override
 from core.config.values import plain as _plain
@@ -241,7 +241,8 @@ def load_config(
         resolved config.yml works too).
       overrides: "KEY=VALUE" strings, values parsed as YAML; a later one wins.
       config_file: an extra YAML file applied after the stage preset.
-      stage: "pretrain" | "warmup" | "sparse" | None: applies base.yml's stage preset and its rules.
+      stage: "pretrain" | "warmup" | "sparse" | None: applies base.yml's stage preset, then the
+        model file's own `stages:` entry for it, and the stage's rules.
       options: typed CLI options (e.g. {"steps": 10}); they win over everything.
 
     Returns:
@@ -254,11 +255,12 @@ def load_config(
             model = value
     values = base_defaults()
     path = model_file(model)
-    model_data = read_yaml(path, "model file")
+    model_data, model_stages = split_model_stages(read_yaml(path, "model file"), path)
     values["model_name"] = path.stem
     _merge(values, model_data, f"model file {path.name}")
     if stage is not None:
         _merge(values, stage_presets(stage), f"stage {stage}")
+        _merge(values, model_stages.get(stage, {}), f"model file {path.name}, stages: {stage}")
     if config_file is not None:
         _merge(values, read_yaml(Path(config_file), "config file"), f"--config {config_file}")
     for text in overrides:

@@ -65,6 +65,25 @@ def test_precedence(tmp_path):
     assert C.load_config("deepseek4-tiny", ["steps=3"], options={"steps": None}).steps == 3
 
 
+def test_model_file_stage_section_applies_after_the_preset(tmp_path):
+    """A model file's `stages:` entry wins over base.yml's preset of that stage, and only there;
+    overrides still win over it; an unknown stage under it is a one-line ConfigError."""
+    path = tmp_path / "m.yml"
+    path.write_text("vocab_size: 1024\nstages:\n  sparse:\n    learning_rate: 0.25\n"
+                    "    dcn_fsdp_parallelism: -1\n    dcn_data_parallelism: 1\n")
+    sparse = C.load_config(str(path), stage="sparse")
+    assert sparse.learning_rate == 0.25 and sparse.dcn_fsdp_parallelism == -1 and sparse.vocab_size == 1024
+    assert C.load_config(str(path), stage="warmup").learning_rate == C.load_config(stage="warmup").learning_rate
+    assert C.load_config(str(path)).dcn_fsdp_parallelism == 1  # no stage: the section is not applied
+    assert C.load_config(str(path), ["learning_rate=0.5"], stage="sparse").learning_rate == 0.5
+    flash = C.load_config("deepseek4-284b", ["max_target_length=4096"], stage="sparse")
+    assert (flash.dcn_data_parallelism, flash.dcn_fsdp_parallelism) == (1, -1)
+    assert C.load_config("deepseek4-284b", ["max_target_length=4096"], stage="warmup").dcn_data_parallelism == -1
+    path.write_text("stages:\n  sparce:\n    learning_rate: 0.25\n")
+    with pytest.raises(ConfigError, match="unknown stage 'sparce'"):
+        C.load_config(str(path), stage="sparse")
+
+
 def test_stage_presets():
     warm = C.load_config(stage="warmup")
     assert stage_of(warm) is stages.WARMUP and not warm.indexer_sparse_training

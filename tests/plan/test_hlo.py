@@ -120,3 +120,22 @@ def test_a_scan_of_matmuls_against_xla():
     assert bytes_accessed(module, once) == pytest.approx(cost["bytes accessed"], rel=0.1)
     per_run = (64 * 128 + 128 * 128 + 64 * 128) * 4  # the body reads the carry and w, writes the carry
     assert 10 * per_run <= bytes_accessed(module) <= 10 * bytes_accessed(module, once)
+
+
+def test_convolution_taps_on_padding_and_dilation_holes_count_nothing():
+    """XLA:TPU's einsums as convolutions: a batched matmul (a window of 24 over an input dilated by
+    24, stride 23: one tap per output) and an outer product (a window of 4 over one element padded
+    by 3 on each side: one real tap per output, not 4), against their einsums' FLOPs."""
+    from core.plan.hlo import matmul_flops, parse
+
+    module = parse(textwrap.dedent("""\
+    ENTRY %main (a: f32[24,128,64], w: f32[24,64,32], x: f32[8,16,1], y: f32[4,4,16]) -> f32[8,4,4] {
+      %a = f32[24,128,64]{2,1,0} parameter(0)
+      %w = f32[24,64,32]{2,1,0} parameter(1)
+      %x = f32[8,16,1]{2,1,0} parameter(2)
+      %y = f32[4,4,16]{2,1,0} parameter(3)
+      %bmm = f32[24,128,32]{2,1,0} convolution(%a, %w), window={size=24 stride=23 lhs_dilate=24}, dim_labels=0bf_0io->0bf
+      ROOT %outer = f32[8,4,4]{2,1,0} convolution(%x, %y), window={size=4 pad=3_3 rhs_reversal=1}, dim_labels=bf0_o0i->bf0
+    }
+    """))
+    assert matmul_flops(module) == 2 * 24 * 128 * 64 * 32 + 2 * 8 * 4 * 4 * 16
