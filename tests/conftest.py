@@ -43,6 +43,10 @@ os.environ.update(JAX_COMPILATION_CACHE_DIR=_COMPILE_CACHE, JAX_PERSISTENT_CACHE
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""),
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"]))
 
+# libtpu (the tpu extra) allows one process at a time unless told otherwise: tests on both xdist
+# workers (the planner's children, test_granules' compile-only topologies) may load it at once.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 import jax  # noqa: E402  (after the environment above: JAX and XLA read it once)
 
 # Also when jax was imported before this file (a plugin): the cache is on before the first compile.
