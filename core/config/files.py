@@ -77,28 +77,32 @@ def model_file(model: str) -> Path:
     raise ConfigError(f"unknown model {model!r}: {fix}")
 
 
-def base_defaults() -> dict[str, Any]:
-    data = read_yaml(configs_dir() / "base.yml", "base config")
-    data.pop("stages", None)
-    return data
-
-
-def stage_presets(stage: str) -> dict[str, Any]:
-    """The overrides `dsv4 <stage>` applies (base.yml's `stages:` section)."""
-    stages = read_yaml(configs_dir() / "base.yml", "base config").get("stages", {})
-    if stage not in stages:
-        raise ConfigError(f"unknown stage {stage!r}: use one of {', '.join(STAGES)}.")
-    return dict(stages[stage])
-
-
-def split_model_stages(data: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """A model file's keys and its own `stages:` section (stage -> overrides, e.g. the mesh its
-    sparse stage needs), which `load_config` applies after base.yml's preset of that stage."""
+def split_stages(data: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """A config file's keys and its `stages:` section (stage -> overrides): base.yml's presets of
+    `dsv4 <stage>`, or a model file's own entries for its stages (e.g. the mesh its sparse stage
+    needs), which `load_config` applies after base.yml's preset of that stage."""
     data = dict(data)
     stages = data.pop("stages", None) or {}
     if not isinstance(stages, dict) or not all(isinstance(v, dict) for v in stages.values()):
-        raise ConfigError(f"model file {path}: `stages:` must map a stage name to KEY: VALUE lines.")
+        raise ConfigError(f"{where}: `stages:` must map a stage name to KEY: VALUE lines.")
     unknown = sorted(set(stages) - set(STAGES))
     if unknown:
-        raise ConfigError(f"model file {path}: unknown stage {unknown[0]!r} under `stages:`: use one of {', '.join(STAGES)}.")
+        raise ConfigError(f"{where}: unknown stage {unknown[0]!r} under `stages:`: use one of {', '.join(STAGES)}.")
     return data, {name: dict(v) for name, v in stages.items()}
+
+
+def base_config() -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """base.yml: (every key with its default, the stage presets)."""
+    return split_stages(read_yaml(configs_dir() / "base.yml", "base config"), "configs/base.yml")
+
+
+def base_defaults() -> dict[str, Any]:
+    return base_config()[0]
+
+
+def stage_presets(stage: str, presets: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The overrides `dsv4 <stage>` applies (base.yml's `stages:` section, or `presets` read from it)."""
+    presets = base_config()[1] if presets is None else presets
+    if stage not in presets:
+        raise ConfigError(f"unknown stage {stage!r}: use one of {', '.join(STAGES)}.")
+    return dict(presets[stage])

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from core.config.files import base_defaults, model_file, read_yaml, split_model_stages, stage_presets
+from core.config.files import base_config, base_defaults, model_file, read_yaml, split_stages, stage_presets
 from core.config.validate import LAYER_KINDS, validate
 from core.config.values import coerce, parse_override
 from core.config.values import plain as _plain
@@ -213,8 +213,6 @@ def canonical_key(key: str, source: str) -> str:
 
 def _merge(into: dict[str, Any], data: Mapping[str, Any], source: str) -> None:
     for key, value in data.items():
-        if key == "stages" and source.startswith("base"):
-            continue
         into[canonical_key(str(key), source)] = value
 
 
@@ -253,13 +251,13 @@ def load_config(
         key, value = parse_override(text)
         if key == "model_name" and isinstance(value, str) and value:
             model = value
-    values = base_defaults()
+    values, presets = base_config()
     path = model_file(model)
-    model_data, model_stages = split_model_stages(read_yaml(path, "model file"), path)
+    model_data, model_stages = split_stages(read_yaml(path, "model file"), f"model file {path}")
     values["model_name"] = path.stem
     _merge(values, model_data, f"model file {path.name}")
     if stage is not None:
-        _merge(values, stage_presets(stage), f"stage {stage}")
+        _merge(values, stage_presets(stage, presets), f"stage {stage}")
         _merge(values, model_stages.get(stage, {}), f"model file {path.name}, stages: {stage}")
     if config_file is not None:
         _merge(values, read_yaml(Path(config_file), "config file"), f"--config {config_file}")

@@ -157,58 +157,52 @@ def _contracted(module: Module, inst: Instruction) -> int:
     if inst.opcode == "convolution" and len(inst.operands) > 1:
         rhs = _dims(module.types.get(inst.operands[1], ""))
         labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", inst.attrs)
-        if not rhs or not labels or "i" not in labels.group(2):
+        out = _dims(inst.type_text)
+        if not rhs or not labels or "i" not in labels.group(2) or (len(lhs), len(out)) != (len(labels[1]), len(labels[3])):
             return 0
-        return rhs[labels.group(2).index("i")] * _mean_taps(inst, lhs, _dims(inst.type_text), labels.groups())
+        return rhs[labels.group(2).index("i")] * _mean_taps(inst.attrs, lhs, out, labels.groups())
     if inst.opcode == "custom-call" and "gemm" in inst.attrs and (
             m := re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.attrs)):
         return math.prod(lhs[int(d)] for d in re.findall(r"\d+", m.group(1))) if lhs else 0
     return 0
 
 
-def _window(attrs: str, key: str, n: int, default: int) -> list[int]:
+def _window(attrs: str, key: str, n: int) -> list[str]:
+    """A convolution window's `key` field, one text per spatial dimension ("1" each when absent)."""
     m = re.search(rf"\b{key}=([\dx_\-]+)", attrs)
-    return [int(v) for v in m.group(1).split("x")] if m else [default] * n
+    return m.group(1).split("x") if m else ["1"] * n
 
 
-def _mean_taps(inst: Instruction, lhs: list[int], out: list[int], labels: tuple[str, str, str]) -> float:
+def _mean_taps(attrs: str, lhs: list[int], out: list[int], labels: tuple[str, str, str]) -> float:
     """The window taps per output element of a convolution that meet real input, averaged over its
     outputs: taps on padding or on the holes of a dilated input multiply nothing. XLA:TPU writes a
     batched matmul as a window of size d over an input dilated by d (one tap each), and an outer
     product as a size-n window over one element padded by n - 1 (one tap each, not n)."""
     lhs_labels, _, out_labels = labels
     spatial = sorted(c for c in lhs_labels if c.isdigit())
-    sizes = _window(inst.attrs, "size", len(spatial), 1)
-    if not spatial or len(sizes) != len(spatial) or len(lhs) != len(lhs_labels) or len(out) != len(out_labels):
-        dilate = _window(inst.attrs, "lhs_dilate", len(sizes), 1)  # no spatial labels to read: window taps only
-        return math.prod(-(-w // d) for w, d in zip(sizes, dilate))
-    strides, lhs_dilate, rhs_dilate = (_window(inst.attrs, k, len(sizes), 1) for k in ("stride", "lhs_dilate", "rhs_dilate"))
-    pads = re.search(r"\bpad=([\dx_\-]+)", inst.attrs)
-    pad_lo = [int(p.split("_")[0]) for p in pads.group(1).split("x")] if pads else [0] * len(sizes)
+    n = len(spatial)
+    sizes, strides, lhs_dilate, rhs_dilate = ([int(v) for v in _window(attrs, k, n)]
+                                              for k in ("size", "stride", "lhs_dilate", "rhs_dilate"))
+    pad_lo = [int(p.split("_")[0]) if "_" in p else 0 for p in _window(attrs, "pad", n)]
     mean = 1.0
     for d, c in enumerate(spatial):
         n_in, n_out = lhs[lhs_labels.index(c)], out[out_labels.index(c)]
-        pairs = sum(_outputs_meeting(n_in, n_out, strides[d], w * rhs_dilate[d] - pad_lo[d], lhs_dilate[d])
+        pairs = sum(outputs_meeting(n_in, n_out, strides[d], w * rhs_dilate[d] - pad_lo[d], lhs_dilate[d])
                     for w in range(sizes[d]))
         mean *= pairs / max(n_out, 1)
     return mean
 
 
-def _outputs_meeting(n_in: int, n_out: int, stride: int, offset: int, dilate: int) -> int:
+def outputs_meeting(n_in: int, n_out: int, stride: int, offset: int, dilate: int) -> int:
     """How many outputs o in [0, n_out) read a real input through one tap: o * stride + offset lands
     on [0, (n_in - 1) * dilate] at a multiple of `dilate` (the input's elements, not its holes)."""
-    last = (n_in - 1) * dilate
-    lo = max(0, -(-(-offset) // stride))            # first o with o * stride + offset >= 0
-    hi = min(n_out - 1, (last - offset) // stride)  # last o with o * stride + offset <= last
-    if hi < lo:
-        return 0
-    if dilate == 1:
-        return hi - lo + 1
+    lo = max(0, -(offset // stride))                              # first o with o * stride + offset >= 0
+    hi = min(n_out - 1, ((n_in - 1) * dilate - offset) // stride)  # last o on the input's last element
     g = math.gcd(stride, dilate)
-    if (-offset) % g:
+    if hi < lo or offset % g:
         return 0
     period = dilate // g  # o * stride = -offset (mod dilate): one residue class of o mod period
-    first = ((-offset) // g * pow(stride // g, -1, period)) % period if period > 1 else 0
+    first = (-offset) // g * pow(stride // g, -1, period) % period
     start = lo + (first - lo) % period
     return 0 if start > hi else (hi - start) // period + 1
 

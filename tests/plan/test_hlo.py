@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import textwrap
 
+import numpy as np
 import pytest
 
 HLO = textwrap.dedent("""\
@@ -139,3 +140,16 @@ def test_convolution_taps_on_padding_and_dilation_holes_count_nothing():
     }
     """))
     assert matmul_flops(module) == 2 * 24 * 128 * 64 * 32 + 2 * 8 * 4 * 4 * 16
+
+
+def test_outputs_meeting_a_tap_equal_the_enumeration():
+    """The closed form against counting (output, tap) pairs one by one, on seeded random windows."""
+    from core.plan.hlo import outputs_meeting
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        n_in, n_out, stride, dilate = (int(v) for v in rng.integers(1, 9, size=4))
+        offset = int(rng.integers(-12, 13))
+        last = (n_in - 1) * dilate
+        want = sum(0 <= o * stride + offset <= last and (o * stride + offset) % dilate == 0 for o in range(n_out))
+        assert outputs_meeting(n_in, n_out, stride, offset, dilate) == want, (n_in, n_out, stride, offset, dilate)
