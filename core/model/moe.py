@@ -33,8 +33,8 @@ Expert computation (`MoESpec.impl`, IMPLS):
 All three agree to float32 rounding in value and gradient (tests/model/test_moe.py, test_moe_dispatch.py).
 On a mesh whose `expert` axis is larger than 1 (`jax.sharding.get_abstract_mesh()` during the trace:
 traced under `jax.set_mesh` or `jax.sharding.use_abstract_mesh`), "tiled" becomes expert parallelism that moves tokens:
-an all-to-all sends each slot to its expert's device, which runs the tiled dispatch over its
-local experts (core/ops/expert_parallel.py; drop-free unless `capacity_factor`, aux["dropped"]).
+an all-to-all sends each token to its experts' devices (once per device, in rounds), which run the tiled
+dispatch over their local experts (core/ops/expert_parallel.py; drop-free unless `capacity_factor`, aux["dropped"]).
 "dense" and "ragged" stay GSPMD-partitioned.
 
 Parameter layout is [in, out] (JAX convention; the official Linear stores [out, in]):
@@ -53,7 +53,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from core.model.layers import dense_init, param, upcast
-from core.ops.expert_parallel import Exchange, expert_axis_size, expert_parallel_experts, token_shards
+from core.ops.expert_parallel import Exchange, expert_axis_size, expert_parallel_experts, token_rounds, token_shards
 from core.ops.moe_dispatch import Tiling, tiled_experts
 
 
@@ -302,10 +302,10 @@ def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):
     if devices == 1:
         tiling = Tiling(spec.tile_size or auto_tile(tokens, spec.num_experts, spec.k), spec.tiles_per_step)
         return tiled_experts(x_btm, idx_btk, weights_btk, w1, w2, w3, tiling, hidden=hidden), no_drops
-    # The destination sees about its tokens' k slots per device over E / expert local experts.
+    # A destination sees about a round's n_r k slots (from all devices together) over its E_l local experts.
     local_tokens, local_experts = tokens // token_shards(mesh), spec.num_experts // devices
-    tiling = Tiling(spec.tile_size or auto_tile(max(local_tokens, 1), local_experts, spec.k),
-                    spec.tiles_per_step)
+    _, round_tokens = token_rounds(max(local_tokens, 1), devices)
+    tiling = Tiling(spec.tile_size or auto_tile(round_tokens, local_experts, spec.k), spec.tiles_per_step)
     return expert_parallel_experts(x_btm, idx_btk, weights_btk, w1, w2, w3,
                                    Exchange(mesh, tiling, spec.capacity_factor), hidden=hidden)
 

@@ -128,20 +128,23 @@ def tiled_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, tiling: T
     x_nm = x_btm.reshape(n, m)
 
     def chunk(y_nm, xs):
-        expert_c, token_cr, weight_cr = xs
-        expert_c = jnp.minimum(expert_c, num_experts - 1)     # an empty tile's weights: any, times 0
+        token_cr, weight_cr, w1_cmf, w2_cfm, w3_cmf = xs
         x_crm = x_nm[token_cr]
-        gate_crf = jnp.einsum("crm,cmf->crf", x_crm, w1_emf[expert_c])
-        up_crf = jnp.einsum("crm,cmf->crf", x_crm, w3_emf[expert_c])
+        gate_crf = jnp.einsum("crm,cmf->crf", x_crm, w1_cmf)
+        up_crf = jnp.einsum("crm,cmf->crf", x_crm, w3_cmf)
         h_crf = hidden(gate_crf, up_crf) * weight_cr[..., None]
-        y_crm = jnp.einsum("crf,cfm->crm", h_crf.astype(x_btm.dtype), w2_efm[expert_c], preferred_element_type=acc)
+        y_crm = jnp.einsum("crf,cfm->crm", h_crf.astype(x_btm.dtype), w2_cfm, preferred_element_type=acc)
         return y_nm.at[token_cr.reshape(-1)].add(y_crm.reshape(-1, m)), None
 
     def step(y_nm, xs):
+        expert_c, token_cr, weight_cr = xs
+        expert_c = jnp.minimum(expert_c, num_experts - 1)     # an empty tile's weights: any, times 0
+        # Gathered outside the cond: the cond's gradient is then chunk-sized, not the full [E, M, F].
+        operands = (token_cr, weight_cr, w1_emf[expert_c], w2_efm[expert_c], w3_emf[expert_c])
         if not empty_slots:
-            return chunk(y_nm, xs)
+            return chunk(y_nm, operands)
         # Tiles are sorted by expert, the empty slots' (E) last: a chunk is empty iff its first tile is.
-        return jax.lax.cond(xs[0][0] < num_experts, chunk, lambda y, _: (y, None), y_nm, xs)
+        return jax.lax.cond(xs[0][0] < num_experts, chunk, lambda y, _: (y, None), y_nm, operands)
 
     xs = (expert_g.reshape(steps, per_step), token_r.reshape(steps, per_step, tile),
           weight_r.reshape(steps, per_step, tile))

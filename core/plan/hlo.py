@@ -12,7 +12,12 @@ runs its computation (`runs`): the product of the while-loop trip counts along i
   roofline's peak bf16 FLOP/s applies to. Elementwise arithmetic is not counted.
 - `bytes_accessed`: per executed instruction outside fusions, the bytes of its operands and
   output (a fusion's parameter read only through slices counts the slices; an in-place
-  dynamic-update-slice counts its update), times its runs; the model of HloCostAnalysis.
+  dynamic-update-slice counts its update, an in-place scatter the rows it reads and writes, not
+  its whole operand), times its runs; the model of HloCostAnalysis, except for in-place scatters,
+  which it charges the whole operand (an accumulator scattered into once per loop step, such as
+  a weight gradient gathered per chunk, would count its full size every step). Both branches of
+  a conditional count at every run: a skipped branch (the tiled MoE's empty chunks) counts as
+  executed, so the figure is an upper bound there.
 - `collectives`: bytes each all-gather / all-reduce / reduce-scatter / all-to-all /
   collective-permute produces per device, per mesh axis (from its replica groups), times its runs.
 
@@ -124,6 +129,8 @@ def _trip_count(module: Module, inst: Instruction) -> int:
 def runs(module: Module, loops: bool = True) -> dict[str, int]:
     """Computation -> how often one step runs it: the sum over its call sites of the caller's runs,
     times the trip count for a while loop's body and condition (1 for the entry and the uncalled).
+    Every branch of a conditional (an index's `branch_computations`, a predicate's
+    `true_computation` / `false_computation`) counts as often as the conditional runs.
     `loops=False` takes every trip count as 1: each loop body once, as XLA's cost analysis does."""
     calls: dict[str, list[tuple[str, int]]] = {}
     for comp, insts in module.computations.items():
@@ -131,9 +138,10 @@ def runs(module: Module, loops: bool = True) -> dict[str, int]:
             trips = _trip_count(module, inst) if inst.opcode == "while" and loops else 1
             for kind, callee in _CALLEE.findall(inst.attrs):
                 calls.setdefault(callee, []).append((comp, trips if kind in ("body", "condition") else 1))
-            if branches := re.search(r"branch_computations=\{([^}]*)\}", inst.attrs):
-                for callee in re.findall(r"%?([\w.\-]+)", branches.group(1)):
-                    calls.setdefault(callee, []).append((comp, 1))
+            branches = re.search(r"branch_computations=\{([^}]*)\}", inst.attrs)
+            for callee in (re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches else
+                           re.findall(r"\b(?:true|false)_computation=%?([\w.\-]+)", inst.attrs)):
+                calls.setdefault(callee, []).append((comp, 1))  # each branch at every run (an upper bound)
     memo: dict[str, int] = {}
 
     def times(comp: str, depth: int = 0) -> int:
@@ -219,9 +227,17 @@ def matmul_flops(module: Module, times: dict[str, int] | None = None) -> float:
     return total
 
 
+def _update_of(module: Module, inst: Instruction) -> int:
+    """Bytes an in-place update writes: a dynamic-update-slice's update (operand 1), a scatter's
+    updates (operand 2 of operand, indices, updates); 0 when that operand is missing."""
+    index = 1 if inst.opcode == "dynamic-update-slice" else 2
+    return array_bytes(module.types.get(inst.operands[index], "")) if len(inst.operands) > index else 0
+
+
 def _fusion_bytes(module: Module, inst: Instruction) -> int:
     """Bytes a fusion reads and writes: each parameter in full, or only the slices taken of it;
-    an in-place dynamic-update-slice root writes (and its buffer operand costs) only the update."""
+    an in-place dynamic-update-slice root writes (and its buffer operand costs) only the update,
+    an in-place scatter root reads and writes only the rows of its updates."""
     callee = re.search(r"\bcalls=%?([\w.\-]+)", inst.attrs)
     body = module.computations.get(callee.group(1), []) if callee else []
     params = {i.name: int(re.match(r"\s*(\d+)", i.args).group(1)) for i in body
@@ -231,8 +247,9 @@ def _fusion_bytes(module: Module, inst: Instruction) -> int:
         for pos, name in enumerate(i.operands):
             users.setdefault(name, []).append((pos, i))
     root = body[-1] if body else None
-    in_place = root is not None and root.opcode == "dynamic-update-slice"
-    total = (array_bytes(module.types.get(root.operands[1], "")) if in_place and len(root.operands) > 1
+    in_place = root is not None and (root.opcode == "dynamic-update-slice" or
+                                     (root.opcode == "scatter" and len(root.operands) == 3))
+    total = (_update_of(module, root) * (2 if root.opcode == "scatter" else 1) if in_place
              else array_bytes(inst.type_text))
     for name, index in params.items():
         if index >= len(inst.operands):
@@ -257,7 +274,9 @@ def instruction_bytes(module: Module, inst: Instruction) -> int:
     if inst.opcode in _SLICES:
         return 2 * array_bytes(inst.type_text)
     if inst.opcode == "dynamic-update-slice" and len(inst.operands) > 1:
-        return 2 * array_bytes(module.types.get(inst.operands[1], ""))
+        return 2 * _update_of(module, inst)
+    if inst.opcode == "scatter" and len(inst.operands) == 3:  # indices and updates read; the rows read, then written
+        return sum(array_bytes(module.types.get(o, "")) for o in inst.operands[1:]) + 2 * _update_of(module, inst)
     return array_bytes(inst.type_text) + sum(array_bytes(module.types.get(o, "")) for o in inst.operands)
 
 

@@ -30,7 +30,8 @@ MESHES = {"expert8": (1, 1, 1, 8), "fsdp2_expert4": (1, 2, 1, 4), "tensor2_exper
 ROUTINGS = {"learned": (False, 3, None), "all_to_expert3": (True, 1, "three"), "expert1_always": (True, 3, "one")}
 # every routing on expert 8; the learned one on the meshes that also split the weights (suite time)
 CASES = [(m, r) for m in MESHES for r in ROUTINGS if m == "expert8" or r == "learned"]
-B, T = 8, 16                     # 128 tokens: 16 per device on expert 8
+B, T = 8, 16                     # 128 tokens: 16 per device on every mesh (R = P rounds: 8 of 2, 4 of 4)
+ROUNDS = ("3", "16")             # explicit Exchange.rounds on fsdp 2 x expert 4: 6 tokens (the last round padded by 2), 1
 
 
 pytestmark = pytest.mark.slow
@@ -62,11 +63,22 @@ def test_expert_parallel_equals_one_device_value_and_gradient(worker, mesh, rout
     assert case["diffs"]["d gate/weight"][1] > 1e-3, "the router weight should get a gradient"
     if routing == "all_to_expert3":
         assert case["receivers"] == 1, "one device should receive every slot, the others none"
+    assert case["rounds"][0] == MESHES[mesh][3], f"default rounds {case['rounds']}: one per expert device"
+
+
+@pytest.mark.parametrize("rounds", ROUNDS)
+def test_expert_parallel_rounds_equal_one_device(worker, rounds):
+    """`Exchange.rounds` 3 (6 tokens a round, the last padded by 2) and 16 (one token a round) on fsdp 2 x
+    expert 4 (two local experts: a token's two slots on one device travel as one row) equal the one-device tiled
+    dispatch in value and in the gradients of x, the combine weights and the expert weights."""
+    for what, (diff, scale) in worker["rounds"][rounds].items():
+        assert diff <= 1e-5 * max(1.0, scale), f"rounds {rounds} {what}: max |diff| = {diff:.3e} (scale {scale:.2e})"
 
 
 def test_capacity_factor_drops_the_later_slots_and_reports_their_fraction(worker):
-    """capacity_factor 1 on expert 8: per device, the slots past ceil(n k / 8) for one destination are dropped
-    in token order; the output equals the dense MoE without them and aux['dropped'] is their fraction."""
+    """capacity_factor 1 on expert 8: per device and round (n_r tokens), the tokens past the first ceil(n_r k / 8)
+    with a slot on one destination lose their slots there, in token order; the output equals the dense MoE
+    without them and aux['dropped'] is their fraction."""
     case = worker["capacity"]
     assert 0 < case["expected_dropped"] < 0.5, case
     assert abs(case["dropped"] - case["expected_dropped"]) < 1e-7, case
@@ -76,19 +88,20 @@ def test_capacity_factor_drops_the_later_slots_and_reports_their_fraction(worker
 
 def test_expert_parallel_largest_temporary_grows_with_tokens(worker):
     """deepseek4-tiny-sized MoE (M = F = 64, E = 16, k = 4) on expert 8, forward + backward compiled: the
-    largest temporary per device (XLA's buffer assignment) is at most N k M 4 bytes (N tokens per device)
-    times the drop-free factor P min(k, E/P) / k (= 4 here: the exchange buffers), at two token counts;
-    with capacity factor 1, at most N k M 4 bytes."""
-    for n, (largest, free_factor, capped, shape) in worker["memory"].items():
+    largest temporary per device (XLA's buffer assignment) is at most N k M 4 bytes (N tokens per device), at
+    two token counts, drop-free and with capacity factor 1: the exchange's blocks per round hold about N rows
+    of M, not the P N min(k, E/P) rows (4 N k M 4 bytes here) of one worst-case exchange."""
+    for n, (largest, capped, shape) in worker["memory"].items():
         slots_bytes = int(n) * 4 * 64 * 4
-        assert largest <= free_factor * slots_bytes, f"N={n}: largest temporary {largest} ({shape}) > {free_factor} x {slots_bytes}"
-        assert capped <= slots_bytes, f"N={n}, capacity 1: largest temporary {capped} > {slots_bytes}"
+        assert largest <= slots_bytes, f"N={n}: largest temporary {largest} ({shape}) > N k M 4 = {slots_bytes}"
+        assert capped <= slots_bytes, f"N={n}, capacity 1: largest temporary {capped} > N k M 4 = {slots_bytes}"
 
 
 def test_capacity_drop_rate_reaches_the_training_metrics(worker):
     """A training run on expert 8 with moe_capacity_factor 1 (two hash-routed layers: the routing is the
-    tables' and the batch's, known in advance): metrics.jsonl's moe_dropped is the fraction of slots past
-    each destination's ceil(f n k / P) rows, by hand, mean over layers; the same model drop-free drops 0."""
+    tables' and the batch's, known in advance): metrics.jsonl's moe_dropped is the fraction of slots of the
+    tokens past each round's destination's ceil(f n_r k / P) rows (one per token with a slot there), by hand,
+    mean over layers; the same model drop-free drops 0."""
     case = worker["training"]
     assert 0.01 < case["expected_dropped"] < 0.5, case
     assert abs(case["row_dropped"] - case["expected_dropped"]) < 1e-6, case
@@ -177,6 +190,7 @@ def _parity(mesh_name, routing):
     import numpy as np
     from flax import nnx
 
+    from core.ops.expert_parallel import token_rounds
     from core.parallel import sharding
 
     x, tokens, valid, cot = _inputs()
@@ -198,16 +212,19 @@ def _parity(mesh_name, routing):
     idx = np.asarray(_models(routing).gate.tid2eid[...])[np.asarray(tokens)] if ROUTINGS[routing][0] else None
     receivers = None if idx is None else len(np.unique(idx // e_local))
     return {"diffs": diffs, "dropped": float(aux1["dropped"]), "all_to_all": "all_to_all" in hlo or "all-to-all" in hlo,
-            "receivers": receivers}
+            "receivers": receivers, "rounds": token_rounds(B * T // 8, MESHES[mesh_name][3])}
 
 
 def _capacity():
     """expert 8, capacity 1: the MoE against the dense MoE with the expected dropped slots' weights zeroed."""
+    import itertools
+
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from core.model import moe
+    from core.ops.expert_parallel import token_rounds
     from core.parallel import sharding
 
     x, tokens, valid, _ = _inputs()
@@ -215,14 +232,13 @@ def _capacity():
     logits = jnp.einsum("btm,me->bte", x, model.gate.weight[...])
     idx, weights, _ = moe.route(logits, model.gate.bias[...], 3, scaling=model.spec.scaling, normalize=True)
     idx, weights = np.asarray(idx).reshape(8, -1, 3), np.asarray(weights).reshape(8, -1, 3)   # per device
-    n = idx.shape[1]
-    cap = moe_capacity = -(-n * 3 // 8)
+    _, per_round = token_rounds(idx.shape[1], 8)
+    cap = moe_capacity = -(-per_round * 3 // 8)
     keep = np.ones_like(weights)
-    for dev in range(8):
-        seen = np.zeros(8, int)
-        for slot, e in enumerate(idx[dev].reshape(-1)):      # token order, then j
-            keep[dev].reshape(-1)[slot] = seen[e] < cap      # E_l = 1: destination = expert
-            seen[e] += 1
+    for dev, start, dest in itertools.product(range(8), range(0, idx.shape[1], per_round), range(8)):
+        hit_nk = idx[dev, start:start + per_round] == dest   # E_l = 1: destination = expert
+        late = start + np.flatnonzero(hit_nk.any(-1))[cap:]  # tokens past the destination's rows
+        keep[dev, late] *= ~hit_nk[late - start]
     combine = np.einsum("dnk,dnke->dne", weights * keep, np.eye(8)[idx]).reshape(B, T, 8)
     w = [model.experts.w1[...], model.experts.w2[...], model.experts.w3[...]]
     expected = moe.dense_experts(x, jnp.asarray(combine), *w, model.spec.swiglu_limit) + model.shared_experts(x)
@@ -235,8 +251,43 @@ def _capacity():
             "diff": [diff, float(np.max(np.abs(np.asarray(expected))))]}
 
 
+def _rounds():
+    """{R: diffs}: fsdp 2 x expert 4 with `Exchange.rounds` R against the one-device tiled dispatch, value and
+    gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    from core.model import moe
+    from core.ops.expert_parallel import Exchange, expert_parallel_experts
+    from core.ops.moe_dispatch import Tiling, tiled_experts
+
+    model = _models("learned")
+    x, _, _, cot = _inputs()
+    logits = jnp.einsum("btm,me->bte", x, model.gate.weight[...])
+    idx, weights, _ = moe.route(logits, model.gate.bias[...], 3, scaling=model.spec.scaling, normalize=True)
+    w = (model.experts.w1[...], model.experts.w2[...], model.experts.w3[...])
+    hidden = functools.partial(moe.swiglu_hidden, limit=model.spec.swiglu_limit)
+    names = ("y", "d x", "d weights", "d w1", "d w2", "d w3")
+
+    def grads(experts):
+        def loss(x, weights, *w):
+            y = experts(x, idx, weights, *w)
+            return jnp.sum(y * cot), y
+        (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True))(x, weights, *w)
+        return (y, *g)
+
+    ref = grads(lambda *a: tiled_experts(*a, Tiling(8), hidden=hidden))
+    mesh, out = _mesh(MESHES["fsdp2_expert4"]), {}
+    for rounds in map(int, ROUNDS):
+        exchange = Exchange(mesh, Tiling(8), rounds=rounds)
+        with jax.set_mesh(mesh):
+            got = grads(lambda *a, e=exchange: expert_parallel_experts(*a, e, hidden=hidden)[0])
+        out[str(rounds)] = {what: _diff(a, r) for what, a, r in zip(names, got, ref, strict=True)}
+    return out
+
+
 def _memory():
-    """{N per device: (largest temporary, drop-free factor, largest with capacity 1, its shape)}: the
+    """{N per device: (largest temporary, largest with capacity 1, the first's shape)}: the
     deepseek4-tiny-sized MoE's forward + backward on expert 8, from XLA's buffer assignment."""
     import jax
     import jax.numpy as jnp
@@ -268,7 +319,7 @@ def _memory():
                 compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
             [dump] = Path(os.environ["DSV4_TEST_DUMP"]).glob(f"*jit_{name}.*after_optimizations-buffer-assignment.txt")
             largest.append(top_temporaries(dump.read_text(), compiled.as_text(), 1)[0])
-        out[str(n)] = (largest[0]["bytes"], 8 * min(4, 2) / 4, largest[1]["bytes"], largest[0]["shape"])
+        out[str(n)] = (largest[0]["bytes"], largest[1]["bytes"], largest[0]["shape"])
     return out
 
 
@@ -281,19 +332,27 @@ CAPACITY = 1.0
 
 
 def _expected_dropped(model, tokens_bt, k: int, experts: int, devices: int) -> float:
-    """Per hash layer, per device (its contiguous tokens) and destination, the slots past ceil(f n k / P)
-    in token order; their fraction of all B*T*k slots, mean over the layers."""
+    """Per hash layer, per device (its contiguous tokens), round (n_r contiguous tokens) and destination, the
+    slots of the tokens past the first ceil(f n_r k / P) with a slot there (one row each), in token order;
+    their fraction of all B*T*k slots, mean over the layers."""
+    import itertools
     import math
 
     import numpy as np
 
+    from core.ops.expert_parallel import token_rounds
+
     n = tokens_bt.size // devices
-    cap = math.ceil(CAPACITY * n * k / devices)
+    _, per_round = token_rounds(n, devices)
+    cap = math.ceil(CAPACITY * per_round * k / devices)
     fractions = []
     for block in model.layers:
         dest_dnk = np.asarray(block.ffn.gate.tid2eid[...])[tokens_bt.reshape(devices, n)] // (experts // devices)
-        counts = np.stack([np.bincount(dest_dnk[d].reshape(-1), minlength=devices) for d in range(devices)])
-        fractions.append(np.maximum(counts - cap, 0).sum() / (tokens_bt.size * k))
+        dropped = 0
+        for d, start, dest in itertools.product(range(devices), range(0, n, per_round), range(devices)):
+            hits_n = np.sum(dest_dnk[d, start:start + per_round] == dest, axis=-1)   # slots per token there
+            dropped += hits_n[np.flatnonzero(hits_n)[cap:]].sum()                  # past the first cap rows
+        fractions.append(dropped / (tokens_bt.size * k))
     return float(np.mean(fractions))
 
 
@@ -372,6 +431,7 @@ def _training_and_eval():
 if __name__ == "__main__":
     results = {f"{m}/{r}": _parity(m, r) for m, r in CASES}
     results["capacity"] = _capacity()
+    results["rounds"] = _rounds()
     results["memory"] = _memory()
     results["training"], results["eval"] = _training_and_eval()
     print(json.dumps(results))

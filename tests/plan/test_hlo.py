@@ -2,7 +2,8 @@
 
 Against XLA: a scan of matmuls, where XLA's cost analysis counts the loop body once and the
 reader counts it as often as it runs; and hand-written HLO for the rules (trip counts from
-known_trip_count or the loop condition, call sites summed, convolutions, slices, in-place updates).
+known_trip_count or the loop condition, call sites summed, convolutions, slices, in-place updates
+and scatters).
 """
 
 from __future__ import annotations
@@ -36,6 +37,29 @@ HLO = textwrap.dedent("""\
       ROOT %dus = f32[100,8,4]{2,1,0} dynamic-update-slice(%param_0.2, %param_1.2, %param_2.2, %zero.1, %zero.1)
     }
 
+    %add_f (x: f32[], y: f32[]) -> f32[] {
+      %x = f32[] parameter(0)
+      %y = f32[] parameter(1)
+      ROOT %sum = f32[] add(%x, %y)
+    }
+
+    %fused_scatter (param_0.3: f32[100,8,4], param_1.3: s32[2,1], param_2.3: f32[2,8,4]) -> f32[100,8,4] {
+      %param_0.3 = f32[100,8,4]{2,1,0} parameter(0)
+      %param_1.3 = s32[2,1]{1,0} parameter(1)
+      %param_2.3 = f32[2,8,4]{2,1,0} parameter(2)
+      ROOT %sc.1 = f32[100,8,4]{2,1,0} scatter(%param_0.3, %param_1.3, %param_2.3), update_window_dims={1,2}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add_f
+    }
+
+    %branch_t (bt: f32[8,16]) -> f32[8,16] {
+      %bt = f32[8,16]{1,0} parameter(0)
+      ROOT %neg.t = f32[8,16]{1,0} negate(%bt)
+    }
+
+    %branch_f (bf: f32[8,16]) -> f32[8,16] {
+      %bf = f32[8,16]{1,0} parameter(0)
+      ROOT %copy.f = f32[8,16]{1,0} copy(%bf)
+    }
+
     %cond.1 (p.1: (s32[], f32[8,16])) -> pred[] {
       %p.1 = (s32[], f32[8,16]{1,0}) parameter(0)
       %i.1 = s32[] get-tuple-element(%p.1), index=0
@@ -48,6 +72,8 @@ HLO = textwrap.dedent("""\
       %x.2 = f32[8,16]{1,0} get-tuple-element(%p.2), index=1
       %w.2 = f32[16,4]{1,0} constant({...})
       %f.2 = f32[8,4]{1,0} fusion(%x.2, %w.2), kind=kOutput, calls=%fused_dot
+      %pr.2 = pred[] constant(true)
+      %cd.2 = f32[8,16]{1,0} conditional(%pr.2, %x.2, %x.2), true_computation=%branch_t, false_computation=%branch_f
       ROOT %t.2 = (s32[], f32[8,16]{1,0}) tuple(%i.2, %x.2)
     }
 
@@ -59,17 +85,21 @@ HLO = textwrap.dedent("""\
       ROOT %t.3 = (s32[], f32[8,16]{1,0}) tuple(%i.3, %x.3)
     }
 
-    ENTRY %main (a: f32[8,16], big: f32[100,8,16], acc: f32[100,8,4], up: f32[1,8,4], k: s32[]) -> f32[8,4] {
+    ENTRY %main (a: f32[8,16], big: f32[100,8,16], acc: f32[100,8,4], up: f32[1,8,4], k: s32[], idx: s32[2,1], ups: f32[2,8,4]) -> f32[8,4] {
       %a = f32[8,16]{1,0} parameter(0)
       %big = f32[100,8,16]{2,1,0} parameter(1)
       %acc = f32[100,8,4]{2,1,0} parameter(2)
       %up = f32[1,8,4]{2,1,0} parameter(3)
       %k = s32[] parameter(4)
+      %idx = s32[2,1]{1,0} parameter(5)
+      %ups = f32[2,8,4]{2,1,0} parameter(6)
       %w1 = (s32[], f32[8,16]{1,0}) while(%a), condition=%cond.1, body=%body.1
       %w2 = (s32[], f32[8,16]{1,0}) while(%a), condition=%cond.9, body=%body.2, backend_config={"known_trip_count":{"n":"3"}}
       %once = f32[8,4]{1,0} fusion(%a, %a), kind=kOutput, calls=%fused_dot
       %s = f32[1,8,16]{2,1,0} fusion(%big, %k), kind=kLoop, calls=%fused_slice
       %u = f32[100,8,4]{2,1,0} fusion(%acc, %up, %k), kind=kLoop, calls=%fused_update
+      %sf = f32[100,8,4]{2,1,0} fusion(%acc, %idx, %ups), kind=kLoop, calls=%fused_scatter
+      %sc = f32[100,8,4]{2,1,0} scatter(%acc, %idx, %ups), update_window_dims={1,2}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add_f
       %c = f32[4,8]{1,0} convolution(%a, %a), window={size=3 lhs_dilate=3}, dim_labels=bf_oi->bf
       ROOT %e = f32[8,4]{1,0} add(%once, %once)
     }
@@ -82,6 +112,7 @@ def test_runs_trip_counts_and_call_sites():
     times = runs(parse(HLO))
     assert times["body.1"] == 7 and times["body.2"] == 3 and times["main"] == 1  # condition's bound; known_trip_count
     assert times["fused_dot"] == 7 + 3 + 1  # summed over its three call sites
+    assert times["branch_t"] == times["branch_f"] == 7  # both branches of a predicate's conditional, at every run
 
 
 def test_matmul_flops_and_bytes_by_hand():
@@ -95,6 +126,9 @@ def test_matmul_flops_and_bytes_by_hand():
     main = {i.name: i for i in module.computations["main"]}
     assert instruction_bytes(module, main["s"]) == 2 * 8 * 16 * 4 + 4     # the slice read and written, and the index
     assert instruction_bytes(module, main["u"]) == 2 * 8 * 4 * 4 + 4      # the update in place, not the buffer
+    # a scatter-add in place, fused or not: indices and updates read, the updated rows read and written
+    # (not the [100, 8, 4] buffer, as HloCostAnalysis would count it)
+    assert instruction_bytes(module, main["sf"]) == instruction_bytes(module, main["sc"]) == 2 * 4 + 3 * (2 * 8 * 4 * 4)
     assert instruction_bytes(module, main["once"]) == (8 * 4 + 2 * 8 * 16) * 4
     assert bytes_accessed(module) > 0
 
