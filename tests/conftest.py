@@ -70,6 +70,20 @@ def tiny_config(stage: str | None = None, *overrides: str, **options):
     return load_config("deepseek4-tiny", [*TINY_OVERRIDES, *overrides], stage=stage, options=options or None)
 
 
+def init_model(cfg, seed: int):
+    """`Transformer(cfg, rngs=nnx.Rngs(seed))`, drawn as the training commands' `build` draws it:
+    inside `bucketed_draws()` (core/model/init_draws.py) a few shared random programs serve every
+    parameter shape instead of one compile per shape; the values are bitwise those of the plain
+    constructor (tests/model/test_init_draws.py)."""
+    from flax import nnx
+
+    from core.model.init_draws import bucketed_draws
+    from core.model.transformer import Transformer
+
+    with bucketed_draws():
+        return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
 def pytest_unconfigure(config):
     """The owner removes the temporary HF_HOME and XDG_CACHE_HOME (the compilation cache)."""
     if os.environ.get(_OWNER) == str(os.getpid()):

@@ -61,16 +61,17 @@ TRAIN_TINY = ["compress_ratios=[0,0]", "base_num_decoder_layers=2", "first_num_h
 
 
 def test_cli_train_sweep_json():
-    """One shape through the CLI: its own subprocess, every figure present and positive."""
-    result = CliRunner().invoke(app, ["bench", "--train", "--seq", "32", "--batch", "1", "--stage", "sparse",
+    """One shape through the CLI: its own subprocess, every figure present and positive. The shape is
+    `timed_profile`'s (its subprocess then reads this one's step from the compilation cache)."""
+    result = CliRunner().invoke(app, ["bench", "--train", "--seq", "32", "--batch", "2", "--stage", "sparse",
                                       "--train-steps", "1", "--json", *TRAIN_TINY])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     (row,) = out["rows"]
-    assert (row["stage"], row["seq"], row["batch"]) == ("sparse", 32, 1), row
+    assert (row["stage"], row["seq"], row["batch"]) == ("sparse", 32, 2), row
     for key in ("compile_s", "first_step_s", "step_time_s", "tokens_per_s", "temp_bytes", "peak_rss_bytes"):
         assert row[key] > 0, (key, row)
-    assert row["tokens_per_step"] == 32 and row["last"]["lm_loss"] > 0
+    assert row["tokens_per_step"] == 2 * 32 and row["last"]["lm_loss"] > 0
 
 
 @pytest.fixture(scope="module")

@@ -86,7 +86,8 @@ def inputs(fx):
 @pytest.fixture(scope="module")
 def forward(loaded, inputs):
     model, _ = loaded
-    return model(*inputs, mode="eval", collect=True)
+    # one compiled program, not one small compile per eager op (hundreds of them)
+    return nnx.jit(lambda m, *args: m(*args, mode="eval", collect=True))(model, *inputs)
 
 
 def _maxdiff(a, b):
@@ -156,6 +157,28 @@ def _layer_input(arrays, cfg, layer):
     return jnp.asarray(arrays[f"inter/layer{layer - 1}/stream_out"])[None]
 
 
+def _layer_values(block, cfg, layer, x, hf_attn_out, tokens, positions, segments):
+    """Every intermediate `test_layer_in_isolation_matches_hf` compares, from one compiled program
+    (the same computations as eager, without a compile per op); the routing is `_routing`'s."""
+    out = {}
+    y, post, comb = block.hc_attn.pre(x)
+    out.update(y=y, post=post, comb=comb)
+    h = block.attn_norm(y)
+    out["attn_out"], _ = block.attn(h, positions, segments)
+    if cfg.compress_ratios[layer]:
+        out["compressed_kv"] = block.attn.compressor(h, positions)
+    if cfg.compress_ratios[layer] == 4:
+        c_q = block.attn.q_norm(jnp.einsum("btm,mr->btr", h, block.attn.wq_a[...]))
+        _, out["indexer_k"], _ = block.attn.indexer.project(h, c_q, positions)
+    # MoE sublayer on the stream that HF's attention output produces
+    x_mid = HyperConnection.post(hf_attn_out, x, post, comb)
+    y2, _, _ = block.hc_ffn.pre(x_mid)
+    out["moe_out"], _ = block.ffn(block.ffn_norm(y2), tokens, segments > 0)
+    out["route_idx"], out["route_weights"] = _routing(block, block.ffn_norm(y2), tokens)
+    out["stream_out"], _ = block(x, tokens, positions, segments, dense=False, indexer_loss=False, collect=False)
+    return out
+
+
 @pytest.mark.parametrize("layer", [0, 1, 2, 3])
 def test_layer_in_isolation_matches_hf(fx, cfg, loaded, inputs, layer):
     """Layer `layer` fed HF's input stream: attention sublayer, compressors, routing, MoE, output."""
@@ -166,36 +189,25 @@ def test_layer_in_isolation_matches_hf(fx, cfg, loaded, inputs, layer):
     assert j is None, "the fixture's plan (0, 4, 128, 4) with 2 hash layers is never scanned"
     x = _layer_input(arrays, cfg, layer)
     pre = f"inter/layer{layer}/"
+    run = nnx.jit(lambda b, *args: _layer_values(b, cfg, layer, *args))
+    got = run(block, x, jnp.asarray(arrays[pre + "attn_out"])[None], tokens, positions, segments)
 
-    y, post, comb = block.hc_attn.pre(x)
     if layer == 0:
-        _close("layer 0 mHC collapse y", y[0], arrays[pre + "attn_hc_collapsed"], SIMPLE_TOL)
-        _close("layer 0 mHC post", post[0], arrays[pre + "attn_hc_post"], SIMPLE_TOL)
-        _close("layer 0 mHC comb", comb[0], arrays[pre + "attn_hc_comb"], SIMPLE_TOL)
-    h = block.attn_norm(y)
-    attn_out, _ = block.attn(h, positions, segments)
-    _close(f"layer {layer} attention output", attn_out[0], arrays[pre + "attn_out"], STEP_TOL)
+        _close("layer 0 mHC collapse y", got["y"][0], arrays[pre + "attn_hc_collapsed"], SIMPLE_TOL)
+        _close("layer 0 mHC post", got["post"][0], arrays[pre + "attn_hc_post"], SIMPLE_TOL)
+        _close("layer 0 mHC comb", got["comb"][0], arrays[pre + "attn_hc_comb"], SIMPLE_TOL)
+    _close(f"layer {layer} attention output", got["attn_out"][0], arrays[pre + "attn_out"], STEP_TOL)
     if cfg.compress_ratios[layer]:
-        _close(f"layer {layer} compressed kv", block.attn.compressor(h, positions)[0],
-               arrays[pre + "compressed_kv"], STEP_TOL)
+        _close(f"layer {layer} compressed kv", got["compressed_kv"][0], arrays[pre + "compressed_kv"], STEP_TOL)
     if cfg.compress_ratios[layer] == 4:
-        c_q = block.attn.q_norm(jnp.einsum("btm,mr->btr", h, block.attn.wq_a[...]))
-        _, k_idx, _ = block.attn.indexer.project(h, c_q, positions)
-        _close(f"layer {layer} indexer keys", k_idx[0], arrays[pre + "indexer_k"], STEP_TOL)
-
-    # MoE sublayer on the stream that HF's attention output produces
-    x_mid = HyperConnection.post(jnp.asarray(arrays[pre + "attn_out"])[None], x, post, comb)
-    y2, _, _ = block.hc_ffn.pre(x_mid)
-    moe_out, _ = block.ffn(block.ffn_norm(y2), tokens, segments > 0)
-    _check_routing(block, block.ffn_norm(y2), tokens, arrays, layer)
-    _close(f"layer {layer} MoE output", moe_out[0], arrays[pre + "moe_out"], STEP_TOL)
-
-    out, _ = block(x, tokens, positions, segments, dense=False, indexer_loss=False, collect=False)
-    _close(f"layer {layer} output stream", out[0], arrays[pre + "stream_out"], STEP_TOL)
+        _close(f"layer {layer} indexer keys", got["indexer_k"][0], arrays[pre + "indexer_k"], STEP_TOL)
+    _check_routing(got["route_idx"], got["route_weights"], arrays, layer)
+    _close(f"layer {layer} MoE output", got["moe_out"][0], arrays[pre + "moe_out"], STEP_TOL)
+    _close(f"layer {layer} output stream", got["stream_out"][0], arrays[pre + "stream_out"], STEP_TOL)
 
 
-def _check_routing(block, h_btm, tokens, arrays, layer):
-    """Chosen experts (as sets: HF's top-k is unsorted) and their combine weights."""
+def _routing(block, h_btm, tokens):
+    """(chosen experts, their combine weights) of the layer's router on `h_btm`."""
     moe, spec = block.ffn, block.ffn.spec
     logits = jnp.einsum("btm,me->bte", h_btm, moe.gate.weight[...])
     if spec.hash_routed:
@@ -203,6 +215,11 @@ def _check_routing(block, h_btm, tokens, arrays, layer):
         weights = combine_weights(router_scores(logits), idx, scaling=spec.scaling, normalize=spec.normalize)
     else:
         idx, weights, _ = route(logits, moe.gate.bias[...], spec.k, scaling=spec.scaling, normalize=spec.normalize)
+    return idx, weights
+
+
+def _check_routing(idx, weights, arrays, layer):
+    """Chosen experts (as sets: HF's top-k is unsorted) and their combine weights."""
     idx, weights = np.asarray(idx[0]), np.asarray(weights[0])
     hf_idx = arrays[f"inter/layer{layer}/route_experts"]
     hf_w = arrays[f"inter/layer{layer}/route_weights"]

@@ -377,7 +377,8 @@ def test_zero_weights_init_is_a_uniform_student_and_changes_nothing_else(x64):
         scores = model(jnp.asarray(x), jnp.asarray(c_q), jnp.asarray(pos), jnp.asarray(vis))
         return csa_indexer_loss(scores, WholeTeacher(jnp.asarray(q), jnp.asarray(kv)), jnp.asarray(vis)), scores
 
-    (value, scores), grads = nnx.value_and_grad(loss, has_aux=True)(zeros)
+    # one compiled program, not one small compile per eager op of the forward and backward
+    (value, scores), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(zeros)
     assert not np.any(np.asarray(scores)[vis])
     uniform = ref.indexer_kl_loss(np.zeros((bsz, t, t // RATIO)), q, kv, vis)[0]
     np.testing.assert_allclose(float(value), uniform, rtol=1e-12)

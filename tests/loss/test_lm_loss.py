@@ -16,6 +16,7 @@ from flax import nnx
 from core.config.schema import load_config
 from core.loss.lm import chunked_lm_loss, head_logits, lm_loss, lm_loss_from_hidden
 from core.model.transformer import REMAT_POLICIES, Transformer
+from tests.conftest import init_model
 
 
 def reference_nll(h, w, targets, mask):
@@ -121,7 +122,7 @@ SMALL = ["vocab_size=512", "sliding_window_size=8", "first_num_hash_layers=1", "
 
 def _model(*overrides):
     cfg = load_config("deepseek4-tiny", SMALL + list(overrides))
-    return cfg, Transformer(cfg, rngs=nnx.Rngs(3))
+    return cfg, init_model(cfg, 3)
 
 
 @functools.lru_cache(maxsize=None)

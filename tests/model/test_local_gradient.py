@@ -25,7 +25,7 @@ from flax import nnx
 
 from core.config.schema import load_config
 from core.model.attention import Attention
-from core.model.transformer import Transformer
+from tests.conftest import init_model
 from tests.model.test_attention import ROWS, T, make_layer, packed, spec
 
 
@@ -67,7 +67,7 @@ CFG = ["vocab_size=512", "sliding_window_size=8", "first_num_hash_layers=1", "hc
 @functools.lru_cache(maxsize=None)
 def _warmup_grads(how: str):
     cfg = load_config("deepseek4-tiny", CFG + [f"indexer_gradient={how}"], stage="warmup")
-    model = Transformer(cfg.replace(indexer_weights_init="fan_in"), rngs=nnx.Rngs(3))
+    model = init_model(cfg.replace(indexer_weights_init="fan_in"), 3)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tokens = jax.random.randint(jax.random.key(7), (2, 32), 0, 512)
     pos = jnp.stack([jnp.arange(32), jnp.concatenate([jnp.arange(18), jnp.arange(14)])]).astype(jnp.int32)

@@ -241,8 +241,8 @@ def split_grads(model, tokens, pos, seg, mode):
         return lm, idx, grads
 
     lm, idx, grads = run(params, rest)
-    g_lm = {".".join(map(str, k)): np.asarray(v[...][0]) for k, v in nnx.to_flat_state(grads)}
-    g_idx = {".".join(map(str, k)): np.asarray(v[...][1]) for k, v in nnx.to_flat_state(grads)}
+    g_lm = {".".join(map(str, k)): np.asarray(v[...])[0] for k, v in nnx.to_flat_state(grads)}  # sliced on the host
+    g_idx = {".".join(map(str, k)): np.asarray(v[...])[1] for k, v in nnx.to_flat_state(grads)}
     return float(lm), float(idx), g_lm, g_idx
 
 

@@ -21,6 +21,7 @@ from flax import nnx
 from core.config.schema import load_config
 from core.loss.lm import lm_loss_from_hidden
 from core.model.transformer import Transformer
+from tests.conftest import init_model
 
 CFG = ["vocab_size=512", "sliding_window_size=8", "indexer_topk=4", "first_num_hash_layers=0",
        "hc_sinkhorn_iters=3", "compress_ratios=[4,4]", "base_num_decoder_layers=2",
@@ -31,7 +32,7 @@ CFG = ["vocab_size=512", "sliding_window_size=8", "indexer_topk=4", "first_num_h
 @functools.lru_cache(maxsize=None)
 def _params():
     cfg = load_config("deepseek4-tiny", CFG + ["remat_policy=none"])
-    return nnx.state(Transformer(cfg, rngs=nnx.Rngs(5)))
+    return nnx.state(init_model(cfg, 5))
 
 
 def _loss_fn(policy: str):

@@ -20,8 +20,15 @@ import textwrap
 
 import pytest
 
-from tests.conftest import TINY_OVERRIDES
+from tests.conftest import CHAIN_STEPS, TINY_OVERRIDES
 from tests.plan import invoke_plan
+
+# The stage chain's warm-up (tests/train/test_stages.py, which pytest-xdist runs before this file on the same
+# worker: tests/conftest.py's order): steps only sets the schedule's length, so the FLOP count's plan is
+# the chain's warm-up step, and its child reads it from the compilation cache (the same figures as a
+# compile; only the buffer assignment's top temporaries need a real compile, so the cpu:1 test keeps
+# a program of its own). Run alone, this file compiles it itself.
+WARMUP_TINY = (*TINY_OVERRIDES, f"steps={CHAIN_STEPS['warmup']}")
 
 FIELDS = ("parameter_bytes", "optimizer_bytes", "batch_bytes", "argument_bytes", "temp_bytes", "code_bytes",
           "total_bytes", "usable_bytes")
@@ -227,7 +234,7 @@ def test_flops_of_the_compiled_program_agree_with_the_analytic_count():
     few tiny dots into elementwise work: within 1 %); XLA's cost analysis counts each loop body once."""
     from core.plan.compile import plan
 
-    r = plan("deepseek4-tiny", "warmup", "cpu:1", TINY_OVERRIDES, top=0, analytic=True)
+    r = plan("deepseek4-tiny", "warmup", "cpu:1", WARMUP_TINY, top=0, analytic=True)
     hlo, analytic = r["flops_per_step"], r["analytic_matmul_flops_per_device"]
     assert abs(hlo - analytic) <= 0.01 * analytic, (hlo, analytic)
     assert analytic <= r["analytic_flops_per_device"]  # the analytic total adds the elementwise work

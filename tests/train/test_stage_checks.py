@@ -10,9 +10,8 @@ import pytest
 from flax import nnx
 from typer.testing import CliRunner
 
-from tests.conftest import TINY_OVERRIDES, tiny_config
+from tests.conftest import TINY_OVERRIDES, init_model, tiny_config
 from core.train import run as train
-from core.model.transformer import Transformer
 from core.train.handoff import topk_warning
 from dsv4cli.main import app
 
@@ -47,7 +46,7 @@ def test_pretrain_forward_is_dense_with_the_head_and_no_indexer_loss():
     import jax.numpy as jnp
 
     cfg = tiny_config("pretrain", "indexer_topk=2", "per_device_batch_size=1")
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = init_model(cfg, 0)
     tokens = jax.random.randint(jax.random.key(1), (1, cfg.max_target_length), 0, cfg.vocab_size)
     positions = jnp.arange(cfg.max_target_length)[None]
     segments = jnp.ones_like(tokens)

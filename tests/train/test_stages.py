@@ -19,14 +19,13 @@ import pytest
 from flax import nnx
 from typer.testing import CliRunner
 
-from tests.conftest import CHAIN_STEPS, TINY_OVERRIDES, tiny_config
+from tests.conftest import CHAIN_STEPS, TINY_OVERRIDES, init_model, tiny_config
 from core.checkpoint import store as ckpt
 from core import tree
 from core.checkpoint import run_files
 from core.train import run as train
 from core.train import step as train_step
 from core.errors import CheckpointError
-from core.model.transformer import Transformer
 from core.train.handoff import is_indexer
 from dsv4cli import display
 from dsv4cli.main import app
@@ -69,7 +68,7 @@ def test_pretrain_trains_all_but_the_indexer(stage_chain):
     run, output = stage_chain["pretrain"]
     model, cfg, meta = ckpt.restore_model(run)
     assert meta["stage"] == "pretrain" and cfg.dense_pretraining and cfg.frozen_parameters_mask == (".*indexer.*",)
-    initial = _params(Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
+    initial = _params(init_model(cfg, cfg.init_weights_seed))
     trained = _params(model)
     indexer = [k for k in trained if is_indexer(k)]
     assert indexer and len(indexer) < len(trained)

@@ -19,12 +19,11 @@ import pytest
 from flax import nnx
 from typer.testing import CliRunner
 
-from tests.conftest import CHAIN_STEPS, TINY_OVERRIDES, tiny_config
+from tests.conftest import CHAIN_STEPS, TINY_OVERRIDES, init_model, tiny_config
 from core.checkpoint import store as ckpt
 from core import tree
 from core.checkpoint import run_files
 from core.loss import lm as lm_loss
-from core.model.transformer import Transformer
 from core.train import step as train_step
 from core.errors import ConfigError
 from dsv4cli import display
@@ -67,7 +66,7 @@ def test_warmup_trains_only_the_indexer(warm):
     model, cfg, meta = ckpt.restore_model(run)
     assert meta["stage"] == "warmup" and meta["step"] == WARMUP_STEPS - 1
     trained = _variables(model)
-    initial = _variables(Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
+    initial = _variables(init_model(cfg, cfg.init_weights_seed))
     assert trained.keys() == initial.keys()
     indexer = [k for k in trained if "indexer" in k]
     assert indexer and len(indexer) < len(trained)
@@ -167,7 +166,7 @@ def test_trainable_mask_fully_matches_paths():
     assert match(("layers", 1, "attn", "indexer", "wq_b")) and match(("embed",))
     assert not match(("layers", 1, "attn", "wq_a")) and not match(("embedder",))
     assert train_step.path_matcher([])(("anything",))
-    model = Transformer(tiny_config(), rngs=nnx.Rngs(0))
+    model = init_model(tiny_config(), 0)
     with pytest.raises(ConfigError, match="matches no parameter"):
         train_step.trainable_labels(model, ["indexer"])
 
