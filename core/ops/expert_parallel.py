@@ -68,7 +68,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from core.ops.moe_dispatch import Tiling, tiled_experts
+from core.ops.moe_dispatch import Tiling, tiled_experts, vary_like
 
 EXPERT_AXIS = "expert"                    # the experts' leading axis ("experts" -> "expert")
 MLP_AXIS = "tensor"                       # the experts' hidden axis ("mlp" -> "tensor")
@@ -135,12 +135,6 @@ def _send_layout(idx_nk, local_experts: int, devices: int, cap: int):
     return token_r, slot_s, jnp.sum(real_nk & ~kept_nk)
 
 
-def _varying_like(a, ref):
-    """`a` cast to vary over every manual (shard_map) axis that `ref` varies over and it does not."""
-    axes = jax.typeof(ref).manual_axis_type.varying - jax.typeof(a).manual_axis_type.varying
-    return jax.lax.pcast(a, tuple(sorted(axes)), to="varying") if axes else a
-
-
 def expert_parallel_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, exchange: Exchange, *, hidden):
     """sum_j weights[b,t,j] * expert_{idx[b,t,j]}(x[b,t]), the tokens sent to their experts' devices.
 
@@ -199,8 +193,8 @@ def expert_parallel_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf,
         # Everything differentiated varies over every manual axis before the rounds, so that the casts'
         # transposes (the gradients' psums over data/fsdp for the weights, over tensor for the tokens) run
         # once, after the last round, not in every round's or every tile chunk's backward.
-        w1, w2, w3 = (_varying_like(w, x_nm) for w in (w1, w2, w3))
-        x_nm, weights_nk = (_varying_like(a, w1) for a in (x_nm, weights_nk))
+        w1, w2, w3 = (vary_like(w, x_nm) for w in (w1, w2, w3))
+        x_nm, weights_nk = (vary_like(a, w1) for a in (x_nm, weights_nk))
         pad = ((0, rounds * per_round - n), (0, 0))
         xs = (jnp.pad(x_nm, pad).reshape(rounds, per_round, m),
               jnp.pad(idx_nk, pad, constant_values=num_experts).reshape(rounds, per_round, k),   # E: no device

@@ -79,12 +79,14 @@ def tiles_per_step(tiles: int, tile: int, mlp: int) -> int:
     return max(1, min(tiles, tiles * tile // (3 * mlp)))
 
 
-def _zeros_varying_like(shape, dtype, *refs):
-    """Zeros that vary over every manual (shard_map) axis one of `refs` varies over: a scan carry that
-    `lax.cond` may return unchanged must start with the type the scan body gives it."""
+def vary_like(a, *refs):
+    """`a` cast to vary over every manual (shard_map) axis that one of `refs` varies over and it does
+    not (outside shard_map: `a`). A scan carry that `lax.cond` may return unchanged must start with
+    the type the scan body gives it; a value cast before a loop has its cast's transpose (a psum)
+    run once after the loop's backward, not in every step's."""
     axes = frozenset().union(*(jax.typeof(r).manual_axis_type.varying for r in refs))
-    zeros = jnp.zeros(shape, dtype)
-    return jax.lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros
+    axes -= jax.typeof(a).manual_axis_type.varying
+    return jax.lax.pcast(a, tuple(sorted(axes)), to="varying") if axes else a
 
 
 def tiled_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, tiling: Tiling, *, hidden):
@@ -148,6 +150,6 @@ def tiled_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, tiling: T
 
     xs = (expert_g.reshape(steps, per_step), token_r.reshape(steps, per_step, tile),
           weight_r.reshape(steps, per_step, tile))
-    y_nm, _ = jax.lax.scan(jax.checkpoint(step), _zeros_varying_like((n, m), acc, x_nm, weight_r, w1_emf, w2_efm, w3_emf),
+    y_nm, _ = jax.lax.scan(jax.checkpoint(step), vary_like(jnp.zeros((n, m), acc), x_nm, weight_r, w1_emf, w2_efm, w3_emf),
                            xs)
     return y_nm.reshape(b, t, m)

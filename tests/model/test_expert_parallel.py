@@ -75,6 +75,14 @@ def test_expert_parallel_rounds_equal_one_device(worker, rounds):
         assert diff <= 1e-5 * max(1.0, scale), f"rounds {rounds} {what}: max |diff| = {diff:.3e} (scale {scale:.2e})"
 
 
+@pytest.mark.parametrize("rounds", ROUNDS)
+def test_expert_parallel_rounds_equal_one_device_float64(worker, rounds):
+    """The same cases in float64: the exchange moves and sums exactly what the one-device dispatch computes, to
+    float64 rounding (the one-device dispatch is tested against its float64 dense reference)."""
+    for what, (diff, scale) in worker["rounds_float64"][rounds].items():
+        assert diff <= 1e-12 * max(1.0, scale), f"rounds {rounds} {what}: max |diff| = {diff:.3e} (scale {scale:.2e})"
+
+
 def test_capacity_factor_drops_the_later_slots_and_reports_their_fraction(worker):
     """capacity_factor 1 on expert 8: per device and round (n_r tokens), the tokens past the first ceil(n_r k / 8)
     with a slot on one destination lose their slots there, in token order; the output equals the dense MoE
@@ -251,9 +259,24 @@ def _capacity():
             "diff": [diff, float(np.max(np.abs(np.asarray(expected))))]}
 
 
-def _rounds():
+def _rounds(dtype: str = "float32"):
     """{R: diffs}: fsdp 2 x expert 4 with `Exchange.rounds` R against the one-device tiled dispatch, value and
-    gradients."""
+    gradients, in `dtype` (float64: both paths in float64, the tiled one tested against its float64 dense
+    reference in tests/ops/test_moe_dispatch.py)."""
+    import jax
+    import jax.numpy as jnp
+
+    if dtype != "float64":
+        return _rounds_in(jnp.float32)
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        return _rounds_in(jnp.float64)
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+
+
+def _rounds_in(dtype):
     import jax
     import jax.numpy as jnp
 
@@ -265,7 +288,8 @@ def _rounds():
     x, _, _, cot = _inputs()
     logits = jnp.einsum("btm,me->bte", x, model.gate.weight[...])
     idx, weights, _ = moe.route(logits, model.gate.bias[...], 3, scaling=model.spec.scaling, normalize=True)
-    w = (model.experts.w1[...], model.experts.w2[...], model.experts.w3[...])
+    w = tuple(a.astype(dtype) for a in (model.experts.w1[...], model.experts.w2[...], model.experts.w3[...]))
+    x, weights, cot = x.astype(dtype), weights.astype(dtype), cot.astype(dtype)
     hidden = functools.partial(moe.swiglu_hidden, limit=model.spec.swiglu_limit)
     names = ("y", "d x", "d weights", "d w1", "d w2", "d w3")
 
@@ -432,6 +456,7 @@ if __name__ == "__main__":
     results = {f"{m}/{r}": _parity(m, r) for m, r in CASES}
     results["capacity"] = _capacity()
     results["rounds"] = _rounds()
+    results["rounds_float64"] = _rounds("float64")
     results["memory"] = _memory()
     results["training"], results["eval"] = _training_and_eval()
     print(json.dumps(results))
