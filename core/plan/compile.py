@@ -79,13 +79,19 @@ def plan(model: str, stage: str | None, target_name: str, overrides: Sequence[st
     args = {"model": model, "stage": stage, "overrides": list(overrides), "config_file": config_file,
             "target": target_name, "top": top, "analytic": analytic}
     with tempfile.TemporaryDirectory(prefix="dsv4-plan-") as dump:
+        # The top temporaries come from the buffer assignment XLA dumps as it compiles; an executable
+        # read back from JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR) dumps none.
         return run_child("core.plan.compile", {**args, "dump": dump}, target, timeout_s=timeout_s,
-                         xla_flags=f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*jit_step.*")
+                         xla_flags=f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*jit_step.*",
+                         persistent_cache=top == 0)
 
 
 def run_child(module: str, args: dict[str, Any], target: tg.Target, *, timeout_s: float | None = None,
-              xla_flags: str = "", what: str = "the compile") -> dict[str, Any]:
+              xla_flags: str = "", what: str = "the compile", persistent_cache: bool = True) -> dict[str, Any]:
     """`python -m module '<args as JSON>'` in `targets.child_env(target)`; the JSON of its MARKER line.
+
+    `persistent_cache=False` turns JAX's persistent compilation cache off in the child (neither read
+    nor written), whatever the environment sets.
 
     The child prints one line `MARKER + json` (a result, or {"error": message} for a DsvError);
     anything else it prints stays in the child.
@@ -97,6 +103,9 @@ def run_child(module: str, args: dict[str, Any], target: tg.Target, *, timeout_s
     root = str(Path(core.__file__).parent.parent)  # the checkout or site-packages that holds this core
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
     env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {xla_flags}".strip()
+    if not persistent_cache:
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     try:
         proc = subprocess.run([sys.executable, "-m", module, json.dumps(args)], capture_output=True, text=True,
                               env=env, timeout=timeout_s)

@@ -154,7 +154,7 @@ def test_cpu1_state_bytes_and_temp_equal_the_training_commands_own():
     from core.plan.compile import plan
     from core.train.step import build
 
-    result = plan("deepseek4-tiny", "sparse", "cpu:1", TINY_OVERRIDES, top=3, analytic=False)
+    result = plan("deepseek4-tiny", "sparse", "cpu:1", TINY_OVERRIDES, top=0, analytic=False)  # the child writes the cache
     assert set(FIELDS) <= set(result["per_device"]), sorted(result["per_device"])
     assert {"target", "devices", "mesh", "fits", "flops_per_step", "estimated_step_s", "estimated_tokens_per_s",
             "top_temporaries"} <= set(result)
@@ -166,7 +166,22 @@ def test_cpu1_state_bytes_and_temp_equal_the_training_commands_own():
     assert d["argument_bytes"] == state + d["batch_bytes"]
     assert d["temp_bytes"] == ahead_temp_bytes(cfg)
     assert result["fits"] and result["flops_per_step"] > 0 and result["approximate"]
-    assert result["top_temporaries"] and all(t["bytes"] > 0 and t["shape"] for t in result["top_temporaries"])
+
+
+def test_top_temporaries_survive_a_warm_persistent_cache():
+    """The top temporaries come from the buffer assignment XLA dumps while it compiles. With the
+    step already in JAX's persistent cache (tests/conftest.py sets JAX_COMPILATION_CACHE_DIR, as a
+    user may), a child that read it back dumped nothing and listed no temporaries; with --top the
+    child compiles with the cache off."""
+    from core.config.schema import load_config
+    from core.plan.compile import plan
+
+    one_layer = (*TINY_OVERRIDES, "compress_ratios=[0]", "base_num_decoder_layers=1", "first_num_hash_layers=0")
+    temp = ahead_temp_bytes(load_config("deepseek4-tiny", list(one_layer), stage="sparse"))  # now in the cache
+    result = plan("deepseek4-tiny", "sparse", "cpu:1", one_layer, top=3, analytic=False)
+    assert result["per_device"]["temp_bytes"] == temp
+    top = result["top_temporaries"]
+    assert len(top) == 3 and all(t["bytes"] > 0 and t["shape"] and t["component"] for t in top), top
 
 
 _CPU8 = """
