@@ -4,8 +4,9 @@ typed error.
 
 - `RunLock`: an exclusive `fcntl.flock` on `<run>/.lock`. The kernel drops it when the process
   exits, however it exits (kill -9 included), so a lock is never stale; the file itself stays.
-- `step_ok` / `keep_if_ok` run inside the jitted step: a step whose total loss, gradient norm or
-  updated parameters are non-finite returns the old state unchanged. `check_finite` repeats the same test on the host
+- `updated_params`, `step_ok` and `apply_if_ok` run inside the jitted step: a step whose total
+  loss, gradient norm or would-be updated parameters are non-finite returns the old state
+  unchanged; the test comes before the update, so the step holds no second copy of the state. `check_finite` repeats the same test on the host
   on metrics the loop fetches anyway (no extra device sync) and raises `DivergenceError`.
 - `optimizer_mismatch` and `schedule_notice` compare a resume with the saved config.
 - `WriteGuard` turns OS errors of checkpoint (Orbax, possibly from its background thread),
@@ -120,32 +121,60 @@ def _not_bad(x, abort_on_nan: bool, abort_on_inf: bool):
     return ~bad
 
 
-def step_ok(total, grad_norm, params, *, abort_on_nan: bool, abort_on_inf: bool):
+def updated_params(model, optimizer, grads):
+    """Jit-safe: the parameter arrays `optimizer.update(model, grads)` would write (a pure tree keyed
+    like `nnx.state(model, optimizer.wrt)`), computed the way it computes them; nothing is written."""
+    import optax
+    from flax import nnx
+
+    params = nnx.as_pure(nnx.state(model, optimizer.wrt))
+    updates, _ = optimizer.tx.update(nnx.as_pure(nnx.state(grads, optimizer.wrt)), nnx.as_pure(optimizer.opt_state),
+                                     params)
+    return optax.apply_updates(params, updates)
+
+
+def step_ok(total, grad_norm, new_params, trained: Callable[[tuple], bool], *, abort_on_nan: bool,
+            abort_on_inf: bool):
     """Jit-safe: (ok, params_ok). ok is False when an enabled check finds the total loss, the gradient
-    norm or an updated parameter NaN / infinite (a finite loss can still overflow the update); params_ok
-    (float32 1/0, reported as the `params_finite` metric) covers the parameters alone."""
+    norm or a trained parameter of `new_params` (`updated_params`: what the update would write) NaN /
+    infinite (a finite loss can still overflow the update); params_ok (float32 1/0, reported as the
+    `params_finite` metric) covers the parameters alone. `trained(path)` picks the parameters the
+    step trains (the frozen ones do not move)."""
     import jax
     import jax.numpy as jnp
 
     flags = dict(abort_on_nan=abort_on_nan, abort_on_inf=abort_on_inf)
     loss_ok = _not_bad(jnp.stack([jnp.asarray(total, jnp.float32), jnp.asarray(grad_norm, jnp.float32)]), **flags)
     params_ok = jnp.array(True)
-    for leaf in jax.tree.leaves(params):
-        params_ok &= _not_bad(leaf, **flags)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(new_params)[0]:
+        if trained(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)):
+            params_ok &= _not_bad(leaf, **flags)
     return loss_ok & params_ok, params_ok.astype(jnp.float32)
 
 
-def keep_if_ok(ok, new_state, old_state):
-    """Jit-safe: `new_state` where `ok`, else `old_state` (same tree).
+def apply_if_ok(ok, apply: Callable[[Any], Any], state, platform: str):
+    """Jit-safe: `apply(state)` where `ok`, else `state`'s values unchanged. `ok` must come from
+    `step_ok` on `updated_params`, i.e. before the update, so that the update can write the donated
+    state in place and the step holds one copy of the parameters and optimizer state, as without the
+    guard. How, per compiler (measured; docs/planning.md#the-step-guards-memory):
 
-    One `lax.cond` over the whole state, not a `where` per leaf: the same values and the same
-    compiled temp memory, but a per-leaf select makes every updated array wait on the
-    all-parameter finiteness test, which makes XLA's fusion and copy-insertion passes over the
-    train step far slower (docs/benchmarks.md#why-the-defaults).
+    - "cpu": one `lax.cond` with the update inside its taken branch (deepseek4-tiny's sparse step at
+      1 x 256: 252.3 MB of temporaries, 353.0 with a `where` per array, whose compile also takes
+      30 s against 20);
+    - elsewhere: a `where` per array, which XLA:GPU fuses into the update (V4-Flash's sparse step on
+      64 x H200, fsdp 64: 21.51 GiB of temporaries, as without the guard; the `lax.cond` form makes
+      XLA:GPU copy the state into the conditional, 55.57 GiB).
+
+    Testing the updated parameters after the update instead (the guard before) held the updated and
+    the kept state at once: 42.08 GiB there.
     """
     import jax
+    import jax.numpy as jnp
 
-    return jax.lax.cond(ok, lambda new, old: new, lambda new, old: old, new_state, old_state)
+    if platform == "cpu":
+        return jax.lax.cond(ok, apply, lambda unchanged: unchanged, state)
+    kept = jax.tree.map(lambda v: v, state)  # a snapshot (new Variables): `apply` may update state's in place
+    return jax.tree.map(lambda new, old: jnp.where(ok, new, old), apply(state), kept)
 
 
 def check_finite(step: int, metrics: Mapping[str, float], cfg, last_checkpoint: int | None) -> None:

@@ -165,7 +165,7 @@ def make_train_step(cfg, graphdef, state, mesh):
     key = step_key(cfg, graphdef, mesh)
     with _CACHE_LOCK:  # core/train/precompile.py calls this from its thread too
         if key not in _STEP_CACHE:
-            _STEP_CACHE[key] = jax.jit(with_mesh(mesh, step_fn(cfg, graphdef)), donate_argnums=0,
+            _STEP_CACHE[key] = jax.jit(with_mesh(mesh, step_fn(cfg, graphdef, mesh_platform(mesh))), donate_argnums=0,
                                        out_shardings=(state_shardings(state, mesh), None),
                                        compiler_options=step_compiler_options(cfg) or None)
         return _STEP_CACHE[key]
@@ -236,7 +236,15 @@ def cached_compiled(key):
         return _COMPILED.get(key)
 
 
-def step_fn(cfg, graphdef):
+def mesh_platform(mesh) -> str:
+    """The platform of `mesh`'s devices ("cpu", "gpu", "tpu"): the compiler the step is traced for."""
+    return mesh.devices.flat[0].platform
+
+
+def step_fn(cfg, graphdef, platform: str | None = None):
+    """The train step `(state, batch) -> (state, metrics)` (module docstring), traced for `platform`'s
+    compiler (the mesh's devices; default `jax.default_backend()`), which picks how the non-finite
+    guard keeps the state (core/train/guard.py `apply_if_ok`)."""
     trainable = config_matcher(cfg)
     lm_loss = stage_of(cfg).lm_loss  # False in the warm-up: the model returns no hidden states for the head
     grad_filter = nnx.All(nnx.Param, lambda path, _: trainable(path))
@@ -247,8 +255,6 @@ def step_fn(cfg, graphdef):
     guard = cfg.abort_on_nan_loss or cfg.abort_on_inf_loss
 
     def step(state, batch):
-        # a snapshot (new Variables) of the input: the update below changes some of them in place
-        old_state = jax.tree.map(lambda v: v, state) if guard else None
         model, optimizer = nnx.merge(graphdef, state)
 
         def loss_fn(model):
@@ -264,17 +270,26 @@ def step_fn(cfg, graphdef):
                    "moe_lb_loss": aux["moe_lb_loss"], "moe_dropped": aux["moe_dropped"],
                    "grad_norm": optax.tree.norm(grads),
                    "learning_rate": schedule(optimizer.step[...])}
-        optimizer.update(model, nnx.merge_state(grads, zeros))
-        # a snapshot (new Variables): update_router_biases changes the model's Variables in place
-        fixed = jax.tree.map(lambda v: v, nnx.state(model, fixed_bias))
-        model.update_router_biases(aux["expert_load"], rate)
-        nnx.update(model, fixed)  # frozen routers keep their biases
-        new_state = nnx.state((model, optimizer))
-        if guard:  # a non-finite step is not applied (the host sees the same metrics and stops)
-            ok, metrics["params_finite"] = run_guard.step_ok(
-                total, metrics["grad_norm"], nnx.state(model, grad_filter),
-                abort_on_nan=cfg.abort_on_nan_loss, abort_on_inf=cfg.abort_on_inf_loss)
-            new_state = run_guard.keep_if_ok(ok, new_state, old_state)
+        grads = nnx.merge_state(grads, zeros)
+
+        def apply(state):
+            model, optimizer = nnx.merge(graphdef, state)
+            optimizer.update(model, grads)
+            # a snapshot (new Variables): update_router_biases changes the model's Variables in place
+            fixed = jax.tree.map(lambda v: v, nnx.state(model, fixed_bias))
+            model.update_router_biases(aux["expert_load"], rate)
+            nnx.update(model, fixed)  # frozen routers keep their biases
+            return nnx.state((model, optimizer))
+
+        state = nnx.state((model, optimizer))
+        if not guard:
+            return apply(state), metrics
+        # a non-finite step is not applied (the host sees the same metrics and stops); tested on what
+        # the update would write, before it, so that the update writes the state in place
+        ok, metrics["params_finite"] = run_guard.step_ok(
+            total, metrics["grad_norm"], run_guard.updated_params(model, optimizer, grads), trainable,
+            abort_on_nan=cfg.abort_on_nan_loss, abort_on_inf=cfg.abort_on_inf_loss)
+        new_state = run_guard.apply_if_ok(ok, apply, state, platform or jax.default_backend())
         return new_state, metrics
 
     return step
