@@ -72,7 +72,7 @@ def plan(model: str, stage: str | None, target_name: str, overrides: Sequence[st
 
     target = tg.parse_target(target_name)
     cfg = load(model, stage, overrides, config_file)
-    plan_mesh(cfg, target.devices, target.slices)  # a mesh that does not divide fails before any compile
+    plan_mesh(cfg, target.devices, target.granules)  # a mesh that does not divide fails before any compile
     tg.require_extra(target)
     if on_start is not None:
         on_start()

@@ -1,12 +1,12 @@
 """`dsv4 plan --search`: which meshes and batches fit a target, compiled and ranked (DESIGN.md, "Planning").
 
 1. Enumerate (`candidates`): every ordered factorization of one granule's devices over
-   (data, fsdp, tensor, expert) for ici_*, and of the granules (TPU slices) for dcn_*, times the
+   (data, fsdp, tensor, expert) for ici_*, and of the granules (TPU slices, GPU hosts) for dcn_*, times the
    per-device batches 1, 2, 4, ... up to `max_batch`. Kept where the model's sharding rules hold:
    query heads divisible by tensor (the rules would replicate them, wasting the axis), routed
    experts by expert (expert parallelism's exchange needs it), the global batch by the
    data x fsdp x expert batch shards. Axes and the batch that the user's overrides set (to anything
-   but -1) stay fixed. Compile-only GPU devices all carry process 0, so a GPU target is one granule.
+   but -1) stay fixed. On a GPU target the granules are its hosts of 8 GPUs (`Target.granules`).
 2. Prune without compiling: the exact per-device state (parameters, optimizer state, batch) from
    shapes and shardings on a `jax.sharding.AbstractMesh` (`report.state_bytes` over
    `compile.step_inputs`, the plan's own count), in one child process for all candidates, against
@@ -117,8 +117,8 @@ def candidates(cfg, target: tg.Target, *, max_batch: int = DEFAULT_MAX_BATCH,
     batches = ([pins["per_device_batch_size"]] if "per_device_batch_size" in pins
                else [1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch])
     out = []
-    for dcn in factorizations(target.slices, len(MESH_AXES)):
-        for ici in factorizations(target.devices // target.slices, len(MESH_AXES)):
+    for dcn in factorizations(target.granules, len(MESH_AXES)):
+        for ici in factorizations(target.devices // target.granules, len(MESH_AXES)):
             for b in batches:
                 c = Candidate(ici, dcn, b)
                 if all(c.fields()[k] == v for k, v in pins.items()) and valid_for_model(cfg, c.mesh, target.devices, b):

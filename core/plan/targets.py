@@ -75,7 +75,7 @@ class Target:
       name: as the user typed it (v5p-128, h200x8, cpu:8).
       platform: "tpu" | "cuda" | "cpu": the compiler that runs.
       devices: JAX devices (TPU chips, GPUs, fake CPU devices).
-      slices: TPU slices (granules over DCN); 1 elsewhere.
+      slices: TPU slices (granules over DCN); 1 elsewhere (a GPU target's granules are its hosts).
       chip: memory and ceilings per device; None for cpu (approximate memory, no roofline).
       topology: TPU topology ("v5:4x4x4") or GPU topology ("1x2x8": slices x hosts x GPUs).
       chip_config: "megacore" | "default" on TPU.
@@ -98,6 +98,14 @@ class Target:
     @property
     def approximate(self) -> bool:
         return self.platform == "cpu"
+
+    @property
+    def granules(self) -> int:
+        """Granules over DCN as `make_mesh` counts them on this target's compile-only devices: TPU
+        slices; GPU hosts of 8 (each device carries its host's process index); 1 for cpu:N."""
+        if self.platform == "cuda":
+            return max(self.devices // GPUS_PER_HOST, 1)
+        return self.slices
 
 
 def parse_target(name: str) -> Target:

@@ -64,6 +64,25 @@ def test_enumeration_is_every_valid_mesh_and_batch_once(slices):
     assert {c.per_device_batch_size for c in cands} == {1, 2, 4}
 
 
+def test_gpu_hosts_are_the_granules():
+    """A GPU target's compile-only devices carry their host's process index, so `make_mesh` splits
+    h200x16 into 2 granules of 8: every candidate's ici_* multiply to 8 and its dcn_* to 2, and each
+    passes the mesh check the compile child makes (before: ici over all 16, which the child refused)."""
+    from core.config.schema import load_config
+    from core.parallel.mesh import plan_mesh
+    from core.plan.search import candidates
+    from core.plan.targets import parse_target
+
+    assert [parse_target(t).granules for t in ("h100x4", "h200x8", "h200x16", "b200x64", "v5p-128", "cpu:8")] == \
+        [1, 1, 2, 8, 1, 1]
+    cfg = load_config("deepseek4-tiny", [], stage="sparse")
+    target = parse_target("h200x16")
+    cands = candidates(cfg, target, max_batch=1)
+    assert cands and {(math.prod(c.ici), math.prod(c.dcn)) for c in cands} == {(8, 2)}
+    for c in cands:
+        plan_mesh(cfg.replace(**c.fields()), target.devices, target.granules)
+
+
 def test_overrides_fix_axes_and_the_batch():
     from core.plan.search import candidates, factorizations, pinned
     from core.plan.targets import parse_target
