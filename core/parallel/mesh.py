@@ -105,10 +105,15 @@ def make_mesh(cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
     return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform of `mesh`'s devices ("cpu", "gpu", "tpu"): the compiler a step on it is traced for."""
+    return mesh.devices.flat[0].platform
+
+
 def describe_mesh(mesh: Mesh) -> str:
     """One line for table headers, e.g. 'fsdp 4 x tensor 2 (8 cpu devices, 1 process)'."""
     axes = " x ".join(f"{a} {n}" for a, n in mesh.shape.items() if n > 1) or "single device"
-    platform = mesh.devices.flat[0].platform
+    platform = mesh_platform(mesh)
     procs = len({d.process_index for d in mesh.devices.flat})
     return f"{axes} ({mesh.size} {platform} device{'s' * (mesh.size > 1)}, {procs} process{'es' * (procs > 1)})"
 

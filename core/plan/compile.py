@@ -167,7 +167,8 @@ def lower_step(cfg, graphdef, state, batch, mesh, backend: str):
     import jax
 
     from core.parallel.sharding import state_shardings
-    from core.train.step import mesh_platform, step_compiler_options, step_fn, with_mesh
+    from core.parallel.mesh import mesh_platform
+    from core.train.step import step_compiler_options, step_fn, with_mesh
 
     jitted = jax.jit(with_mesh(mesh, step_fn(cfg, graphdef, mesh_platform(mesh))), donate_argnums=0, out_shardings=(state_shardings(state, mesh), None),
                      compiler_options=step_compiler_options(cfg, backend) or None)

@@ -146,8 +146,8 @@ def step_ok(total, grad_norm, new_params, trained: Callable[[tuple], bool], *, a
     flags = dict(abort_on_nan=abort_on_nan, abort_on_inf=abort_on_inf)
     loss_ok = _not_bad(jnp.stack([jnp.asarray(total, jnp.float32), jnp.asarray(grad_norm, jnp.float32)]), **flags)
     params_ok = jnp.array(True)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(new_params)[0]:
-        if trained(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(new_params):
+        if trained(path):  # core.train.step.config_matcher: it names jax key paths as `tree.join` does
             params_ok &= _not_bad(leaf, **flags)
     return loss_ok & params_ok, params_ok.astype(jnp.float32)
 

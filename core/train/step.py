@@ -51,7 +51,7 @@ from core.model.transformer import Transformer
 from core.model.moe import RouterBias
 from core.model.params import count_parameters, mask_matcher
 from core.parallel.sharding import abstract_state, create_sharded, shard_state, state_shardings
-from core.parallel.mesh import make_mesh
+from core.parallel.mesh import make_mesh, mesh_platform
 from core.train.handoff import is_indexer, without_indexer
 
 # moe_dropped: the fraction of routed (token, expert) slots that expert parallelism's capacity
@@ -234,11 +234,6 @@ def cached_compiled(key):
     """The ahead-of-time executable of `key` (`step_key`), or None."""
     with _CACHE_LOCK:
         return _COMPILED.get(key)
-
-
-def mesh_platform(mesh) -> str:
-    """The platform of `mesh`'s devices ("cpu", "gpu", "tpu"): the compiler the step is traced for."""
-    return mesh.devices.flat[0].platform
 
 
 def step_fn(cfg, graphdef, platform: str | None = None):
