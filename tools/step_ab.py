@@ -36,32 +36,21 @@ def main() -> None:
     args = parser.parse_args()
 
     import jax
-    from flax import nnx
 
-    from core.bench.train import sweep_config
-    from core.data.batches import train_batches
-    from core.parallel.sharding import shard_batch
-    from core.train.step import build, make_train_step
+    from core.bench.train import compiled_shape, sweep_config
 
     runs = []
     for variant in args.variants:
         overrides = [] if variant == "-" else variant.split()
-        cfg = sweep_config(args.stage, args.seq, args.batch, overrides)
-        setup = build(cfg)
-        graphdef, state = nnx.split((setup.model, setup.optimizer))
-        batch = shard_batch(next(train_batches(cfg, setup.batch_size)), setup.mesh)
-        start = time.perf_counter()
-        step = make_train_step(cfg, graphdef, state, setup.mesh).lower(state, batch).compile()
-        compile_s = time.perf_counter() - start
-        state, metrics = step(state, batch)
+        run = compiled_shape(sweep_config(args.stage, args.seq, args.batch, overrides), 1)
+        run["state"], metrics = run["step"](run["state"], run["batches"][0])  # the untimed first step
         jax.block_until_ready(metrics)
-        runs.append({"name": variant if overrides else "(unchanged)", "step": step, "state": state, "batch": batch,
-                     "compile_s": compile_s, "temp": step.memory_analysis().temp_size_in_bytes, "times": []})
+        runs.append({**run, "name": variant if overrides else "(unchanged)", "times": []})
     for _ in range(args.rounds):
         for run in runs:
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
-            run["state"], metrics = run["step"](run["state"], run["batch"])
+            run["state"], metrics = run["step"](run["state"], run["batches"][0])
             jax.block_until_ready(metrics)
             run["times"].append(time.perf_counter() - start)
             run["faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
@@ -72,7 +61,7 @@ def main() -> None:
     for run in runs:
         median = statistics.median(run["times"])
         print(f"{run['name']:56s} {median:.4f} / {min(run['times']):.4f} s  x{median / base:.3f}  "
-              f"{run['compile_s']:5.1f} s  {run['temp'] / 2**20:8.1f} MiB  {run['loss']:.6f}  {run['faults']}")
+              f"{run['compile_s']:5.1f} s  {run['temp_bytes'] / 2**20:8.1f} MiB  {run['loss']:.6f}  {run['faults']}")
 
 
 if __name__ == "__main__":

@@ -159,6 +159,30 @@ def component_flops(cfg, *, compile: bool = True) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- speed over shapes
 
 
+def compiled_shape(cfg, batches: int) -> dict[str, Any]:
+    """Build `cfg`'s model and optimizer, draw `batches` sharded batches and compile the train step
+    for them, in this process (what `measure_shape` and tools/step_ab.py time).
+
+    Returns:
+      {"step" (jax.stages.Compiled, `make_train_step`'s), "state", "batches", "tokens_per_step",
+       "compile_s" (lower + compile), "temp_bytes" (XLA's memory analysis)}.
+    """
+    from flax import nnx
+
+    from core.data.batches import train_batches
+    from core.parallel.sharding import shard_batch
+    from core.train.step import build, make_train_step
+
+    setup = build(cfg)
+    graphdef, state = nnx.split((setup.model, setup.optimizer))
+    data = train_batches(cfg, setup.batch_size)
+    drawn = [shard_batch(next(data), setup.mesh) for _ in range(batches)]
+    start = time.perf_counter()
+    step = make_train_step(cfg, graphdef, state, setup.mesh).lower(state, drawn[0]).compile()
+    return {"step": step, "state": state, "batches": drawn, "tokens_per_step": setup.batch_size * cfg.max_target_length,
+            "compile_s": time.perf_counter() - start, "temp_bytes": int(step.memory_analysis().temp_size_in_bytes)}
+
+
 def measure_shape(cfg, steps: int, trace_steps: int = 0) -> dict[str, Any]:
     """Build, compile (timed, memory analysed) and run `steps` + 1 train steps of `cfg` in this process.
 
@@ -171,37 +195,26 @@ def measure_shape(cfg, steps: int, trace_steps: int = 0) -> dict[str, Any]:
     """
     import jax
     import numpy as np
-    from flax import nnx
 
-    from core.data.batches import train_batches
-    from core.parallel.sharding import shard_batch
-    from core.train.step import build, make_train_step
-
-    setup = build(cfg)
-    graphdef, state = nnx.split((setup.model, setup.optimizer))
-    data = train_batches(cfg, setup.batch_size)
-    batches = [shard_batch(next(data), setup.mesh) for _ in range(steps + 1 + trace_steps)]
-    batches, traced = batches[:steps + 1], batches[steps + 1:]
-    start = time.perf_counter()
-    step_fn = make_train_step(cfg, graphdef, state, setup.mesh).lower(state, batches[0]).compile()
-    compile_s = time.perf_counter() - start
-    temp = int(step_fn.memory_analysis().temp_size_in_bytes)
+    shape = compiled_shape(cfg, steps + 1 + trace_steps)
+    step_fn, state = shape["step"], shape["state"]
+    batches, traced = shape["batches"][:steps + 1], shape["batches"][steps + 1:]
     times, metrics = [], {}
     for batch in batches:
         start = time.perf_counter()
         state, metrics = step_fn(state, batch)
         metrics = jax.device_get(metrics)
         times.append(time.perf_counter() - start)
-    tokens = setup.batch_size * cfg.max_target_length
+    tokens = shape["tokens_per_step"]
     step_time = float(np.median(times[1:])) if steps else times[0]
     extra = {}
     if traced:
         from core.bench.trace import trace_step
 
         state, extra["time"] = trace_step(step_fn, state, traced)
-    return {**extra, "compile_s": compile_s, "first_step_s": times[0], "step_time_s": step_time, "tokens_per_step": tokens,
-            "tokens_per_s": tokens / step_time, "temp_bytes": temp, "peak_rss_bytes": peak_rss_bytes(),
-            "last": {k: float(v) for k, v in metrics.items()}}
+    return {**extra, "compile_s": shape["compile_s"], "first_step_s": times[0], "step_time_s": step_time,
+            "tokens_per_step": tokens, "tokens_per_s": tokens / step_time, "temp_bytes": shape["temp_bytes"],
+            "peak_rss_bytes": peak_rss_bytes(), "last": {k: float(v) for k, v in metrics.items()}}
 
 
 def peak_rss_bytes() -> int:

@@ -103,6 +103,11 @@ def test_diverging_run_stops_with_exit_3_and_keeps_the_good_checkpoint(tmp_path)
     assert [np.asarray(x).tobytes() for x in jax.tree.leaves(trainer.state)] == resumed
 
 
+# the guard tests' model: one sliding-window layer, 1 x 64 tokens
+ONE_SWA_LAYER = ("compress_ratios=[0]", "base_num_decoder_layers=1", "first_num_hash_layers=0", "max_target_length=64",
+                 "per_device_batch_size=1")
+
+
 def test_the_guard_holds_no_second_copy_of_the_state():
     """The finiteness test reads what the update would write, before it, so each array's select fuses
     into the update, which writes the donated state in place: the guarded step's compiled temporaries
@@ -114,8 +119,7 @@ def test_the_guard_holds_no_second_copy_of_the_state():
     from core.train.precompile import abstract_inputs
     from core.train.step import make_train_step
 
-    shape = ("compress_ratios=[0]", "base_num_decoder_layers=1", "first_num_hash_layers=0", "vocab_size=32768",
-             "max_target_length=64", "per_device_batch_size=1")
+    shape = (*ONE_SWA_LAYER, "vocab_size=32768")
     temp = {}
     for guard in ("true", "false"):
         cfg = load_config("deepseek4-tiny", [*shape, f"abort_on_nan_loss={guard}", f"abort_on_inf_loss={guard}"],
@@ -140,8 +144,7 @@ def test_both_guard_forms_keep_a_diverged_state_and_apply_a_good_one_alike():
     from core.parallel.sharding import shard_batch
     from core.train.step import build, step_fn
 
-    shape = ("compress_ratios=[0]", "base_num_decoder_layers=1", "first_num_hash_layers=0", "vocab_size=512",
-             "max_target_length=64", "per_device_batch_size=1")
+    shape = (*ONE_SWA_LAYER, "vocab_size=512")
     cfg = load_config("deepseek4-tiny", [*shape, "learning_rate=1e30", "gradient_clipping_threshold=0"], stage="sparse")
     setup = build(cfg)
     graphdef, state = nnx.split((setup.model, setup.optimizer))
