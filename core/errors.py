@@ -1,8 +1,12 @@
 """Typed user errors. The CLI maps every one of them to one red line and exit code `exit_code`:
-2 for bad input (the default), 3 for a diverged run, 4 for a failed write.
+2 for bad input (the default; a config that does not fit the devices too), 3 for a diverged run,
+4 for a failed write.
 
 Each message names what is wrong (key, value, path, parameter) and the fix, in one sentence.
+`device_memory_error` recognises XLA's out-of-memory error, which is no DsvError when it is raised.
 """
+
+import re
 
 
 class DsvError(Exception):
@@ -33,3 +37,38 @@ class RunWriteError(DsvError):
     """A checkpoint, metrics, config or event file could not be written (disk full, permissions)."""
 
     exit_code = 4
+
+
+class DeviceMemoryError(DsvError):
+    """A compile, a step or a save ran out of accelerator memory (XLA's RESOURCE_EXHAUSTED)."""
+
+
+DEVICE_MEMORY_FIX = ("lower per_device_batch_size or max_target_length, or shard the state further "
+                     "(ici_fsdp_parallelism=-1), and check a config first with `dsv4 plan --target <target>`")
+_OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED\b.*?(out of memory|allocat)", re.I)  # XLA:GPU, XLA:TPU wordings
+
+
+def resource_exhausted(exc: BaseException) -> str | None:
+    """The `RESOURCE_EXHAUSTED: ...` line of `exc` or of an exception in its cause chain (at most
+    160 characters), else None."""
+    seen = 0
+    while exc is not None and seen < 8:
+        for line in str(exc).splitlines():
+            at = line.find("RESOURCE_EXHAUSTED")
+            if at >= 0:
+                return line[at:at + 160].rstrip()
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def is_device_memory(detail: str) -> bool:
+    """Whether a `resource_exhausted` line is XLA running out of device memory (not a storage quota)."""
+    return _OUT_OF_MEMORY.search(detail) is not None
+
+
+def device_memory_error(exc: BaseException) -> DeviceMemoryError | None:
+    """`exc` (or its cause) as one line when it is XLA's out-of-device-memory error, else None."""
+    detail = resource_exhausted(exc)
+    if detail is None or not is_device_memory(detail):
+        return None
+    return DeviceMemoryError(f"out of device memory ({detail}): {DEVICE_MEMORY_FIX}.")

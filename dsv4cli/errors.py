@@ -1,7 +1,8 @@
 """One error handler: core's typed errors become one red line on stderr and their exit code.
 
-Exit codes: 2 bad input, 3 a diverged run (non-finite loss), 4 a failed write (disk full, permissions),
-130 interrupted.
+Exit codes: 2 bad input (a config that runs out of device memory too), 3 a diverged run (non-finite
+loss), 4 a failed write (disk full, permissions, a storage quota), 130 interrupted. XLA's
+out-of-device-memory error is not a DsvError when raised: `core.errors.device_memory_error` reads it.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a command body: DsvError -> one line, its exit_code (a traceback only with --debug)."""
+    """Wrap a command body: DsvError or a device out-of-memory -> one line, its exit_code (a traceback
+    only with --debug)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from core.errors import DsvError
+        from core.errors import DsvError, device_memory_error
 
         try:
             return fn(*args, **kwargs)
@@ -37,6 +39,11 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             if DEBUG["on"]:
                 raise
             fail(str(e), e.exit_code)
+        except Exception as e:
+            error = device_memory_error(e)
+            if error is None or DEBUG["on"]:
+                raise
+            fail(str(error), error.exit_code)
         except KeyboardInterrupt:
             if DEBUG["on"]:
                 raise

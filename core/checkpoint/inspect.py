@@ -162,11 +162,6 @@ class CheckpointSummary:
         }
 
 
-def finished_steps(checkpoints_dir: Path) -> list[int]:
-    """The finished steps of a checkpoints/ directory (integer-named step directories)."""
-    return sorted(int(p.name) for p in checkpoints_dir.iterdir() if p.is_dir() and p.name.isdigit())
-
-
 def summarize_checkpoint(path: str | Path, step: int | None = None) -> CheckpointSummary:
     """Describe one checkpoint step without reading any array.
 
@@ -193,7 +188,7 @@ def summarize_checkpoint(path: str | Path, step: int | None = None) -> Checkpoin
     indexer = {k: config.get(k) for k in INDEXER_KEYS}
     indexer["csa_layers"] = [i for i, r in enumerate(config.get("compress_ratios") or []) if r == 4]
     return CheckpointSummary(
-        run_dir=str(run_dir), checkpoint=str(step_dir), step=step, steps=finished_steps(ckpt_dir),
+        run_dir=str(run_dir), checkpoint=str(step_dir), step=step, steps=ckpt.finished_steps(ckpt_dir),
         stage=meta.get("stage"), model_name=meta.get("model_name") or config.get("model_name"),
         version=meta.get("dsv4_version", meta.get("version")), indexer=indexer, metrics=_plain_json(meta.get("metrics") or {}),
         leaves=leaves, optimizer_count=sum(math.prod(s) for s, _ in opt.values()),

@@ -110,16 +110,3 @@ def read_metrics(run_dir: Path, notices: list[str] | None = None) -> list[dict[s
         rows.append(row)
     return rows
 
-
-def truncate_metrics(run_dir: Path, last_step: int) -> list[str]:
-    """Drop rows after `last_step` (steps logged after the checkpoint a resume starts from).
-
-    Returns:
-      one-line notices for the user (a torn last line dropped, see `read_metrics`).
-    Raises:
-      CheckpointError: a corrupt line before the last one.
-    """
-    notices: list[str] = []
-    rows = [r for r in read_metrics(run_dir, notices) if r.get("step", -1) <= last_step] if last_step >= 0 else []
-    (Path(run_dir) / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return notices

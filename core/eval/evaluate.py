@@ -15,7 +15,7 @@ per-row ratios):
                      achievable recall over random that the indexer realises (1 = oracle, 0 =
                      random); None when the oracle is no better than random.
 Top-k binds on a row when it is informative. When no row is (every k >= the visible blocks),
-recall = oracle = 1 trivially: `IndexerEval.warnings` says so (core.train.handoff.eval_topk_warnings).
+recall = oracle = 1 trivially: `IndexerEval.warnings` says so (`topk_warnings`).
 Aggregates are means over rows pooled across batches (not means of batch means); `overall`
 pools the rows of every CSA layer (every layer sees the same rows, so it is the layer mean).
 
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from core.eval.metrics import METRICS, batch_sums, token_nll
-from core.train.handoff import eval_topk_warnings
+from core.train.handoff import CSA_RATIO, topk_never_binds
 
 DERIVED = ("kl_captured", "gain")
 SUBSETS = ("all", "informative")
@@ -103,6 +103,21 @@ def derived(means: dict[str, float | None]) -> dict[str, float | None]:
     out["kl_captured"] = None if kl is None or not kl_u else 1.0 - kl / kl_u
     rec, orc, rnd = means["recall"], means["recall_oracle"], means["recall_random"]
     out["gain"] = None if rec is None or orc - rnd <= 0 else (rec - rnd) / (orc - rnd)
+    return out
+
+
+def topk_warnings(ks: Sequence[int], informative_rows: Sequence[int], indexer_topk: int,
+                  max_target_length: int) -> list[str]:
+    """Warning lines when top-k cannot bind: the model's own k on any row of its length, or a
+    swept k on every evaluated row (`informative_rows[j]` = rows with more than ks[j] visible)."""
+    out = []
+    if topk_never_binds(indexer_topk, max_target_length):
+        out.append(f"top-k never binds for this model: indexer_topk={indexer_topk} >= max_target_length // "
+                   f"{CSA_RATIO} = {max_target_length // CSA_RATIO} blocks, so its sparse attention equals dense.")
+    for k, n in zip(ks, informative_rows):
+        if n == 0:
+            out.append(f"top-k never binds at k={k} on these rows (none sees more than {k} blocks): "
+                       f"recall@{k} = oracle = 1 trivially; use a smaller k or longer rows.")
     return out
 
 
@@ -266,7 +281,7 @@ def evaluate_indexer(model, cfg, batches: Iterable[dict[str, Any]], *, ks: Seque
         ks=ks, indexer_topk=cfg.indexer_topk, batches=done, rows=rows, tokens=int(nll[2]),
         lm_loss_dense=_ratio(nll[0], nll[2]), lm_loss_topk=_ratio(nll[1], nll[2]),
         layers=acc.layer_reports(), overall=acc.overall(), seed=seed,
-        warnings=eval_topk_warnings(ks, [int(n) for n in acc.informative.sum(axis=0)] if done else [],
+        warnings=topk_warnings(ks, [int(n) for n in acc.informative.sum(axis=0)] if done else [],
                                cfg.indexer_topk, cfg.max_target_length))
 
 

@@ -1,7 +1,9 @@
 """Training: the step, the run around it, and what makes a run safe and quick to start.
 
 Modules: step (losses, optimizer, trainable mask, jit, build), run (the Trainer: resume,
-init-from, metrics), precompile (ahead-of-time compile beside the build), compile_cache, guard
-(one writer, finite state, write failures), handoff (stage hand-off via --init-from), tensorboard.
+init-from, metrics), precompile (ahead-of-time compile beside the build), compile_cache, run_lock
+(one writer per run directory), step_guard (no non-finite step applied), resume_checks (what a
+resume may change), write_errors (write failures as one error), handoff (stage hand-off via
+--init-from), tensorboard.
 May import: core.checkpoint and below.
 """

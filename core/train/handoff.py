@@ -9,13 +9,14 @@ fresh initialisation. Any other difference stays `core.checkpoint.store.check_co
 Top-k binds on a query row when the row sees more compressed blocks than `indexer_topk`. A row of
 T tokens sees at most T // 4 CSA blocks (its last query, one document filling the row), so when
 indexer_topk >= max_target_length // 4 no row is ever narrowed: sparse attention equals dense and
-a warm-up's KL scores blocks that attention uses anyway.
+a warm-up's KL scores blocks that attention uses anyway. The training commands warn of it
+(`topk_warning`); `dsv4 eval-indexer` warns per swept k (core/eval/evaluate.py `topk_warnings`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from core.checkpoint import store as ckpt
 
@@ -56,17 +57,3 @@ def topk_warning(cfg) -> str | None:
             f"{blocks} blocks, so sparse attention equals dense and the indexer loss scores blocks attention uses anyway; "
             f"lower indexer_topk below {blocks} or raise max_target_length.")
 
-
-def eval_topk_warnings(ks: Sequence[int], informative_rows: Sequence[int], indexer_topk: int,
-                       max_target_length: int) -> list[str]:
-    """Warning lines when top-k cannot bind: the model's own k on any row of its length, or a
-    swept k on every evaluated row (`informative_rows[j]` = rows with more than ks[j] visible)."""
-    out = []
-    if topk_never_binds(indexer_topk, max_target_length):
-        out.append(f"top-k never binds for this model: indexer_topk={indexer_topk} >= max_target_length // "
-                   f"{CSA_RATIO} = {max_target_length // CSA_RATIO} blocks, so its sparse attention equals dense.")
-    for k, n in zip(ks, informative_rows):
-        if n == 0:
-            out.append(f"top-k never binds at k={k} on these rows (none sees more than {k} blocks): "
-                       f"recall@{k} = oracle = 1 trivially; use a smaller k or longer rows.")
-    return out

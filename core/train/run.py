@@ -5,9 +5,11 @@ router biases; its docstring holds that maths) over one run directory (DESIGN.md
 fresh, resumed from its latest checkpoint (model, optimizer and data position), or initialised
 from another run's weights (with a fresh indexer when that run has none, core/train/handoff.py).
 
-Run safety (core/train/guard.py): a step whose total loss, gradient norm or updated parameters are
-non-finite is not applied and stops the run (abort_on_nan_loss / abort_on_inf_loss); one process
-at a time holds a run directory; write failures become one RunWriteError.
+Run safety: a step whose total loss, gradient norm or updated parameters are non-finite is not
+applied and stops the run (abort_on_nan_loss / abort_on_inf_loss; core/train/step_guard.py); one
+process at a time holds a run directory (core/train/run_lock.py); a resume that changes the
+optimizer's structure or the schedule says so (core/train/resume_checks.py); write failures become
+one RunWriteError (core/train/write_errors.py).
 
 The step itself (`make_train_step`, `build`, `Setup`, ...) is core/train/step.py's.
 """
@@ -29,7 +31,9 @@ from core.checkpoint import store as ckpt
 from core.config.stages import stage_of
 from core import tree
 from core.checkpoint import run_files
-from core.train import guard as run_guard
+from core.train import resume_checks, step_guard
+from core.train.run_lock import RunLock, releases_lock_on_error
+from core.train.write_errors import WriteGuard, quiet_write_errors, tree_bytes
 from core.data.batches import train_batches
 from core.errors import CheckpointError
 from core.model import transformer
@@ -122,10 +126,10 @@ class Trainer:
     arrived; `summary()` describes the result.
     """
 
-    @run_guard.releases_lock_on_error
+    @releases_lock_on_error
     def __init__(self, cfg, *, stage: str, run_dir: str | Path, init_from: str | Path | None = None):
         self.cfg, self.stage, self.run_dir = cfg, stage, Path(run_dir)
-        self.lock = run_guard.RunLock(self.run_dir, f"dsv4 {stage}")
+        self.lock = RunLock(self.run_dir, f"dsv4 {stage}")
         if jax.process_index() == 0:  # one writer per run directory; other hosts write only their shards
             self.lock.acquire()
         self.saved_config: dict[str, Any] = {}
@@ -158,15 +162,15 @@ class Trainer:
             self.init_step = load_init_weights(setup, init_from, fresh_indexer)
         self.init_from = None if self.resumed_from is not None else init_from
         self.graphdef, self.state = nnx.split((setup.model, setup.optimizer))
-        self.guard = run_guard.WriteGuard(self.run_dir, self.ckpt.dir, run_guard.tree_bytes(self.state),
-                                          self.ckpt.latest_step, self.ckpt.abandon)
+        self.guard = WriteGuard(self.run_dir, self.ckpt.dir, tree_bytes(self.state),
+                                self.ckpt.latest_step, self.ckpt.abandon)
         with self.guard.writing("config", self.run_dir / run_files.CONFIG_FILE):
             run_files.write_config(self.run_dir, cfg)
         with self.guard.writing("metrics", self.run_dir / run_files.METRICS_FILE):
             # steps logged after the checkpoint the run resumes from are dropped (all of them when fresh)
             _write_metrics(self.run_dir, [r for r in logged if r.get("step", -1) < self.start_step])
         notices += metrics_notices
-        notice = run_guard.schedule_notice(self.saved_config, cfg) if self.saved_config else None
+        notice = resume_checks.schedule_notice(self.saved_config, cfg) if self.saved_config else None
         notices += [notice] if notice else []
         self.events = EventWriter(self.run_dir, self.start_step) if cfg.enable_tensorboard else None
         self._step_fn = (ahead.step(self.graphdef, self.state, setup.mesh) if ahead is not None
@@ -241,7 +245,7 @@ class Trainer:
             out = self.ckpt.restore(step, model=abstract_pure(setup.model, setup.mesh),
                                     optimizer=abstract_pure(setup.optimizer, setup.mesh))
         except CheckpointError as e:
-            raise run_guard.optimizer_mismatch(e, self.saved_config, self.cfg, self.run_dir) from None
+            raise resume_checks.optimizer_mismatch(e, self.saved_config, self.cfg, self.run_dir) from None
         for obj, values in ((setup.model, out["model"]), (setup.optimizer, out["optimizer"])):
             state = nnx.state(obj)
             nnx.replace_by_pure_dict(state, values)
@@ -262,7 +266,7 @@ class Trainer:
         cfg, tokens = self.cfg, self.info["tokens_per_step"]
         row: dict[str, Any] = {}
         try:
-            with _deferred_sigint() as interrupted, run_guard.quiet_write_errors():
+            with _deferred_sigint() as interrupted, quiet_write_errors():
                 for step in range(self.start_step, cfg.steps):
                     if interrupted.is_set():
                         break
@@ -270,7 +274,7 @@ class Trainer:
                     batch = shard_batch(next(self.data), self.setup.mesh)
                     self.state, metrics = self._step_fn(self.state, batch)
                     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                    run_guard.check_finite(step, metrics, cfg, self.last_saved)
+                    step_guard.check_finite(step, metrics, cfg, self.last_saved)
                     elapsed = time.perf_counter() - start
                     row = {"step": step, **{k: metrics[k] for k in METRIC_KEYS}, "step_time_s": elapsed,
                            "tokens_per_s": tokens / elapsed, "compile": step == self.start_step}

@@ -20,7 +20,7 @@ Router biases are not trained by gradients: after each step every learned-routin
 (neither its weight nor its bias matches the mask: the warm-up's '.*indexer.*' freezes them all).
 
 A step whose total loss, gradient norm or updated parameters are non-finite is not applied
-(core/train/guard.py; the run loop in core/train/run.py then stops).
+(core/train/step_guard.py; the run loop in core/train/run.py then stops).
 
 Deviation from MaxText's schedule: the linear warm-up starts at peak / warmup_steps instead of 0,
 so step 0 already trains.
@@ -33,7 +33,7 @@ import functools
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ from flax import nnx
 from core.checkpoint import store as ckpt
 from core import tree
 from core.config.stages import stage_of
-from core.train import guard as run_guard
+from core.train import step_guard
 from core.errors import ConfigError
 from core.model.init_draws import bucketed_draws
 from core.loss.lm import lm_loss_from_hidden
@@ -67,7 +67,7 @@ def learning_rate_schedule(cfg) -> Callable[[Any], Any]:
     cosine from peak to peak * cosine_learning_rate_final_fraction at step N - 1, constant after;
     N = learning_rate_schedule_steps, or steps when that is -1."""
     peak, final = cfg.learning_rate, cfg.learning_rate * cfg.cosine_learning_rate_final_fraction
-    n = run_guard.schedule_steps(cfg)
+    n = schedule_steps(cfg)
     warm = int(round(cfg.warmup_steps_fraction * n))
     decay = max(n - 1 - warm, 1)
 
@@ -79,6 +79,14 @@ def learning_rate_schedule(cfg) -> Callable[[Any], Any]:
         return jnp.where(step < warm, warm_lr, cos_lr)
 
     return lr
+
+
+def schedule_steps(cfg_or_dict: Any) -> int:
+    """The learning-rate schedule's length: learning_rate_schedule_steps, or steps when it is -1
+    (of a Config, or of a saved config's dict)."""
+    get = cfg_or_dict.get if isinstance(cfg_or_dict, Mapping) else lambda k, d=None: getattr(cfg_or_dict, k, d)
+    n = get("learning_rate_schedule_steps", -1)
+    return int(n) if n is not None and n > 0 else int(get("steps"))
 
 
 # ----------------------------------------------------------------------------- trainable mask
@@ -239,7 +247,7 @@ def cached_compiled(key):
 def step_fn(cfg, graphdef, platform: str | None = None):
     """The train step `(state, batch) -> (state, metrics)` (module docstring), traced for `platform`'s
     compiler (the mesh's devices; default `jax.default_backend()`), which picks how the non-finite
-    guard keeps the state (core/train/guard.py `apply_if_ok`)."""
+    guard keeps the state (core/train/step_guard.py `apply_if_ok`)."""
     trainable = config_matcher(cfg)
     lm_loss = stage_of(cfg).lm_loss  # False in the warm-up: the model returns no hidden states for the head
     grad_filter = nnx.All(nnx.Param, lambda path, _: trainable(path))
@@ -281,10 +289,10 @@ def step_fn(cfg, graphdef, platform: str | None = None):
             return apply(state), metrics
         # a non-finite step is not applied (the host sees the same metrics and stops); tested on what
         # the update would write, before it, so that the update writes the state in place
-        ok, metrics["params_finite"] = run_guard.step_ok(
-            total, metrics["grad_norm"], run_guard.updated_params(model, optimizer, grads), trainable,
+        ok, metrics["params_finite"] = step_guard.step_ok(
+            total, metrics["grad_norm"], step_guard.updated_params(model, optimizer, grads), trainable,
             abort_on_nan=cfg.abort_on_nan_loss, abort_on_inf=cfg.abort_on_inf_loss)
-        new_state = run_guard.apply_if_ok(ok, apply, state, platform or jax.default_backend())
+        new_state = step_guard.apply_if_ok(ok, apply, state, platform or jax.default_backend())
         return new_state, metrics
 
     return step

@@ -260,11 +260,12 @@ def test_derived_metrics_without_rows_or_headroom():
 @pytest.mark.parametrize("topk,length,binds", [(16, 128, True), (31, 128, True), (32, 128, False), (64, 128, False),
                                                (16, 256, True), (64, 256, False)])
 def test_topk_warnings_fire_exactly_when_topk_cannot_bind(topk, length, binds):
-    from core.train.handoff import eval_topk_warnings, topk_never_binds
+    from core.eval.evaluate import topk_warnings
+    from core.train.handoff import topk_never_binds
 
     assert topk_never_binds(topk, length) == (not binds)
-    assert bool(eval_topk_warnings((topk,), [1], topk, length)) == (not binds)
-    rows = eval_topk_warnings((4, topk), [5, 0], 4, length)  # k=topk binds on no evaluated row
+    assert bool(topk_warnings((topk,), [1], topk, length)) == (not binds)
+    rows = topk_warnings((4, topk), [5, 0], 4, length)  # k=topk binds on no evaluated row
     assert len(rows) == 1 and f"k={topk}" in rows[0]
 
 

@@ -1,5 +1,6 @@
-"""Run safety through the CLI (core/train/guard.py, core/train/tensorboard.py): a diverging run stops with
-exit 3 and keeps its good checkpoints, learning_rate_schedule_steps extends a run bitwise,
+"""Run safety through the CLI (core/train/ step_guard.py, run_lock.py, resume_checks.py,
+write_errors.py, tensorboard.py): a diverging run stops with exit 3 and keeps its good
+checkpoints, learning_rate_schedule_steps extends a run bitwise,
 TensorBoard events hold every step once across a resume, an optimizer change on resume names the
 key, a full disk or failed write is one line with exit 4, and one process at a time owns a run
 directory.
@@ -132,7 +133,7 @@ def test_the_guard_holds_no_second_copy_of_the_state():
 
 
 def test_both_guard_forms_keep_a_diverged_state_and_apply_a_good_one_alike():
-    """`apply_if_ok`'s two forms (core/train/guard.py: a `lax.cond` on CPU, a `where` per array for
+    """`apply_if_ok`'s two forms (core/train/step_guard.py: a `lax.cond` on CPU, a `where` per array for
     GPU and TPU compilers, both run here on CPU), two steps at learning_rate=1e30 without clipping:
     the first applies (finite: weight decay takes p to about -1e29 p) and the second overflows, so it
     returns its input bit for bit; states and metrics are bitwise the same under both forms."""
@@ -294,7 +295,7 @@ LOCK_WAIT_S = 120  # for the holder to import core and take the lock, on a loade
 def test_second_process_on_a_run_directory_is_refused(straight):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from core.train.guard import RunLock
+        from core.train.run_lock import RunLock
         lock = RunLock({str(straight)!r}, "dsv4 warmup").acquire()
         print("locked", flush=True)
         time.sleep(120)

@@ -1,0 +1,54 @@
+"""Resume checks (DESIGN.md, "Training, checkpoints, runs"): what a resumed run's config may change.
+
+`optimizer_mismatch` turns an optimizer-state mismatch that an optimizer setting caused into a
+message naming that setting; `schedule_notice` says when a resume changes the learning-rate
+schedule's length (`core.train.step.schedule_steps`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from core.errors import CheckpointError
+from core.train.step import schedule_steps
+
+# Optimizer settings that change the optimizer state's tree (not only its values).
+OPTIMIZER_STRUCTURE_KEYS = ("gradient_clipping_threshold", "trainable_parameters_mask")
+
+
+def _show(value: Any) -> str:
+    return str(list(value)) if isinstance(value, (list, tuple)) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def optimizer_mismatch(error: CheckpointError, saved: Mapping[str, Any], cfg, run_dir: Path) -> CheckpointError:
+    """A clearer error for an optimizer-state mismatch caused by an optimizer setting, else `error`.
+
+    Args:
+      error: the shape/presence error of the optimizer state (`RunCheckpointer.restore`).
+      saved: the config the checkpoint was written with (its metadata, = the run's config.yml).
+      cfg: this command's Config.
+    """
+    if "(optimizer state)" not in str(error):
+        return error
+    for key in OPTIMIZER_STRUCTURE_KEYS:
+        if key not in saved:
+            continue
+        old, new = saved[key], getattr(cfg, key)
+        differs = (old > 0) != (new > 0) if key == "gradient_clipping_threshold" else list(old) != list(new)
+        if differs:
+            return CheckpointError(
+                f"{str(run_dir)!r} was trained with {key}={_show(old)} (its config.yml) but this command sets "
+                f"{key}={_show(new)}, which changes the optimizer state: keep {key}={_show(old)} to resume, or "
+                "start a new --output.")
+    return error
+
+
+def schedule_notice(saved: Mapping[str, Any], cfg) -> str | None:
+    """One line when a resume changes the schedule's length, else None."""
+    old, new = schedule_steps(saved), schedule_steps(cfg)
+    if old == new:
+        return None
+    return (f"the learning-rate schedule changes on resume: it spanned {old} steps and now spans {new} "
+            f"(steps={cfg.steps}, learning_rate_schedule_steps={cfg.learning_rate_schedule_steps}); "
+            f"set learning_rate_schedule_steps={old} to keep it.")
