@@ -244,7 +244,7 @@ def console(*, stderr: bool = False):
 
 
 def fmt_bytes(n: float) -> str:
-    """1536 -> '1.50 KiB' (binary units, GiB at most)."""
+    """Bytes in binary units (B, KiB, MiB, GiB at most), with two decimals above a KiB."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"

@@ -4,7 +4,7 @@ Sources (`dataset_type`):
 - `hf`: `hf_path` is a hub dataset name (`datasets.load_dataset(hf_path, hf_name, data_files=...)`)
   or a local file, glob or directory of .txt/.text/.json/.jsonl/.parquet files (a .txt file is
   split into documents at blank lines). Empty `hf_path`: the Python standard library's pydoc
-  topics (`pydoc_data.topics`, 79 documents of real English, ~465 KB) so a fresh machine trains
+  topics (`pydoc_data.topics`, 79 documents of real English) so a fresh machine trains
   offline. Evaluation documents come from `hf_eval_split`, else the last `eval_holdout_fraction`
   of the documents (streaming: every round(1 / fraction)-th document) and never reach training.
 - `synthetic`: uniformly random tokens, one document per row (core/data/batches.py, `SyntheticBatches`).

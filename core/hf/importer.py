@@ -13,7 +13,7 @@ DESIGN.md, "Real checkpoints". The source is a directory with config.json and *.
      written in place in bounded chunks (core.checkpoint.host_tree), in a temporary directory renamed
      to the output at the end.
 Peak host memory: the output parameters plus about one float32 copy of the largest tensor (the
-save adds a bounded number of 16 MiB chunks, not a copy;
+save adds a bounded number of `core.checkpoint.host_tree.CHUNK_BYTES` chunks, not a copy;
 docs/benchmarks.md#checkpoint-import-and-export-at-flash-width).
 Output dtype: --dtype, else bfloat16 above 1e9 parameters and float32 below. dsv4 stores every
 parameter in one weight_dtype, so bfloat16 also rounds the float32 tensors (mHC, ape, sinks).

@@ -214,8 +214,8 @@ def run_segment(layer, x_btnm, args, flags, *, remat: bool, policy, scanned: boo
     whatever the body computes from its constants alone (`_scan_known_hoisting`), and it does so
     inside nested loops too: the streamed indexer loss's per-block visibility masks, broadcast over
     heads, were built once for all layers and all query blocks and kept, stacked, through the step
-    (three `pred[16,1,128,4,512]` on deepseek4-tiny at T = 2048; 16 GiB each,
-    `pred[256,1,128,64,8192]`, on V4-Flash at T = 32768).
+    (on V4-Flash at T = 32768 they were the step's largest temporaries, `pred[256,1,128,64,8192]`:
+    docs/planning.md#v4-flash).
     """
     graphdef, state = nnx.split(layer)
 

@@ -109,7 +109,7 @@ def selection_mask(idx_btk, valid_btk, num_blocks: int):
     """bool [B, T, W]: True at the valid selected blocks.
 
     A scatter of the top-k indices (distinct per row, so invalid slots never clear a valid one):
-    a one-hot formulation would materialise [B, T, k, W], 128 GiB at T = 32K, k = 512.
+    a one-hot formulation would materialise [B, T, k, W], k times the mask itself (k = 512 at V4-Flash).
     """
     b, t, _ = idx_btk.shape
     rows_btw = jnp.zeros((b, t, num_blocks), jnp.bool_)

@@ -95,7 +95,7 @@ def compiled_memory(compiled) -> dict[str, int]:
 
 
 def memory_note(total_bytes: int, usable_bytes: int) -> str:
-    """The header's note on the step's memory, e.g. "step needs 71.3 GiB of 105.8 GiB per device (67 %)"."""
+    """The header's note on the step's memory, "step needs <total> GiB of <usable> GiB per device (<share> %)"."""
     return (f"step needs {total_bytes / 2**30:.1f} GiB of {usable_bytes / 2**30:.1f} GiB per device "
             f"({100 * total_bytes / usable_bytes:.0f} %)")
 
