@@ -45,6 +45,8 @@ def parse(text: str) -> tuple[list[tuple[str, list[tuple[str, str, str]]]], dict
             stage = ""
         elif depth == 0:
             stage = None
+            if not sections:  # keys above the first section header
+                sections.append(("keys", []))
             sections[-1][1].append((key, value, comment))
         elif stage is not None and not value:
             stage = key
