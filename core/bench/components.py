@@ -34,7 +34,7 @@ GLUE = {
     "config/schema", "config/files", "config/values", "config/validate", "config/stages",
     "data/batches", "data/sources", "data/identity",
     "checkpoint/store", "checkpoint/run_files", "checkpoint/host_tree", "checkpoint/inspect",
-    "train/step", "train/run", "train/precompile", "train/compile_cache", "train/run_lock", "train/step_guard",
+    "train/step", "train/program", "train/run", "train/precompile", "train/compile_cache", "train/run_lock", "train/step_guard",
     "train/resume_checks", "train/write_errors", "train/handoff", "train/tensorboard",
     "eval/metrics", "eval/evaluate",
     "hf/names", "hf/config_json", "hf/safetensors_io", "hf/importer", "hf/exporter",

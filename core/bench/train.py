@@ -1,15 +1,19 @@
 """The training step's speed and memory over shapes, and its FLOPs per component (`dsv4 bench --train`).
 
-Two tools on the real train step (core/train/step.py's `step_fn`, jitted as `make_train_step` does):
+Tools on the training commands' own step program: core/train/step.py's `make_train_step` (the jit of
+core/train/program.py) on the real build or on program.py's `abstract_inputs`.
 
-- `compile_train_step(cfg)`: the step compiled ahead of time from abstract state (nothing is
-  allocated): compile seconds, XLA's compiled memory analysis (temp bytes) and cost analysis.
+- `compile_train_step(cfg)`: the step compiled ahead of time from abstract inputs (nothing is
+  allocated), as the training commands compile it: compile seconds, XLA's compiled memory
+  analysis (temp bytes) and cost analysis.
 - `run_train_sweep(stages, seqs, batches)`: for each (stage, T, B) one fresh subprocess builds
   the model, compiles the step, runs it and reports tokens/s, step time, compile time, the
   compiled temp memory and the process's peak RSS (`resource.getrusage` max RSS of that
   subprocess, so each shape's peak is its own, not the running maximum of one process).
 - `component_flops(cfg)`: FLOPs of one step attributed to attention, compressor, indexer, MoE,
-  mHC, head, optimizer and the rest, counted from the step's jaxpr: every dot_general's
+  mHC, head, optimizer and the rest, counted from the jaxpr of `step_fn` on the abstract inputs
+  (traced outside the mesh's abstract mesh: the model's maths on the global batch, without expert
+  parallelism's per-device exchange, which moves tokens and computes nothing): every dot_general's
   2 * batch * free * contracted sizes (scan bodies times their trip count, remat recomputation
   and the backward pass included, as XLA will run them) and one FLOP per output element for the
   other arithmetic. An equation belongs to the innermost project module on its traceback
@@ -35,35 +39,18 @@ from core.bench.components import COMPONENTS, component_of_files
 _SIZES = "__SIZES__"  # marker of the subprocess's one JSON line
 
 
-def _abstract(cfg):
-    """(graphdef, abstract state, batch specs) of cfg's (model, optimizer), nothing allocated."""
-    import jax
-    import jax.numpy as jnp
-
-    from core.data.batches import BATCH_KEYS
-    from core.train.precompile import abstract_model_and_optimizer
-
-    graphdef, state = abstract_model_and_optimizer(cfg)
-    spec = jax.ShapeDtypeStruct((cfg.per_device_batch_size * jax.device_count(), cfg.max_target_length), jnp.int32)
-    return graphdef, state, {k: spec for k in BATCH_KEYS}
-
-
-def compile_train_step(cfg) -> dict[str, Any]:
-    """The step of `cfg`, lowered and compiled from abstract inputs.
+def compile_train_step(cfg, mesh=None) -> dict[str, Any]:
+    """The step of `cfg` lowered from abstract inputs and compiled, as a training command compiles it
+    ahead of its build (core/train/step.py's `lowered_step`), on `mesh` (default the run's own).
 
     Returns:
-      {"compile_s", "temp_bytes" (XLA temporaries), "argument_bytes", "output_bytes",
-       "xla_flops" (XLA cost analysis of the whole program; -1 if unavailable)}.
+      {"compile_s" (abstract inputs, lower and compile), "temp_bytes" (XLA temporaries), "argument_bytes",
+       "output_bytes", "xla_flops" (XLA cost analysis of the whole program; -1 if unavailable)}.
     """
-    import jax
+    from core.train.step import lowered_step
 
-    from core.train.step import step_fn
-    from core.train.step import step_compiler_options
-
-    graphdef, state, batch = _abstract(cfg)
     start = time.perf_counter()
-    compiled = jax.jit(step_fn(cfg, graphdef), donate_argnums=0,  # the options the training commands compile with
-                       compiler_options=step_compiler_options(cfg) or None).lower(state, batch).compile()
+    compiled = lowered_step(cfg, mesh)[0].compile()
     compile_s = time.perf_counter() - start
     mem = compiled.memory_analysis()
     return {"compile_s": compile_s, "temp_bytes": int(mem.temp_size_in_bytes),
@@ -134,22 +121,26 @@ def _walk(jaxpr, mult: float, totals: dict[str, list[float]]) -> None:
         totals[c][1] += other * mult
 
 
-def component_flops(cfg, *, compile: bool = True) -> dict[str, Any]:
+def component_flops(cfg, mesh=None, *, compile: bool = True) -> dict[str, Any]:
     """FLOPs of one train step of `cfg` per component (module docstring), from its jaxpr.
 
+    Args:
+      mesh: the step's mesh (default the run's own, `make_mesh(cfg)`); the batch is its global one.
     Returns:
       {"components": {name: {"matmul_flops", "other_flops"}}, "total_flops", "tokens_per_step",
        "xla_flops", "temp_bytes"} (the last two from compiling the step; None without `compile`).
     """
     import jax
 
-    from core.train.step import step_fn
+    from core.parallel.mesh import mesh_platform
+    from core.train import program
+    from core.train.step import abstract_model_and_optimizer, step_fn
 
-    graphdef, state, batch = _abstract(cfg)
-    closed = jax.make_jaxpr(step_fn(cfg, graphdef))(state, batch)
+    graphdef, state, batch, mesh = program.abstract_inputs(cfg, abstract_model_and_optimizer(cfg), mesh)
+    closed = jax.make_jaxpr(step_fn(cfg, graphdef, mesh_platform(mesh)))(state, batch)
     totals = {c: [0.0, 0.0] for c in COMPONENTS}
     _walk(closed.jaxpr, 1.0, totals)
-    compiled = compile_train_step(cfg) if compile else {"xla_flops": None, "temp_bytes": None}
+    compiled = compile_train_step(cfg, mesh) if compile else {"xla_flops": None, "temp_bytes": None}
     tokens = batch["tokens"].shape[0] * batch["tokens"].shape[1]
     return {"components": {c: {"matmul_flops": mm, "other_flops": other} for c, (mm, other) in totals.items()},
             "total_flops": sum(mm + other for mm, other in totals.values()), "xla_flops": compiled["xla_flops"],

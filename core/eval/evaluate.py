@@ -213,13 +213,13 @@ def make_eval_step(ks: tuple[int, ...], mesh=None) -> Callable[..., Any]:
 
     Runs the decoder twice: mode "eval_dense" with collect=True (teacher, indexer scores,
     dense LM loss) and mode "eval" (top-k LM loss). With a `mesh` it is traced under the mesh's
-    abstract mesh, as the train step is (`core.train.step.with_mesh`), so the MoE takes the same
+    abstract mesh, as the train step is (`core.train.program.with_mesh`), so the MoE takes the same
     path as in training (expert parallelism on an `expert` axis). Cached per (ks, mesh), so
     repeated evaluations of same-shaped models reuse the compiled step.
     """
     from flax import nnx
 
-    from core.train.step import with_mesh
+    from core.train.program import with_mesh
 
     def step(model, tokens, positions, segment_ids, targets, loss_mask, key):
         logits_dense, aux = model(tokens, positions, segment_ids, mode="eval_dense", collect=True)

@@ -1,10 +1,9 @@
 """The training step compiled ahead of time for a target, in a child process (DESIGN.md, "Planning").
 
-The program is the training commands' own: core/train/precompile.py's abstract (model,
-optimizer), core/parallel/sharding.py's shardings on `make_mesh`'s mesh over the target's
-devices, core/train/step.py's `step_fn` jitted as `make_train_step` jits it (donated state, the
-state's rule shardings out, `step_compiler_options` for the target's backend). Nothing is
-allocated: the inputs are ShapeDtypeStructs.
+The program is the training commands' own (`lower_plan`): core/train/program.py's
+`abstract_inputs` on `make_mesh`'s mesh over the target's devices, jitted by core/train/step.py's
+`make_train_step` (program.py's `jit_step`: donated state, the state's rule shardings out, the
+compiler options of the target's platform). Nothing is allocated: the inputs are ShapeDtypeStructs.
 
 Parent side, `plan(...)`: validates the config and the mesh (bad input fails here, exit 2), then
 runs `python -m core.plan.compile` with `targets.child_env(target)`, so the platform and the fake
@@ -142,37 +141,12 @@ def device_mesh(cfg, devices: Sequence[Any]):
     return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def step_inputs(cfg, mesh, model: tuple[Any, Any] | None = None) -> tuple[Any, Any, dict[str, Any]]:
-    """(graphdef, abstract state, abstract batch) of the train step on `mesh`, as
-    core/train/precompile.py's `abstract_inputs` builds them for the run's own mesh.
+def lower_plan(cfg, target: tg.Target):
+    """In the child: the train step lowered for `target`'s devices as a training command lowers it
+    (core/train/step.py's `lowered_step`); returns (jax.stages.Lowered, program.StepInputs)."""
+    from core.train.step import lowered_step
 
-    `mesh` may be a `jax.sharding.AbstractMesh` (shardings without devices: the state bytes of a
-    mesh no process has); `model` is `abstract_model_and_optimizer(cfg)` when the caller has it
-    (it depends on neither the mesh nor the batch)."""
-    import jax
-    import jax.numpy as jnp
-
-    from core.data.batches import BATCH_KEYS
-    from core.parallel.sharding import abstract_state, batch_sharding
-    from core.train.precompile import abstract_model_and_optimizer
-
-    graphdef, state = abstract_model_and_optimizer(cfg) if model is None else model
-    spec = jax.ShapeDtypeStruct((cfg.per_device_batch_size * mesh.size, cfg.max_target_length), jnp.int32,
-                                sharding=batch_sharding(mesh))
-    return graphdef, abstract_state(state, mesh), {k: spec for k in BATCH_KEYS}
-
-
-def lower_step(cfg, graphdef, state, batch, mesh, backend: str):
-    """The train step lowered as `make_train_step` jits it, with `backend`'s compiler options."""
-    import jax
-
-    from core.parallel.sharding import state_shardings
-    from core.parallel.mesh import mesh_platform
-    from core.train.step import step_compiler_options, step_fn, with_mesh
-
-    jitted = jax.jit(with_mesh(mesh, step_fn(cfg, graphdef, mesh_platform(mesh))), donate_argnums=0, out_shardings=(state_shardings(state, mesh), None),
-                     compiler_options=step_compiler_options(cfg, backend) or None)
-    return jitted.lower(state, batch)
+    return lowered_step(cfg, device_mesh(cfg, tg.compile_devices(target)))
 
 
 def compile_plan(cfg, target: tg.Target, *, top: int = 10, analytic: bool = True,
@@ -180,10 +154,7 @@ def compile_plan(cfg, target: tg.Target, *, top: int = 10, analytic: bool = True
     """In the child: compile the step for `target` and build the report (core/plan/report.py)."""
     from core.plan import report
 
-    devices = tg.compile_devices(target)
-    mesh = device_mesh(cfg, devices)
-    graphdef, state, batch = step_inputs(cfg, mesh)
-    lowered = lower_step(cfg, graphdef, state, batch, mesh, target.platform)
+    lowered, (_, state, batch, mesh) = lower_plan(cfg, target)
     state_info = report.state_bytes(cfg, state, batch)
     try:
         compiled = lowered.compile()

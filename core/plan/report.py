@@ -122,7 +122,7 @@ def compiled_report(cfg, target: Target, mesh, state_info: dict[str, int], compi
     out = {**_header(cfg, target, mesh), **verdict(per_device), "per_device": per_device, "usable_rule": rule,
            "flops_per_step": program["matmul_flops"], "bytes_accessed": program["bytes_accessed"],
            "collective_bytes": program["collective_bytes"],
-           **flop_figures(cfg, target, program, cost, analytic),
+           **flop_figures(cfg, mesh, program, cost, analytic),
            "top_temporaries": top_temporaries(buffer_text, text, top) if top else []}
     out.update(roofline(target, out["flops_per_step"], out["bytes_accessed"], sum(out["collective_bytes"].values()),
                         out["global_batch"] * cfg.max_target_length))
@@ -229,25 +229,19 @@ def _cost(compiled) -> dict[str, float]:
     return {k: float(v) for k, v in (cost or {}).items() if k in ("flops", "bytes accessed")}
 
 
-def analytic_flops(cfg, devices: int) -> dict[str, float]:
-    """core.bench.train's jaxpr FLOP count of the step for the global batch (per_device_batch_size x
-    `devices`), over `devices`: {"total", "matmul"} per device."""
-    import jax
-
+def analytic_flops(cfg, mesh) -> dict[str, float]:
+    """core.bench.train's jaxpr FLOP count of the step on `mesh` (its global batch), over its devices:
+    {"total", "matmul"} per device."""
     from core.bench.train import component_flops
 
-    # component_flops traces a batch of per_device_batch_size x this process's devices (1 beside
-    # compile-only TPUs and GPUs): scale it to the target's global batch
-    scaled = cfg.replace(per_device_batch_size=cfg.per_device_batch_size * devices // jax.device_count())
-    counts = component_flops(scaled, compile=False)
+    counts = component_flops(cfg, mesh, compile=False)
     matmul = sum(c["matmul_flops"] for c in counts["components"].values())
-    return {"total": counts["total_flops"] / devices, "matmul": matmul / devices}
+    return {"total": counts["total_flops"] / mesh.size, "matmul": matmul / mesh.size}
 
 
-def flop_figures(cfg, target: Target, program: dict[str, Any], cost: dict[str, float],
-                 analytic: bool) -> dict[str, Any]:
+def flop_figures(cfg, mesh, program: dict[str, Any], cost: dict[str, float], analytic: bool) -> dict[str, Any]:
     """The FLOP counts beside the roofline's (module docstring) and which one it uses, and why."""
-    counts = analytic_flops(cfg, target.devices) if analytic else {"total": None, "matmul": None}
+    counts = analytic_flops(cfg, mesh) if analytic else {"total": None, "matmul": None}
     return {"analytic_flops_per_device": counts["total"], "analytic_matmul_flops_per_device": counts["matmul"],
             "xla_cost_analysis_flops": cost.get("flops"), "xla_cost_analysis_bytes": cost.get("bytes accessed"),
             "matmul_flops_loops_once": program["matmul_flops_loops_once"],

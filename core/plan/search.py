@@ -9,7 +9,7 @@
    but -1) stay fixed. On a GPU target the granules are its hosts of 8 GPUs (`Target.granules`).
 2. Prune without compiling: the exact per-device state (parameters, optimizer state, batch) from
    shapes and shardings on a `jax.sharding.AbstractMesh` (`report.state_bytes` over
-   `compile.step_inputs`, the plan's own count), in one child process for all candidates, against
+   `program.abstract_inputs`, the plan's own count), in one child process for all candidates, against
    `report.usable_memory`. State alone over the usable memory cannot fit: the compiler only adds
    temporaries and code. On one mesh, the batches above one that does not fit are not compiled
    either (temporaries grow with the batch); they count as pruned, with that reason.
@@ -146,7 +146,8 @@ def _state_child(args: dict[str, Any]) -> dict[str, Any]:
     """In the child: the abstract model once, then each candidate's shardings on an AbstractMesh."""
     from jax.sharding import AbstractMesh, AxisType
 
-    from core.train.precompile import abstract_model_and_optimizer
+    from core.train import program
+    from core.train.step import abstract_model_and_optimizer
 
     try:
         cfg = plan_compile.load(args["model"], args["stage"], args["overrides"], args["config_file"])
@@ -156,7 +157,7 @@ def _state_child(args: dict[str, Any]) -> dict[str, Any]:
             c = Candidate(tuple(fields["ici"]), tuple(fields["dcn"]), fields["per_device_batch_size"])
             ccfg = cfg.replace(**c.fields())
             mesh = AbstractMesh(tuple(c.mesh.values()), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-            _, state, batch = plan_compile.step_inputs(ccfg, mesh, model)
+            _, state, batch, _ = program.abstract_inputs(ccfg, model, mesh)
             out.append(report.state_bytes(ccfg, state, batch))
         return {"state": out}
     except DsvError as e:

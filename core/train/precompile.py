@@ -3,9 +3,9 @@
 On a CPU the first step of a run is mostly two serial waits: building the model and optimizer
 eagerly (a few dozen small XLA programs, core/model/init_draws.py) and compiling the train step (one
 large one). The step does not need the values, only their shapes, dtypes and shardings, so
-`StepPrecompile(cfg)` traces and lowers the step from `nnx.eval_shape` state in a background
-thread (the constructor waits for that: tracing is Python and would share the GIL with the
-build), then XLA compiles it there while the main thread builds (XLA releases the GIL), and
+`StepPrecompile(cfg)` traces and lowers the step from core/train/program.py's `abstract_inputs`
+in a background thread (the constructor waits for that: tracing is Python and would share the
+GIL with the build), then XLA compiles it there while the main thread builds (XLA releases the GIL), and
 `step(graphdef, state, mesh)` hands the Trainer the compiled executable.
 
 The result goes through the per-process step cache of core/train/step.py (`compiled_step`,
@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
+from core.train import program
 from core.train import step as ts
 
 
@@ -46,8 +47,8 @@ class StepPrecompile:
 
     def _compile(self) -> None:
         try:
-            graphdef, state, batch, mesh = abstract_inputs(self.cfg)
-            ts.compiled_step(self.cfg, graphdef, state, batch, mesh, on_lowered=self._lowered.set)
+            inputs = program.abstract_inputs(self.cfg, ts.abstract_model_and_optimizer(self.cfg))
+            ts.compiled_step(self.cfg, *inputs, on_lowered=self._lowered.set)
         except Exception as e:  # noqa: BLE001  (reported through `step`'s fallback)
             self.error = e
         finally:
@@ -87,37 +88,6 @@ class AheadStep:
             except (TypeError, ValueError):  # checked before anything runs or is donated
                 self.compiled = None
         return self.jitted(state, batch)
-
-
-def abstract_model_and_optimizer(cfg) -> tuple[Any, Any]:
-    """(graphdef, state) of `nnx.split((model, optimizer))` for `cfg`, from `nnx.eval_shape`:
-    ShapeDtypeStructs without shardings, nothing allocated (also core/bench/train.py's)."""
-    from flax import nnx
-
-    from core.model.transformer import Transformer
-
-    def make():
-        model = Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))
-        return model, nnx.Optimizer(model, ts.make_optimizer(cfg), wrt=nnx.Param)
-
-    return nnx.split(nnx.eval_shape(make))
-
-
-def abstract_inputs(cfg) -> tuple[Any, Any, dict[str, Any], Any]:
-    """(graphdef, state, batch, mesh) of `cfg`'s train step: ShapeDtypeStructs that carry the
-    shardings `build` and `shard_batch` give the real arrays; nothing is allocated."""
-    import jax
-    import jax.numpy as jnp
-
-    from core.data.batches import BATCH_KEYS
-    from core.parallel.sharding import abstract_state, batch_sharding
-    from core.parallel.mesh import make_mesh
-
-    mesh = make_mesh(cfg)
-    graphdef, state = abstract_model_and_optimizer(cfg)
-    spec = jax.ShapeDtypeStruct((cfg.per_device_batch_size * mesh.size, cfg.max_target_length), jnp.int32,
-                                sharding=batch_sharding(mesh))
-    return graphdef, abstract_state(state, mesh), {k: spec for k in BATCH_KEYS}, mesh
 
 
 def state_bytes_per_device(state) -> int:

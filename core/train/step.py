@@ -1,4 +1,5 @@
-"""The training step: losses, AdamW with the trainable mask, router-bias updates, the jit, building.
+"""The training step: losses, AdamW with the trainable mask, router-bias updates, its jit (core/train/program.py)
+and caches, building.
 
 DESIGN.md's stage table (`core.config.stages.stage_of`) decides what a step computes:
 total_loss = lm_loss + indexer_loss + moe_lb_loss, where lm_loss is the mean next-token
@@ -29,8 +30,6 @@ so step 0 already trains.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -43,7 +42,7 @@ from flax import nnx
 from core.checkpoint import store as ckpt
 from core import tree
 from core.config.stages import stage_of
-from core.train import step_guard
+from core.train import program, step_guard
 from core.errors import ConfigError
 from core.model.init_draws import bucketed_draws
 from core.loss.lm import lm_loss_from_hidden
@@ -161,11 +160,9 @@ def _make_optimizer(cfg) -> optax.GradientTransformation:
 # ----------------------------------------------------------------------------- the step
 
 
-AUTO_CPU_LEVEL = 1  # xla_backend_optimization_level -1 on CPU (step_compiler_options)
-
-
 def make_train_step(cfg, graphdef, state, mesh):
-    """A jitted `(state, batch) -> (state, metrics)` over the split (model, optimizer) `state`.
+    """A jitted `(state, batch) -> (state, metrics)` over the split (model, optimizer) `state`: `step_fn`
+    through core/train/program.py's `jit_step`, the one jit of training, `dsv4 plan` and `dsv4 bench`.
 
     The output state keeps the input's rule-given shardings (so step 1 reuses step 0's program);
     one compiled step is shared by every Trainer of an equal (cfg, graphdef, mesh) in a process.
@@ -173,42 +170,9 @@ def make_train_step(cfg, graphdef, state, mesh):
     key = step_key(cfg, graphdef, mesh)
     with _CACHE_LOCK:  # core/train/precompile.py calls this from its thread too
         if key not in _STEP_CACHE:
-            _STEP_CACHE[key] = jax.jit(with_mesh(mesh, step_fn(cfg, graphdef, mesh_platform(mesh))), donate_argnums=0,
-                                       out_shardings=(state_shardings(state, mesh), None),
-                                       compiler_options=step_compiler_options(cfg) or None)
+            _STEP_CACHE[key] = program.jit_step(step_fn(cfg, graphdef, mesh_platform(mesh)), cfg, mesh,
+                                                state_shardings(state, mesh))
         return _STEP_CACHE[key]
-
-
-def with_mesh(mesh, fn):
-    """`fn` traced under `mesh`'s abstract mesh, so the model sees it (the MoE's expert-parallel
-    exchange: core/ops/expert_parallel.py); `jax.set_mesh` cannot be entered under jit."""
-    @functools.wraps(fn)  # keeps the name "step": core/plan reads the jit_step dumps
-    def traced(*args):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return fn(*args)
-    return traced
-
-
-def step_compiler_options(cfg, backend: str | None = None) -> dict[str, Any]:
-    """XLA options of the train step's compile (the jitted and the ahead-of-time step alike; JAX's
-    persistent cache keys on them): LLVM's `xla_backend_optimization_level`.
-
-    -1 (the default) is `AUTO_CPU_LEVEL` on the CPU backend, where the step compiles faster than at
-    XLA's default and runs as fast (docs/benchmarks.md#why-the-defaults), and XLA's own level on
-    other backends (not measured there); 0-3 apply on any backend. A
-    --xla_backend_optimization_level in XLA_FLAGS wins.
-
-    Args:
-      backend: the JAX backend the step compiles for (default: `jax.default_backend()`).
-    """
-    level = cfg.xla_backend_optimization_level
-    if "--xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
-        return {}
-    if level < 0:
-        if (backend or jax.default_backend()) != "cpu":
-            return {}
-        level = AUTO_CPU_LEVEL
-    return {"xla_backend_optimization_level": level}
 
 
 def step_key(cfg, graphdef, mesh) -> tuple:
@@ -229,6 +193,18 @@ def compiled_step(cfg, graphdef, state, batch, mesh, on_lowered: Callable[[], No
         with _CACHE_LOCK:
             _COMPILED.setdefault(key, compiled)
     return _COMPILED[key]
+
+
+def lowered_step(cfg, mesh=None):
+    """`make_train_step`'s step lowered from `program.abstract_inputs` on `mesh` (default the run's
+    own), as a training command lowers it ahead of its build; nothing is allocated. `dsv4 plan`
+    and `dsv4 bench --train` compile this.
+
+    Returns:
+      (jax.stages.Lowered, program.StepInputs).
+    """
+    inputs = program.abstract_inputs(cfg, abstract_model_and_optimizer(cfg), mesh)
+    return make_train_step(cfg, inputs.graphdef, inputs.state, inputs.mesh).lower(inputs.state, inputs.batch), inputs
 
 
 def has_config(cfg) -> bool:
@@ -350,6 +326,16 @@ def check_masks(cfg, model) -> dict[str, bool]:
         raise ConfigError("dense_pretraining=true leaves the indexer idle, yet the masks train its parameters "
                           "(weight decay alone would move them): add '.*indexer.*' to frozen_parameters_mask.")
     return labels
+
+
+def abstract_model_and_optimizer(cfg) -> tuple[Transformer, nnx.Optimizer]:
+    """`cfg`'s (model, optimizer) from `nnx.eval_shape`: ShapeDtypeStructs, nothing allocated (the
+    objects of `program.abstract_inputs` for the train step)."""
+    def make():
+        model = Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))
+        return model, nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+
+    return nnx.eval_shape(make)
 
 
 def abstract_pure(obj, mesh):

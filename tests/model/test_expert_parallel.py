@@ -388,7 +388,7 @@ def _forward_dropped(cfg, run_dir, batch):
     from core.checkpoint.store import restore_model
     from core.parallel.mesh import make_mesh
     from core.parallel.sharding import shard_batch
-    from core.train.step import with_mesh
+    from core.train.program import with_mesh
 
     mesh = make_mesh(cfg)
     model, _, _ = restore_model(Path(run_dir) / "checkpoints", 0, cfg, mesh=mesh)

@@ -101,12 +101,10 @@ def test_compiled_warmup_keeps_no_stacked_weights_nor_layer_inputs():
     (nnx.scan returned every variable) and two 20 MiB stacks of the segment's layer inputs (the
     backward through the stack); now 15.4 MiB. Either regression alone passes the bound."""
     from core.model.transformer import BlockSpec, layer_plan
-    from core.train.precompile import abstract_inputs
-    from core.train.step import make_train_step
+    from core.train.step import lowered_step
 
     cfg = load_config("deepseek4-tiny", [], stage="warmup")
-    graphdef, state, batch, mesh = abstract_inputs(cfg)
-    compiled = make_train_step(cfg, graphdef, state, mesh).lower(state, batch).compile()
+    compiled = lowered_step(cfg)[0].compile()
     reps = max(r for _, _, r in layer_plan([BlockSpec.from_config(cfg, i) for i in range(cfg.num_layers)], True))
     b, t, n, m = cfg.per_device_batch_size, cfg.max_target_length, cfg.mhc_expansion_rate, cfg.emb
     stacked_inputs = reps * b * t * n * m * 4                             # 20 MiB

@@ -56,7 +56,7 @@ def real_state_bytes(setup) -> int:
 
 def ahead_temp_bytes(cfg) -> int:
     """Temp bytes of the training command's own step as it compiles it ahead of the build
-    (core/train/precompile.py: `make_train_step` on `abstract_inputs`; the Trainer runs that
+    (core/train/step.py's `lowered_step`, which core/train/precompile.py compiles; the Trainer runs that
     executable when the built state matches it, tests/train/test_precompile.py).
 
     When the planner compiled the same program (HLO, compile options, backend) in this worker's
@@ -64,11 +64,9 @@ def ahead_temp_bytes(cfg) -> int:
     it again: a cache hit is itself the proof that the two programs are one. Another program
     compiles here and must still give the same figures.
     """
-    from core.train.precompile import abstract_inputs
-    from core.train.step import make_train_step
+    from core.train.step import lowered_step
 
-    graphdef, state, batch, mesh = abstract_inputs(cfg)
-    compiled = make_train_step(cfg, graphdef, state, mesh).lower(state, batch).compile()
+    compiled = lowered_step(cfg)[0].compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 

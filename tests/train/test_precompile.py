@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from tests.conftest import tiny_config
-from core.train import precompile
+from core.train import precompile, program
 from core.train import step as ts
 from core.data.batches import train_batches
 from core.parallel.sharding import shard_batch, state_shardings
@@ -30,9 +30,7 @@ def _jitted_rows(cfg) -> list[dict[str, float]]:
     setup = build(cfg)
     graphdef, state = nnx.split((setup.model, setup.optimizer))
     # make_train_step's jit before core/train/precompile.py, as a new function: its own compile
-    step = jax.jit(ts.step_fn(cfg, graphdef), donate_argnums=0,
-                   out_shardings=(state_shardings(state, setup.mesh), None),
-                   compiler_options=ts.step_compiler_options(cfg) or None)
+    step = program.jit_step(ts.step_fn(cfg, graphdef, "cpu"), cfg, setup.mesh, state_shardings(state, setup.mesh))
     data, rows = train_batches(cfg, setup.batch_size), []
     for _ in range(STEPS):
         state, metrics = step(state, shard_batch(next(data), setup.mesh))

@@ -117,16 +117,15 @@ def test_the_guard_holds_no_second_copy_of_the_state():
     GPU). A one-layer step whose state (a 32K vocabulary) outweighs its activations."""
     from core.config.schema import load_config
     from core.plan.report import state_bytes
-    from core.train.precompile import abstract_inputs
-    from core.train.step import make_train_step
+    from core.train.step import lowered_step
 
     shape = (*ONE_SWA_LAYER, "vocab_size=32768")
     temp = {}
     for guard in ("true", "false"):
         cfg = load_config("deepseek4-tiny", [*shape, f"abort_on_nan_loss={guard}", f"abort_on_inf_loss={guard}"],
                           stage="sparse")
-        graphdef, state, batch, mesh = abstract_inputs(cfg)
-        compiled = make_train_step(cfg, graphdef, state, mesh).lower(state, batch).compile()
+        lowered, (_, state, batch, _) = lowered_step(cfg)
+        compiled = lowered.compile()
         temp[guard] = compiled.memory_analysis().temp_size_in_bytes
     params = state_bytes(cfg, state, batch)["parameter_bytes"]
     assert temp["true"] - temp["false"] < params // 10, (temp, params)

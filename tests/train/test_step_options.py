@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import tiny_config
+from core.train import program
 from core.train import step as ts
 from core.errors import ConfigError
 
@@ -14,16 +15,16 @@ from core.errors import ConfigError
 def test_options_follow_the_config_and_xla_flags(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
     auto = tiny_config()  # the default -1: AUTO_CPU_LEVEL on CPU, XLA's own level elsewhere
-    assert ts.step_compiler_options(auto, "cpu") == {"xla_backend_optimization_level": ts.AUTO_CPU_LEVEL}
-    assert ts.step_compiler_options(auto, "gpu") == {} and ts.step_compiler_options(auto, "tpu") == {}
-    assert ts.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=2"), "gpu") == {
+    assert program.step_compiler_options(auto, "cpu") == {"xla_backend_optimization_level": program.AUTO_CPU_LEVEL}
+    assert program.step_compiler_options(auto, "gpu") == {} and program.step_compiler_options(auto, "tpu") == {}
+    assert program.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=2"), "gpu") == {
         "xla_backend_optimization_level": 2}
-    assert ts.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=1")) == {
+    assert program.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=1")) == {
         "xla_backend_optimization_level": 1}
-    assert ts.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=2")) == {
+    assert program.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=2")) == {
         "xla_backend_optimization_level": 2}
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")  # the environment wins
-    assert ts.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=1")) == {}
+    assert program.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=1")) == {}
     with pytest.raises(ConfigError, match="xla_backend_optimization_level=4"):
         tiny_config(None, "xla_backend_optimization_level=4")
 
@@ -49,11 +50,9 @@ def test_the_options_reach_the_compile(monkeypatch):
     import jax.numpy as jnp
     import numpy as np
 
-    from core.train import precompile
-
     monkeypatch.setenv("XLA_FLAGS", "")  # the suite's level 0 (tests/conftest.py) would win otherwise
-    options = ts.step_compiler_options(tiny_config(), "cpu")
-    assert options == {"xla_backend_optimization_level": ts.AUTO_CPU_LEVEL}
+    options = program.step_compiler_options(tiny_config(), "cpu")
+    assert options == {"xla_backend_optimization_level": program.AUTO_CPU_LEVEL}
     f = lambda x: jnp.tanh(x @ x.T).sum(-1)  # noqa: E731
     x = jax.random.normal(jax.random.key(0), (64, 32))
     assert _level_of(jax.jit(f).lower(x).compile()) is None  # the reader finds no override where none is
@@ -67,6 +66,5 @@ def test_the_options_reach_the_compile(monkeypatch):
     # one SWA layer and a level no other test compiles with: this file's own step
     cfg = tiny_config("warmup", "xla_backend_optimization_level=2", "compress_ratios=[0]", "base_num_decoder_layers=1",
                       "first_num_hash_layers=0", "max_target_length=64", "per_device_batch_size=1")
-    graphdef, state, batch, mesh = precompile.abstract_inputs(cfg)
-    level = _level_of(ts.compiled_step(cfg, graphdef, state, batch, mesh))
+    level = _level_of(ts.compiled_step(cfg, *program.abstract_inputs(cfg, ts.abstract_model_and_optimizer(cfg))))
     assert level == 2, f"the train step was compiled with level {level}, not the config's 2"
