@@ -29,6 +29,10 @@ from tests.plan import invoke_plan
 # compile; only the buffer assignment's top temporaries need a real compile, so the cpu:1 test keeps
 # a program of its own). Run alone, this file compiles it itself.
 WARMUP_TINY = (*TINY_OVERRIDES, f"steps={CHAIN_STEPS['warmup']}")
+# One sliding-window layer: the cpu:1 comparison with the training command's own figures holds for
+# any model (the 8-device one below compares the shrunken deepseek4-tiny's scanned layers), and the
+# top-temporaries test after it reads this step from the compilation cache its child wrote.
+ONE_LAYER = (*TINY_OVERRIDES, "compress_ratios=[0]", "base_num_decoder_layers=1", "first_num_hash_layers=0")
 
 FIELDS = ("parameter_bytes", "optimizer_bytes", "batch_bytes", "argument_bytes", "temp_bytes", "code_bytes",
           "total_bytes", "usable_bytes")
@@ -152,11 +156,11 @@ def test_cpu1_state_bytes_and_temp_equal_the_training_commands_own():
     from core.plan.compile import plan
     from core.train.step import build
 
-    result = plan("deepseek4-tiny", "sparse", "cpu:1", TINY_OVERRIDES, top=0, analytic=False)  # the child writes the cache
+    result = plan("deepseek4-tiny", "sparse", "cpu:1", ONE_LAYER, top=0, analytic=False)  # the child writes the cache
     assert set(FIELDS) <= set(result["per_device"]), sorted(result["per_device"])
     assert {"target", "devices", "mesh", "fits", "flops_per_step", "estimated_step_s", "estimated_tokens_per_s",
             "top_temporaries"} <= set(result)
-    cfg = load_config("deepseek4-tiny", list(TINY_OVERRIDES), stage="sparse")
+    cfg = load_config("deepseek4-tiny", list(ONE_LAYER), stage="sparse")
     setup = build(cfg)
     d = result["per_device"]
     state = d["parameter_bytes"] + d["optimizer_bytes"]
@@ -174,9 +178,8 @@ def test_top_temporaries_survive_a_warm_persistent_cache():
     from core.config.schema import load_config
     from core.plan.compile import plan
 
-    one_layer = (*TINY_OVERRIDES, "compress_ratios=[0]", "base_num_decoder_layers=1", "first_num_hash_layers=0")
-    temp = ahead_temp_bytes(load_config("deepseek4-tiny", list(one_layer), stage="sparse"))  # now in the cache
-    result = plan("deepseek4-tiny", "sparse", "cpu:1", one_layer, top=3, analytic=False)
+    temp = ahead_temp_bytes(load_config("deepseek4-tiny", list(ONE_LAYER), stage="sparse"))  # now in the cache
+    result = plan("deepseek4-tiny", "sparse", "cpu:1", ONE_LAYER, top=3, analytic=False)
     assert result["per_device"]["temp_bytes"] == temp
     top = result["top_temporaries"]
     assert len(top) == 3 and all(t["bytes"] > 0 and t["shape"] and t["component"] for t in top), top
