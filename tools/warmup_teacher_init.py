@@ -1,49 +1,39 @@
-"""Capacity probe: `dsv4 warmup --init-from SRC` with each indexer started as a copy of its teacher.
+"""Step-0 figures of `indexer_init: teacher`, per CSA layer, without training (docs/indexer-init.md).
 
-    .venv/bin/python tools/warmup_teacher_init.py SRC OUTPUT STEPS [all|keys|queries] [KEY=VALUE ...]
+    .venv/bin/python tools/warmup_teacher_init.py SRC [KEY=VALUE ...]
 
-Only where the shapes agree (deepseek4-tiny: HI = H = 4, DI = D = 32): each CSA layer's indexer
-gets the main attention's wq_b (q_I = RoPE(c_q W_qb), the teacher's queries before their per-head
-RMS norm and D^-1/2) and the main compressor's wkv / wgate / ape / norm (k_I = the teacher's
-compressed keys K, bitwise). weights_proj keeps the source's values (zeros after `dsv4 pretrain`:
-a uniform student at step 0). So the student starts with the teacher's own q . K logits, and the
-warm-up has only to learn the per-token head weights and the ReLU's cut; how far it gets in STEPS
-bounds what learning the keys and queries from scratch costs the ordinary warm-up. `keys` copies
-only the compressor, `queries` only wq_b (the other part keeps its random init). Not a preset:
-it needs HI = H and DI = D, which no real DeepSeek-V4 has. Prints step, indexer_loss, grad_norm
-every 10 steps; OUTPUT is an ordinary warm-up run (dsv4 eval-indexer OUTPUT).
-Figures: docs/benchmarks.md#recipe-quality.
+Restores SRC (a trained run) as `dsv4 warmup --init-from SRC` would, with the warm-up preset and the
+overrides, initialises every indexer from its teacher (core/train/indexer_init.py) and prints per
+layer: the share of the nope logits' variance the DI - R subspace keeps, the head weights' fit, the
+temperature chosen, and kl_captured on the calibration rows; then the whole model's kl_captured and
+gain@k on the held-out eval batches (`dsv4 eval-indexer`'s numbers at step 0) for the preset's
+random start and for the teacher start.
 """
 import sys
 
-import jax.numpy as jnp
-from flax import nnx
+from core.checkpoint import store as ckpt
+from core.config.schema import load_config
+from core.data.batches import eval_batches
+from core.eval.evaluate import evaluate_indexer
+from core.train.indexer_init import teacher_init
 
-from warmup_probe import run_edited_warmup
-
-init_from, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-rest = sys.argv[4:]
-parts = rest.pop(0) if rest and rest[0] in ("all", "keys", "queries") else "all"
-
-
-def teacher_init(model):
-    n = 0
-    for path, node in nnx.iter_graph(model):
-        if path and path[-1] == "indexer":
-            continue
-        idx = getattr(node, "indexer", None)
-        if idx is None or not hasattr(node, "compressor") or not hasattr(node, "wq_b"):
-            continue
-        if idx.wq_b[...].shape != node.wq_b[...].shape or idx.compressor.wkv[...].shape != node.compressor.wkv[...].shape:
-            raise SystemExit("teacher init needs indexer_n_heads == heads and indexer_head_dim == head_dim")
-        if parts in ("all", "queries"):  # copies: a shared buffer cannot be donated twice
-            idx.wq_b[...] = jnp.copy(node.wq_b[...])
-        if parts in ("all", "keys"):
-            for name in ("wkv", "wgate", "ape"):
-                getattr(idx.compressor, name)[...] = jnp.copy(getattr(node.compressor, name)[...])
-            idx.compressor.norm.weight[...] = jnp.copy(node.compressor.norm.weight[...])
-        n += 1
-    return f"teacher-initialised {parts} of {n} indexer modules (a scanned segment is one)"
+src, overrides = sys.argv[1], sys.argv[2:]
+model_name = ckpt.config_of(*ckpt.resolve_checkpoint(src)[1:]).model_name
+cfg = load_config(model_name, overrides, stage="warmup")
+model, cfg, _ = ckpt.restore_model(src, None, cfg)
 
 
-run_edited_warmup(init_from, out, steps, rest, teacher_init)
+def held_out(label):
+    r = evaluate_indexer(model, cfg, eval_batches(cfg, cfg.per_device_batch_size, 4)).overall["by_k"][0]
+    print(f"{label:8s} held-out kl_captured {r['all']['kl_captured']:.4f}  gain@{cfg.indexer_topk} "
+          f"{r['informative']['gain']:.4f}", flush=True)
+
+
+held_out("random")
+report = teacher_init(model, cfg)
+print(report.line())
+print(" layer  kept   fit    temperature  kl_captured (calibration)")
+for i, layer in enumerate(report.layers):
+    print(f" {layer:5d}  {report.kept[i]:.3f}  {report.weight_fit[i]:.3f}  {report.temperature[i]:11.4f}  "
+          f"{1 - report.kl[i] / report.kl_uniform[i]:.4f}")
+held_out("teacher")

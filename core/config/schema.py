@@ -74,6 +74,8 @@ class Config:
     dense_pretraining: bool           # stage 1: CSA over every visible block, indexer idle
     indexer_teacher: str
     indexer_weights_init: str         # fan_in | zeros: how the indexer's weights_proj starts
+    indexer_init: str                 # random | teacher: how a warm-up --init-from starts its indexers
+    indexer_init_batches: int         # calibration batches of indexer_init: teacher
     indexer_gradient: str             # local (per layer, in the forward) | backward (through the stack)
     csa_qk_head_chunk_size: int       # heads per scan step, 0 = off
     csa_query_chunk_size: int         # query positions per scan step, 0 = off

@@ -22,7 +22,7 @@ LAYER_KINDS = {0: "swa", 4: "csa", 128: "hca"}  # compress ratio -> layer kind
 _POSITIVE = {
     "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_num_decoder_layers",
     "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "vocab_size", "sliding_window_size",
-    "indexer_n_heads", "indexer_head_dim", "indexer_topk", "num_experts", "num_experts_per_tok",
+    "indexer_n_heads", "indexer_head_dim", "indexer_init_batches", "indexer_topk", "num_experts", "num_experts_per_tok",
     "base_moe_mlp_dim", "attention_query_chunk_size", "mhc_expansion_rate", "hc_sinkhorn_iters", "steps",
     "per_device_batch_size", "max_target_length", "checkpoint_period", "max_checkpoints",
     "max_position_embeddings", "original_max_position_embeddings",
@@ -48,6 +48,7 @@ _CHOICES = {
     "indexer_gradient": ("local", "backward"),
     "frozen_weights": ("param_dtype", "released"),
     "indexer_weights_init": ("fan_in", "zeros"),
+    "indexer_init": ("random", "teacher"),
     "attention": ("chunked", "masked"),
     "routed_score_func": ("sqrtsoftplus",),
     "dataset_type": ("hf", "synthetic"),
@@ -167,6 +168,9 @@ def _check_stage(cfg, stage: str | None) -> None:
            "set the factor to 0 and indexer_sparse_training=false (or use dsv4 warmup / dsv4 sparse).")
     if stage is None:
         return
+    _check(cfg.indexer_init == "random" or stage == "warmup",
+           f"indexer_init={cfg.indexer_init} in dsv4 {stage}: the teacher initialisation starts a dense warm-up "
+           "(dsv4 warmup --init-from RUN); set indexer_init=random here.")
     row = stage_of(cfg)
     if row not in STAGE_COMMANDS[stage]:
         raise ConfigError(_STAGE_FIXES[stage, row.name])

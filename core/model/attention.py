@@ -206,8 +206,8 @@ class Attention(nnx.Module):
         Returns:
           (y_btm [B, T, M], aux). CSA layers with an indexer: aux["indexer_loss"] (f32 scalar,
           times loss_scale; 0.0 when not computed) and, when collecting, index_scores,
-          topk_idx, topk_valid, teacher_query, compressed_kv, visible (+ raw_kv, window, sink
-          for the joint teacher).
+          topk_idx, topk_valid, teacher_query, compressed_kv, visible, indexer_x, indexer_c_q (the
+          indexer's inputs x and c_q) (+ raw_kv, window, sink for the joint teacher).
         """
         s, dt = self.spec, self.dtype
         mode = mode_of(s, x_btm.shape[1])
@@ -270,7 +270,8 @@ class Attention(nnx.Module):
                 aux["indexer_loss"] = self._indexer_loss(index, teacher, packing, (scores, allowed), topk, rows)
         if flags.collect:
             aux.update(index_scores=sg(scores), topk_idx=selection.idx_btk, topk_valid=selection.valid_btk,
-                       teacher_query=teacher.queries.inputs, compressed_kv=teacher.compressed_bwd, visible=visible)
+                       teacher_query=teacher.queries.inputs, compressed_kv=teacher.compressed_bwd, visible=visible,
+                       indexer_x=sg(x_btm), indexer_c_q=sg(queries.inputs))
             if joint:
                 aux.update(raw_kv=teacher.raw_bsd, window=sliding_window_mask(*packing, s.window), sink=teacher.sink_h)
         return (None if flags.dense else selection), aux

@@ -73,7 +73,8 @@ from core.model.params import mask_matcher
 from core.model import quant
 
 MODES = ("train", "eval", "eval_dense")
-COLLECT_KEYS = ("index_scores", "topk_idx", "topk_valid", "teacher_query", "compressed_kv", "visible")
+COLLECT_KEYS = ("index_scores", "topk_idx", "topk_valid", "teacher_query", "compressed_kv", "visible", "indexer_x",
+                "indexer_c_q")
 JOINT_KEYS = ("raw_kv", "window", "sink")
 # Small named values every remat policy keeps (module docstring): what the backward would
 # otherwise recompute at a high op count for a few bytes per token (checkpoint_name at the source).
@@ -283,7 +284,8 @@ class Transformer(nnx.Module):
           learned-routing layers), aux["expert_load"] [L, E], aux["moe_dropped"] (the fraction of
           routed slots dropped for expert-parallel capacity, mean over layers); with `collect`, per CSA layer in
           layer order (leading axis len(csa_layers)): index_scores, topk_idx, topk_valid,
-          teacher_query, compressed_kv, visible (+ raw_kv, window, sink for the joint teacher).
+          teacher_query, compressed_kv, visible, indexer_x, indexer_c_q (+ raw_kv, window, sink for the
+          joint teacher).
         """
         h, aux = self.hidden(tokens, positions, segment_ids, mode=mode, collect=collect)
         return (None if h is None else self.logits(h)), aux
