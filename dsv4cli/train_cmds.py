@@ -22,8 +22,9 @@ PRETRAIN_EPILOG = "Example: dsv4 pretrain --steps 300    |    dsv4 pretrain --st
 WARMUP_HELP = (
     "Dense indexer warm-up: the indexer distills the main attention by a KL loss, everything else frozen. "
     "Stage defaults: use_indexer=true indexer_loss_scaling_factor=0.01 indexer_sparse_training=false "
-    "trainable_parameters_mask=['.*indexer.*'] learning_rate=1e-2 cosine_learning_rate_final_fraction=1 "
-    "adam_b1=0.7 adam_weight_decay=0 adam_eps=1e-12 indexer_weights_init=zeros (AdamW, linear warm-up, then constant). "
+    "trainable_parameters_mask=['.*indexer.*'] learning_rate=3e-3 cosine_learning_rate_final_fraction=1 "
+    "adam_b1=0.7 adam_weight_decay=0 adam_eps=1e-12 indexer_weights_init=zeros (AdamW, linear warm-up, then constant) "
+    "indexer_init=teacher (with --init-from, each indexer starts from its own layer's main attention, once, before step 0). "
     "--init-from starts from a run's weights and router biases (a model without an indexer gets a fresh one). "
     "Rerun on the same --output to resume from its latest checkpoint; --steps is the run's total."
 )

@@ -76,8 +76,17 @@ def csa_attentions(model) -> Iterator[tuple[int, Any, int | None]]:
                 yield start + j * unit + u, block.attn, None if reps == 1 else j
 
 
+def _host(a) -> np.ndarray:
+    """A device array on the host as float64, also one spread over other processes' devices."""
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        a = multihost_utils.process_allgather(a, tiled=True)
+    return np.asarray(jax.device_get(a), np.float64)
+
+
 def _read(variable, j: int | None) -> np.ndarray:
-    value = np.asarray(jax.device_get(variable[...]), np.float64)
+    value = _host(variable[...])
     return value if j is None else value[j]
 
 
@@ -156,7 +165,7 @@ def teacher_init(model, cfg, mesh=None) -> TeacherInit:
     stats_step = _jitted("stats", rope, mesh)
     sums = None
     for batch in batches:
-        out = [np.asarray(jax.device_get(a), np.float64) for a in stats_step(model, *(batch[k] for k in INPUTS))]
+        out = [_host(a) for a in stats_step(model, *(batch[k] for k in INPUTS))]
         sums = out if sums is None else [a + b for a, b in zip(sums, out)]
     results = []
     for i, (layer, attn, j) in enumerate(attns):
@@ -176,12 +185,12 @@ def teacher_init(model, cfg, mesh=None) -> TeacherInit:
     kls, kl_u = 0.0, 0.0
     for batch in batches:
         a, b = kl_step(model, *(batch[k] for k in INPUTS))
-        kls, kl_u = kls + np.asarray(a, np.float64), kl_u + np.asarray(b, np.float64)
+        kls, kl_u = kls + _host(a), kl_u + _host(b)
     best = np.argmin(kls, axis=1)
     for i, (layer, attn, j) in enumerate(attns):
         proj = attn.indexer.weights_proj
         _write(proj, j, results[i].weights_proj * TEMPERATURES[best[i]])
-    tokens = int(sum(np.sum(np.asarray(jax.device_get(b["segment_ids"])) > 0) for b in batches))
+    tokens = int(sum(np.sum(_host(b["segment_ids"]) > 0) for b in batches))
     return TeacherInit(layers=tuple(l for l, _, _ in attns), kept=tuple(r.kept for r in results),
                        weight_fit=tuple(r.weight_fit for r in results),
                        temperature=tuple(TEMPERATURES[k] for k in best),

@@ -164,8 +164,6 @@ class Trainer:
                 from core.train.indexer_init import teacher_init
 
                 notices.append(teacher_init(setup.model, cfg, setup.mesh).line())
-        elif cfg.indexer_init == "teacher":
-            notices.append("indexer_init=teacher needs --init-from a trained model: the indexer starts as built")
         self.init_from = None if self.resumed_from is not None else init_from
         self.graphdef, self.state = nnx.split((setup.model, setup.optimizer))
         self.guard = WriteGuard(self.run_dir, self.ckpt.dir, tree_bytes(self.state),
