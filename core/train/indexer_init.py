@@ -138,13 +138,25 @@ def _jitted(kind: str, rope, mesh):
     return nnx.jit(fn if mesh is None else with_mesh(mesh, fn))
 
 
-def _batches(cfg, mesh) -> list[dict[str, Any]]:
+def calibration_batches(cfg, mesh=None) -> list[dict[str, Any]]:
+    """The first `indexer_init_batches` batches of a fresh training stream of `cfg` (sharded over `mesh`)."""
     data = train_batches(cfg, cfg.per_device_batch_size * jax.device_count())
     out = []
     for _ in range(cfg.indexer_init_batches):
         batch = next(data)
         out.append(batch if mesh is None else shard_batch(batch, mesh))
     return out
+
+
+def layer_stats(model, batches, mesh=None) -> list[LayerStats]:
+    """Each CSA layer's calibration sums over `batches` (in layer order), pooled in float64."""
+    rope = next(csa_attentions(model))[1].spec.rope
+    stats_step = _jitted("stats", rope, mesh)
+    sums = None
+    for batch in batches:
+        out = [_host(a) for a in stats_step(model, *(batch[k] for k in INPUTS))]
+        sums = out if sums is None else [a + b for a, b in zip(sums, out)]
+    return [LayerStats(*(float(s[i]) if s.ndim == 1 else s[i] for s in sums)) for i in range(len(sums[0]))]
 
 
 def teacher_init(model, cfg, mesh=None) -> TeacherInit:
@@ -159,20 +171,14 @@ def teacher_init(model, cfg, mesh=None) -> TeacherInit:
       TeacherInit (its `line()` is the training commands' notice).
     """
     start = time.perf_counter()
-    batches = _batches(cfg, mesh)
+    batches = calibration_batches(cfg, mesh)
     attns = list(csa_attentions(model))
     rope = attns[0][1].spec.rope
-    stats_step = _jitted("stats", rope, mesh)
-    sums = None
-    for batch in batches:
-        out = [_host(a) for a in stats_step(model, *(batch[k] for k in INPUTS))]
-        sums = out if sums is None else [a + b for a, b in zip(sums, out)]
     results = []
-    for i, (layer, attn, j) in enumerate(attns):
+    for (layer, attn, j), stats in zip(attns, layer_stats(model, batches, mesh)):
         comp = attn.compressor
         teacher = TeacherWeights(_read(attn.wq_b, j), _read(comp.wkv, j), _read(comp.wgate, j), _read(comp.ape, j),
                                  _read(comp.norm.weight, j))
-        stats = LayerStats(*(float(s[i]) if s.ndim == 1 else s[i] for s in sums))
         idx = attn.indexer
         new = teacher_indexer(teacher, stats, index_heads=idx.heads, index_dim=idx.head_dim, rope_dim=rope.rope_dim)
         for var, value in ((idx.wq_b, new.wq_b), (idx.weights_proj, new.weights_proj), (idx.compressor.wkv, new.wkv),
