@@ -31,7 +31,7 @@ from core.model.indexer_init import LayerStats, TeacherWeights, teacher_indexer
 from core.ops.masks import block_first_positions
 from core.ops.rope import apply_rope
 from core.parallel.sharding import shard_batch
-from core.train.step import with_mesh
+from core.train.program import with_mesh
 
 TEMPERATURES = tuple(float(2.0 ** (e / 2)) for e in range(-16, 9))  # 1/256 .. 16, steps of sqrt(2)
 INPUTS = ("tokens", "positions", "segment_ids")
