@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,15 +65,16 @@ class TeacherInit:
                 f"kl_captured {self.kl_captured:.3f} (docs/indexer-init.md)")
 
 
-def csa_attentions(model) -> Iterator[tuple[int, Any, int | None]]:
-    """(layer, Attention, index on the stacked axis or None) of every layer with an indexer, in layer order."""
+def csa_attentions(model) -> list[tuple[int, Any, int | None]]:
+    """(layer, Attention, index on the stacked axis or None) of every layer with an indexer, in layer
+    order (the order of the collected aux)."""
+    out = []
     for (start, unit, reps), segment in zip(model.segments, model.layers):
         blocks = [segment] if reps == 1 else list(segment.blocks)
         for u, block in enumerate(blocks):
-            if getattr(block.attn, "indexer", None) is None:
-                continue
-            for j in range(reps):
-                yield start + j * unit + u, block.attn, None if reps == 1 else j
+            if getattr(block.attn, "indexer", None) is not None:
+                out += [(start + j * unit + u, block.attn, None if reps == 1 else j) for j in range(reps)]
+    return sorted(out, key=lambda entry: entry[0])
 
 
 def _host(a) -> np.ndarray:
@@ -150,7 +151,7 @@ def calibration_batches(cfg, mesh=None) -> list[dict[str, Any]]:
 
 def layer_stats(model, batches, mesh=None) -> list[LayerStats]:
     """Each CSA layer's calibration sums over `batches` (in layer order), pooled in float64."""
-    rope = next(csa_attentions(model))[1].spec.rope
+    rope = csa_attentions(model)[0][1].spec.rope
     stats_step = _jitted("stats", rope, mesh)
     sums = None
     for batch in batches:
@@ -172,7 +173,7 @@ def teacher_init(model, cfg, mesh=None) -> TeacherInit:
     """
     start = time.perf_counter()
     batches = calibration_batches(cfg, mesh)
-    attns = list(csa_attentions(model))
+    attns = csa_attentions(model)
     rope = attns[0][1].spec.rope
     results = []
     for (layer, attn, j), stats in zip(attns, layer_stats(model, batches, mesh)):
