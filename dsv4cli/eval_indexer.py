@@ -14,11 +14,13 @@ from dsv4cli.errors import handle_errors
 HELP = ("Measure the indexer against the dense teacher: KL, KL captured (1 - KL / KL of a uniform student), "
         "recall@k, gain@k ((recall - random) / (oracle - random)), overlap@k, recency/random baselines, "
         "the share of rows where top-k binds, LM-loss gap.")
-EPILOG = "Example: dsv4 eval-indexer runs/warmup --batches 8 --topk 4,8,16 --plot recall.png"
+EPILOG = "Example: dsv4 eval-indexer runs/warmup --rows 16 --length 256 --topk 4,8,16 --plot recall.png"
 
-Batches = Annotated[int, typer.Option("--batches", min=1, help="Held-out eval batches (per_device_batch_size rows each).")]
+Rows = Annotated[int, typer.Option("--rows", help="Held-out rows to score: the first N of the data source, whatever the run's batch.")]
+Length = Annotated[Optional[int], typer.Option("--length", help="Tokens per row (default: the run's max_target_length).")]
+BatchRows = Annotated[Optional[int], typer.Option("--batch-rows", help="Rows per step (default: one per data/fsdp/expert shard); the figures do not depend on it.")]
 TopK = Annotated[Optional[str], typer.Option("--topk", help="k values to sweep, e.g. 4,8,16 (default: the run's indexer_topk).")]
-Seed = Annotated[int, typer.Option("--seed", help="Seed of the random-blocks baseline.")]
+Seed = Annotated[int, typer.Option("--seed", help="Seed of the random-blocks baseline and of synthetic rows.")]
 Data = Annotated[Optional[str], typer.Option("--data", help="Evaluate on this dataset instead of the run's (sets hf_path).")]
 Plot = Annotated[Optional[Path], typer.Option("--plot", help="Write recall@k against k (indexer vs baselines) to this PNG; needs matplotlib (the optional 'plot' extra).")]
 COLUMNS = (("recall", "recall@k"), ("recall_oracle", "oracle"), ("recall_recent", "recent"),
@@ -30,7 +32,9 @@ def command(
     ckpt: opt.CkptPath,
     overrides: opt.Overrides = None,
     step: opt.StepOpt = None,
-    batches: Batches = 4,
+    rows: Rows = 16,
+    length: Length = None,
+    batch_rows: BatchRows = None,
     topk: TopK = None,
     seed: Seed = 0,
     data: Data = None,
@@ -39,15 +43,19 @@ def command(
 ) -> None:
     from rich.console import Console
 
-    from core.eval.evaluate import evaluate_checkpoint
+    from core.eval.evaluate import prepare
+    from core.eval.rows import EvalSet
     from dsv4cli.display import ProgressBar
 
     if plot is not None:
         _require_matplotlib()
     overrides = list(overrides or []) + ([f"hf_path={data}"] if data else [])
-    with ProgressBar(batches, "eval batches", quiet=json_out) as bar:
-        result = evaluate_checkpoint(ckpt, step=step, overrides=overrides, batches=batches, ks=topk, seed=seed,
-                                     on_batch=bar.update)
+    evaluation = prepare(ckpt, step=step, overrides=overrides, ks=topk,
+                         eval_set=EvalSet(rows=rows, length=length, seed=seed, batch_rows=batch_rows))
+    layers = len(evaluation.cfg.csa_layers)
+    with ProgressBar(evaluation.units, "CSA layers x batches", quiet=json_out) as bar:
+        # plain (non-terminal) output: one line per batch, not per layer
+        result = evaluation.run(on_progress=lambda n: bar.update(n, print_plain=n % layers == 0))
     report = result.to_dict()
     if plot is not None:
         _plot(report, plot)
@@ -73,7 +81,8 @@ def _render(console, r: dict[str, Any], plot: Optional[Path]) -> None:
 
     c = r["checkpoint"]
     console.print(f"[bold]{escape(c['checkpoint'])}[/bold]  ·  {c['model_name']}  ·  stage {c['stage']}  ·  step {c['step']}  ·  "
-                  f"{r['batches']} batches x {c['batch_size']} x {c['max_target_length']} tokens  ·  data: {escape(c['data'])}")
+                  f"{c['eval_rows']} rows x {c['max_target_length']} tokens ({r['batches']} batches of {c['batch_size']})  ·  "
+                  f"seed {r['seed']}  ·  data: {escape(c['data'])}")
     for j, k in enumerate(r["ks"]):
         table = Table(title=f"k = {k}: recall and overlap on rows with more than {k} visible blocks",
                       box=box.SIMPLE_HEAD if console.is_terminal else None, title_justify="left")

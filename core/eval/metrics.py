@@ -1,7 +1,7 @@
-"""Indexer-quality metrics of one CSA layer against its dense teacher: pure, jit-safe maths.
+"""Indexer-quality metrics of one CSA layer against its dense teacher, streamed by query block.
 
-Part of `dsv4 eval-indexer` (the driver, the pooling over batches and the derived
-ratios kl_captured and gain@k are in core/eval/evaluate.py), on top of DESIGN.md, "The indexer loss".
+Part of `dsv4 eval-indexer` (the driver, the pooling over batches and the derived ratios
+kl_captured and gain@k are in core/eval/evaluate.py), on top of DESIGN.md, "The indexer loss".
 Per CSA layer, the *dense teacher* is the loss's "compressed" teacher with every visible block
 allowed: P[t, :] = sum_h softmax_w(Q_h[t] . K[w] over visible w), L1-normalised (+1e-8, as in
 the loss).
@@ -18,179 +18,169 @@ Definitions, per query row (b, t); n_vis = #visible blocks, k_eff = min(k, n_vis
   recall_oracle      recall of the teacher's own top-k_eff (the best any k-selection can do).
   recall_recent      recall of the k_eff most recent visible blocks (highest block index; the
                      visible blocks of a row all belong to its document, in position order).
-  recall_random      recall of k_eff visible blocks chosen uniformly at random (seeded).
+  recall_random      recall of k_eff visible blocks chosen uniformly at random: the top-k of
+                     uniform draws seeded per (evaluation row, query position), the same in every
+                     layer, so the figure depends neither on the batching nor on the query block.
   kl_uniform         KL(P || uniform over the visible blocks): the KL of a student that knows
                      nothing, on the same row.
-Top-k everywhere is `core.model.indexer.select_topk`: ties to the lower block index.
+Top-k everywhere is `core.ops.topk.select_topk`: ties to the lower block index.
+
+Streaming (DESIGN.md, "Memory"): `layer_sums` runs inside the model's CSA layer (its `observe`
+hook, core.model.attention) on the indexer's and the teacher's inputs per run of rows, and scans
+over query blocks of qc rows with the streamed loss's row machinery (core/loss/indexer_kl_rows.py:
+`teacher_rows`, `kl_rows`, `scan_blocks`). What lives at once, per block: the teacher's
+[B, qc, hc, W] logits of one head group, the indexer's [B, qc, W, HI] logits, and a few
+[B, qc, W] rows (scores, P, masks, random draws); per layer only the metric sums leave it. The
+dense formulation ([B, T, W] and [B, H, T, W] whole) is the tests' reference
+(tests/dense_eval.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from core.ops.topk import select_topk, selection_mask
-from core.ops.masks import NEG
+from core.loss.indexer_kl_rows import (EPS, Spec, compute_dtype, kl_rows, resolve_chunk, scan_blocks, slice_t,
+                                       teacher_rows)
+from core.ops.chunked_attention import block_keys
+from core.ops.masks import Packing, visible_rows
+from core.ops.topk import IndexerInputs, indexer_scores, select_topk
 
-EPS = 1e-8  # the indexer loss's normaliser / log epsilon (DESIGN.md)
 METRICS = ("kl", "recall", "overlap", "recall_oracle", "recall_recent", "recall_random", "kl_uniform")
+RATIO = 4  # CSA's compression ratio (DESIGN.md): the blocks the indexer scores
 
 
-# ----------------------------------------------------------------------------- pure maths
+# ----------------------------------------------------------------------------- per block
 
 
-def _upcast(x):
-    """float32 for bf16/f32 inputs; float64 stays float64 (the float64 reference tests)."""
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+def random_rows(keys_b, t0, rows: int, num_blocks: int):
+    """float32 [B, rows, W] uniform draws: row b, query t0 + i draws from fold_in(keys_b[b], t0 + i)."""
+    ts = t0 + jnp.arange(rows)
+    draw = lambda key, t: jax.random.uniform(jax.random.fold_in(key, t), (num_blocks,), jnp.float32)  # noqa: E731
+    return jax.vmap(lambda key: jax.vmap(lambda t: draw(key, t))(ts))(keys_b)
 
 
-def dense_teacher(q_bthd, kv_bwd, visible_btw):
-    """The dense teacher distribution over compressed blocks (DESIGN.md, "The indexer loss").
-
-    Args:
-      q_bthd: teacher queries [B, T, H, D], already scaled by D^-1/2.
-      kv_bwd: the layer's main compressed keys [B, W, D].
-      visible_btw: bool [B, T, W].
-
-    Returns:
-      float32 [B, T, W]: sum over heads of per-head softmaxes over visible blocks, divided by
-      (its row sum + 1e-8); 0 on invisible blocks and on rows with nothing visible.
-
-    Shapes:
-      1. logits_bhtw = q_bthd . kv_bwd, NEG where invisible
-      2. probs_bhtw  = softmax over w, zeroed where invisible
-      3. p_btw       = sum_h probs_bhtw / (sum_w + 1e-8)
-    """
-    q_bthd, kv_bwd = _upcast(q_bthd), _upcast(kv_bwd)
-    logits_bhtw = jnp.einsum("bthd,bwd->bhtw", q_bthd, kv_bwd)
-    vis_b1tw = visible_btw[:, None]
-    probs_bhtw = jax.nn.softmax(jnp.where(vis_b1tw, logits_bhtw, NEG), axis=-1)
-    p_btw = jnp.einsum("bhtw->btw", jnp.where(vis_b1tw, probs_bhtw, 0.0))
-    return p_btw / (jnp.sum(p_btw, axis=-1, keepdims=True) + EPS)
-
-
-def row_kl(p_btw, scores_btw, visible_btw):
-    """KL(P || softmax(I)) per row over visible blocks, as the indexer loss computes it.
-
-    Args:
-      p_btw: teacher distribution [B, T, W] (from `dense_teacher`).
-      scores_btw: indexer scores [B, T, W] (any value where invisible).
-      visible_btw: bool [B, T, W].
-
-    Returns:
-      float32 [B, T]: sum over visible w with P > 0 of P (log(P + 1e-8) - log_softmax(I));
-      0 on rows with nothing visible.
-    """
-    p_btw = _upcast(p_btw)
-    logq_btw = jax.nn.log_softmax(jnp.where(visible_btw, _upcast(scores_btw), NEG), axis=-1)
-    keep_btw = visible_btw & (p_btw > 0)
-    terms_btw = jnp.where(keep_btw, p_btw * (jnp.log(p_btw + EPS) - logq_btw), 0.0)
-    return jnp.sum(terms_btw, axis=-1)
-
-
-def topk_blocks(scores_btw, visible_btw, k: int):
-    """bool [B, T, W]: the top-k_eff visible blocks of each row by `scores` (ties: lower index)."""
-    idx_btk, valid_btk = select_topk(scores_btw, visible_btw, k)
-    return selection_mask(idx_btk, valid_btk, scores_btw.shape[-1])
-
-
-def recency_scores(visible_btw):
-    """float32 [B, T, W]: the block index, so a top-k picks the k most recent visible blocks."""
-    w = visible_btw.shape[-1]
-    return jnp.broadcast_to(jnp.arange(w, dtype=jnp.float32), visible_btw.shape)
+def _recall(p_btw, idx_btk, valid_btk, safe_mass_bt):
+    """sum of P over the valid selected blocks / the row's visible mass, [B, t]."""
+    picked_btk = jnp.take_along_axis(p_btw, idx_btk, axis=-1)
+    return jnp.sum(jnp.where(valid_btk, picked_btk, 0.0), axis=-1) / safe_mass_bt
 
 
 def row_metrics(p_btw, scores_btw, visible_btw, random_btw, k: int) -> dict[str, Any]:
-    """Per-row metrics of one CSA layer at one k (definitions in the module docstring).
-
-    Args:
-      p_btw: dense teacher [B, T, W] (from `dense_teacher`).
-      scores_btw: indexer scores [B, T, W].
-      visible_btw: bool [B, T, W].
-      random_btw: float [B, T, W] random scores whose top-k is the random baseline.
-      k: static top-k.
-
-    Returns:
-      dict of [B, T] arrays: every name in METRICS (float32), "valid" and "informative" (bool).
-      Metric values on invalid rows are 0. kl_uniform is `row_kl` with equal scores.
+    """Per-row selection metrics of one block of rows at one k (module docstring): recall,
+    overlap, recall_oracle, recall_recent, recall_random ([B, t], 0 on invalid rows), and the
+    bool [B, t] "valid" and "informative".
 
     Shapes:
-      1. four selections sel_btw: indexer, teacher, recency, random (top-k_eff of visible)
-      2. recall_bt  = sum_w P * sel / sum_w P * visible
-      3. overlap_bt = |sel_index & sel_teacher| / k_eff
+      1. four top-k_eff selections idx_btk: indexer, teacher, recency, random
+      2. recall_bt  = sum_k P[idx] / sum_w P * visible
+      3. overlap_bt = |indexer's blocks & teacher's blocks| / k_eff
     """
-    p_btw = _upcast(p_btw)
     n_vis_bt = jnp.sum(visible_btw, axis=-1)
     valid_bt = n_vis_bt > 0
-    k_eff_bt = jnp.minimum(n_vis_bt, k)
     mass_bt = jnp.sum(jnp.where(visible_btw, p_btw, 0.0), axis=-1)
     safe_mass_bt = jnp.where(valid_bt, mass_bt, 1.0)
-
-    def recall(sel_btw):
-        return jnp.where(valid_bt, jnp.sum(jnp.where(sel_btw, p_btw, 0.0), axis=-1) / safe_mass_bt, 0.0)
-
-    sel_index = topk_blocks(scores_btw, visible_btw, k)
-    sel_teacher = topk_blocks(p_btw, visible_btw, k)
-    shared_bt = jnp.sum(sel_index & sel_teacher, axis=-1)
-    return {
-        "kl": row_kl(p_btw, scores_btw, visible_btw),
-        "kl_uniform": row_kl(p_btw, jnp.zeros_like(p_btw), visible_btw),
-        "recall": recall(sel_index),
-        "overlap": jnp.where(valid_bt, shared_bt / jnp.maximum(k_eff_bt, 1), 0.0).astype(p_btw.dtype),
-        "recall_oracle": recall(sel_teacher),
-        "recall_recent": recall(topk_blocks(recency_scores(visible_btw), visible_btw, k)),
-        "recall_random": recall(topk_blocks(random_btw, visible_btw, k)),
-        "valid": valid_bt,
-        "informative": n_vis_bt > k,
-    }
+    recency_btw = jnp.broadcast_to(jnp.arange(visible_btw.shape[-1], dtype=jnp.float32), visible_btw.shape)
+    picks = {name: select_topk(s, visible_btw, k)
+             for name, s in (("recall", scores_btw), ("recall_oracle", p_btw), ("recall_recent", recency_btw),
+                             ("recall_random", random_btw))}
+    out = {name: jnp.where(valid_bt, _recall(p_btw, *sel, safe_mass_bt), 0.0) for name, sel in picks.items()}
+    mask_btw = picks["recall"].mask(visible_btw.shape[-1])  # the indexer's blocks, looked up at the teacher's
+    idx_t, ok_t = picks["recall_oracle"]
+    shared_bt = jnp.sum(jnp.take_along_axis(mask_btw, idx_t, axis=-1) & ok_t, axis=-1)
+    k_eff_bt = jnp.minimum(n_vis_bt, k)
+    out["overlap"] = jnp.where(valid_bt, shared_bt / jnp.maximum(k_eff_bt, 1), 0.0).astype(p_btw.dtype)
+    return {**out, "valid": valid_bt, "informative": n_vis_bt > k}
 
 
-def layer_sums(q_bthd, kv_bwd, scores_btw, visible_btw, random_btw, ks: Sequence[int]) -> dict[str, Any]:
-    """Row sums of every metric for one CSA layer, for each k in `ks` (jit-safe, ks static).
+def block_sums(psum_btw, scores_btw, visible_btw, random_btw, ks: Sequence[int]) -> dict[str, Any]:
+    """Metric sums of one block of rows: `layer_sums`' dict (counts and sums over its rows).
+
+    Args:
+      psum_btw: sum over heads of the teacher's per-head softmax over visible blocks [B, t, W]
+        (`core.loss.indexer_kl_rows.teacher_rows`), not yet L1-normalised.
+      scores_btw: indexer scores [B, t, W]; visible_btw: bool [B, t, W].
+      random_btw: the random baseline's scores [B, t, W]; ks: static k values.
+    """
+    dtype = psum_btw.dtype
+    p_btw = psum_btw / (jnp.sum(psum_btw, axis=-1, keepdims=True) + EPS)
+    zeros_btw = jnp.zeros_like(p_btw)
+
+    def kls(allowed_btw):  # (sum of kl, sum of kl_uniform) over the rows with something allowed
+        return kl_rows(scores_btw, psum_btw, allowed_btw, False)[0], kl_rows(zeros_btw, psum_btw, allowed_btw, False)[0]
+
+    kl_all, klu_all = kls(visible_btw)
+    per_k, counts = {"all": [], "informative": []}, []
+    for k in ks:
+        r = row_metrics(p_btw, scores_btw, visible_btw, random_btw, k)
+        kl_inf, klu_inf = kls(visible_btw & r["informative"][..., None])
+        for subset, mask, kl, klu in (("all", r["valid"], kl_all, klu_all), ("informative", r["informative"], kl_inf, klu_inf)):
+            sums = {m: jnp.sum(jnp.where(mask, r[m], 0.0)).astype(dtype) for m in METRICS if m not in ("kl", "kl_uniform")}
+            per_k[subset].append({**sums, "kl": kl, "kl_uniform": klu})
+        counts.append(jnp.sum(r["informative"], dtype=jnp.int32))
+    stack = lambda entries: {m: jnp.stack([e[m] for e in entries]) for m in METRICS}  # noqa: E731
+    return {"valid": jnp.sum(jnp.any(visible_btw, axis=-1), dtype=jnp.int32), "informative": jnp.stack(counts),
+            "sums": {subset: stack(entries) for subset, entries in per_k.items()}}
+
+
+# ----------------------------------------------------------------------------- per layer
+
+
+def layer_sums(index: IndexerInputs, teacher, packing: Packing, rows: int, *, ks: Sequence[int], keys_b,
+               head_chunk: int = 0, tick: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Row sums of every metric of one CSA layer, for each k in `ks`, one query block at a time.
+
+    The model's `observe` hook (core.model.attention.Attention) with the evaluation's settings
+    bound: `functools.partial(layer_sums, ks=..., keys_b=..., head_chunk=...)`.
+
+    Args:
+      index: the indexer's queries (per run of rows), compressed keys [B, W, DI], weights [B, T, HI].
+      teacher: `core.loss.indexer_kl_rows.Teacher` (its queries per run of rows and compressed
+        keys; the teacher here is always "compressed").
+      packing: positions and segment ids [B, T].
+      rows: query rows per block (0: all T at once); divides T.
+      ks: static k values. keys_b: one PRNG key per batch row (the random baseline's draws).
+      head_chunk: heads per step of the teacher's and the indexer's logits (0: all).
+      tick: called (from the device, `jax.debug.callback`) once the layer's sums are done.
 
     Returns:
       {"valid": int32 [], "informative": int32 [K], "sums": {"all" | "informative": {metric:
-      float32 [K]}}}: counts of valid and informative rows, and each metric summed over them.
+      float32 [K]}}}: counts of valid and informative rows, each metric summed over them.
+
+    Shapes (per block of qc rows):
+      1. visible_btw, indexer scores_btw                        [B, qc, W]
+      2. psum_btw = teacher_rows over head groups              [B, qc, hc, W] logits per group
+      3. random_btw, then `block_sums`; the sums accumulate over blocks
     """
-    p_btw = dense_teacher(q_bthd, kv_bwd, visible_btw)
-    per_k = [row_metrics(p_btw, scores_btw, visible_btw, random_btw, k) for k in ks]
-    valid_bt = per_k[0]["valid"]
+    positions, segment_ids = packing
+    t, num_blocks = positions.shape[1], index.keys_bwd.shape[1]
+    qc = resolve_chunk(rows, t, "rows", "query positions")
+    seg_bw, last_bw = block_keys(positions, segment_ids, RATIO)
+    kv_bwd = jax.lax.stop_gradient(teacher.compressed_bwd)
+    dtype = compute_dtype(kv_bwd)
+    kv_bwd = kv_bwd.astype(dtype)
+    heads = jax.eval_shape(lambda q, pos: q.rows(0, 1, pos), teacher.queries, positions[:, :1]).shape[2]
+    spec = Spec(head_chunk=resolve_chunk(head_chunk, heads, "head_chunk", "query heads"), query_chunk=qc, joint=False)
+    heads_i = index.weights_bti.shape[2]
+    index_chunk = resolve_chunk(head_chunk, heads_i, "head_chunk", "indexer heads")
 
-    def sums(mask_key):
-        return {m: jnp.stack([jnp.sum(jnp.where(r[mask_key], r[m], 0.0)) for r in per_k]) for m in METRICS}
+    def block(acc, t0):
+        pos_bt, seg_bt = slice_t(positions, t0, qc), slice_t(segment_ids, t0, qc)
+        visible_btw = visible_rows(pos_bt, seg_bt, seg_bw, last_bw)
+        q_btid = index.queries.rows(t0, qc, pos_bt)
+        scores_btw = indexer_scores(q_btid, index.keys_bwd, slice_t(index.weights_bti, t0, qc), visible_btw,
+                                    head_chunk=index_chunk)
+        query_bthd = jax.lax.stop_gradient(teacher.queries.rows(t0, qc, pos_bt)).astype(dtype)
+        psum_btw = teacher_rows(spec, query_bthd, kv_bwd, visible_btw)
+        sums = block_sums(psum_btw, scores_btw, visible_btw, random_rows(keys_b, t0, qc, num_blocks), ks)
+        return jax.tree.map(jnp.add, acc, sums)
 
-    return {
-        "valid": jnp.sum(valid_bt, dtype=jnp.int32),
-        "informative": jnp.stack([jnp.sum(r["informative"], dtype=jnp.int32) for r in per_k]),
-        "sums": {"all": sums("valid"), "informative": sums("informative")},
-    }
-
-
-def batch_sums(aux: dict[str, Any], random_lbtw, ks: Sequence[int]) -> dict[str, Any]:
-    """`layer_sums` for every CSA layer of a collected aux (leading layer axis L).
-
-    Args:
-      aux: the model's collected aux with "teacher_query" [L,B,T,H,D], "compressed_kv" [L,B,W,D],
-        "index_scores" [L,B,T,W] and "visible" [L,B,T,W].
-      random_lbtw: float [L, B, T, W] random scores for the random baseline.
-      ks: static tuple of k values.
-
-    Returns:
-      `layer_sums`' dict with a leading L axis on every array.
-    """
-    fn = lambda q, kv, s, v, r: layer_sums(q, kv, s, v, r, ks)  # noqa: E731
-    return jax.vmap(fn)(aux["teacher_query"], aux["compressed_kv"], aux["index_scores"], aux["visible"], random_lbtw)
-
-
-def token_nll(logits_btv, targets_bt, weights_bt):
-    """(sum over weighted tokens of -log softmax(logits)[target], sum of weights), float32.
-
-    Computed as logsumexp - target logit, so no [B, T, V] log-probability array is kept.
-    """
-    logits_btv = _upcast(logits_btv)
-    target_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    nll_bt = jax.nn.logsumexp(logits_btv, axis=-1) - target_bt
-    w_bt = weights_bt.astype(logits_btv.dtype)
-    return jnp.sum(nll_bt * w_bt), jnp.sum(w_bt)
+    zeros = jax.eval_shape(lambda: block_sums(jnp.zeros((1, 1, num_blocks), dtype), jnp.zeros((1, 1, num_blocks)),
+                                              jnp.zeros((1, 1, num_blocks), bool), jnp.zeros((1, 1, num_blocks)), ks))
+    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
+    sums = scan_blocks(block, init, t // qc, qc)
+    if tick is not None:
+        jax.debug.callback(lambda _: tick(), sums["valid"])
+    return sums

@@ -140,6 +140,7 @@ class Flags(NamedTuple):
     dense: bool          # CSA attends every visible block, not the top-k
     indexer_loss: bool   # the layer's indexer loss (dense if `dense`, else sparse)
     collect: bool        # the indexer's scores, selection and teacher inputs in aux
+    observe: Callable | None = None  # (IndexerInputs, Teacher, Packing, rows) -> aux["observed"] (the evaluation)
 
 
 def streamable_rows(s: AttentionSpec, t: int) -> int:
@@ -195,13 +196,16 @@ class Attention(nnx.Module):
             self.indexer = Indexer(s.indexer_spec(), rngs=rngs, param_dtype=param_dtype, dtype=dtype)
 
     def __call__(self, x_btm, positions_bt, segment_ids_bt, *, dense: bool = False,
-                 indexer_loss: bool = False, collect: bool = False):
+                 indexer_loss: bool = False, collect: bool = False, observe: Callable | None = None):
         """Args:
           x_btm: [B, T, M] (already attn-normed).
           positions_bt, segment_ids_bt: int [B, T].
           dense: CSA attends every visible block (dense warm-up, eval_dense) instead of the top-k.
           indexer_loss: compute this CSA layer's indexer loss (dense if `dense`, else sparse).
           collect: also return the indexer's scores, selection and teacher inputs.
+          observe: CSA layers with an indexer call it with the indexer's inputs, the teacher (both
+            per run of rows), the packing and the streamed loss's query block (0: none); its
+            result is aux["observed"] (the streamed evaluation, core/eval/streamed.py).
 
         Returns:
           (y_btm [B, T, M], aux). CSA layers with an indexer: aux["indexer_loss"] (f32 scalar,
@@ -222,7 +226,7 @@ class Attention(nnx.Module):
                     self.compressor(x_btm, positions_bt) if s.ratio else None, s.ratio)
         selection, aux = None, {}
         if s.indexer_heads:
-            selection, aux = self._index(mode, x_btm, queries, keys, packing, Flags(dense, indexer_loss, collect))
+            selection, aux = self._index(mode, x_btm, queries, keys, packing, Flags(dense, indexer_loss, collect, observe))
         return mode.attend(queries, keys, packing, selection, self._output), aux
 
     def _output(self, o_bthd, positions_bt):
@@ -242,7 +246,7 @@ class Attention(nnx.Module):
         """
         s, sg, pos = self.spec, jax.lax.stop_gradient, packing.positions_bt
         aux = {"indexer_loss": jnp.zeros((), jnp.float32)}
-        if flags.dense and not flags.indexer_loss and not flags.collect:  # the indexer plays no part
+        if flags.dense and not flags.indexer_loss and not flags.collect and flags.observe is None:  # no part
             return None, aux
         joint = s.teacher == "joint"
         teacher = Teacher(sg(queries), sg(keys.compressed_bwd), sg(keys.raw_bsd) if joint else None,
@@ -268,6 +272,8 @@ class Attention(nnx.Module):
                     indexer.inputs(x_btm, queries.inputs, pos), teacher, packing, None, topk, rows))
             else:
                 aux["indexer_loss"] = self._indexer_loss(index, teacher, packing, (scores, allowed), topk, rows)
+        if flags.observe is not None:
+            aux["observed"] = flags.observe(index, teacher, packing, rows)
         if flags.collect:
             aux.update(index_scores=sg(scores), topk_idx=selection.idx_btk, topk_valid=selection.valid_btk,
                        teacher_query=teacher.queries.inputs, compressed_kv=teacher.compressed_bwd, visible=visible,

@@ -128,11 +128,11 @@ class Block(nnx.Module):
         self.hc_ffn = HyperConnection(spec.emb, spec.hc_n, spec.hc_iters, spec.hc_eps, spec.eps, **kw)
 
     def __call__(self, x_btnm, tokens_bt, positions_bt, segment_ids_bt, *, dense: bool,
-                 indexer_loss: bool, collect: bool):
+                 indexer_loss: bool, collect: bool, observe=None):
         """[B, T, n, M] -> ([B, T, n, M], aux: lb_loss, load [E], dropped and the attention's aux)."""
         y_btm, post_btn, comb_btnn = self.hc_attn.pre(x_btnm)
         out_btm, aux = self.attn(self.attn_norm(y_btm), positions_bt, segment_ids_bt, dense=dense,
-                                 indexer_loss=indexer_loss, collect=collect)
+                                 indexer_loss=indexer_loss, collect=collect, observe=observe)
         x_btnm = HyperConnection.post(out_btm, x_btnm, post_btn, comb_btnn)
         y_btm, post_btn, comb_btnn = self.hc_ffn.pre(x_btnm)
         out_btm, moe_aux = self.ffn(self.ffn_norm(y_btm), tokens_bt, segment_ids_bt > 0)
@@ -294,14 +294,17 @@ class Transformer(nnx.Module):
         """The head: final hidden states [B, T, M] -> float32 logits [B, T, V]."""
         return head_logits(h_btm, self.head[...])
 
-    def hidden(self, tokens, positions, segment_ids, *, mode: str = "train", collect: bool = False):
+    def hidden(self, tokens, positions, segment_ids, *, mode: str = "train", collect: bool = False,
+               observe=None):
         """The decoder without its head: (h [B, T, M] = norm(hc_head(x)) or None, aux).
 
         Same arguments and aux as `__call__`; h is None where the head is not run (dense warm-up).
         The training step feeds h and `self.head` to the chunked LM loss (core/loss/lm.py).
+        `observe` (core.model.attention.Attention): each CSA layer's result, stacked in layer
+        order (leading axis len(csa_layers)), is aux["observed"].
         """
         dense, loss, run_head = self._flags(mode)
-        flags = dict(dense=dense, indexer_loss=loss, collect=collect)
+        flags = dict(dense=dense, indexer_loss=loss, collect=collect, observe=observe)
         args = (tokens, positions, segment_ids)
         x = expand(self.embed[...][tokens].astype(self.dtype), self.n)
 
@@ -312,23 +315,24 @@ class Transformer(nnx.Module):
                                  scanned=reps > 1)
             auxes.append(aux if reps > 1 else [aux])
         h = self.norm(self.hc_head(x)) if run_head else None
-        return h, self._aux(auxes, loss, collect)
+        return h, self._aux(auxes, loss, collect, observe is not None)
 
     def _layer_values(self, auxes, key, layers):
-        """Stack aux[key] of the given layers in layer order: [len(layers), ...] (None if none)."""
+        """Stack aux[key] (an array or a pytree of them) of the given layers in layer order:
+        [len(layers), ...] (None if none)."""
         parts = []
         for (start, unit, reps), seg_aux in zip(self.segments, auxes):
             us = [u for u in range(unit) if start + u in layers]  # same kind in every repeat
             if not us:
                 continue
             if reps == 1:
-                parts.append(seg_aux[0][key][None])
+                parts.append(jax.tree.map(lambda a: a[None], seg_aux[0][key]))
             else:  # layer start + j * unit + u holds seg_aux[u][key][j]
-                arr = jnp.stack([seg_aux[u][key] for u in us], axis=1)
-                parts.append(arr.reshape((-1,) + arr.shape[2:]))
-        return jnp.concatenate(parts) if parts else None
+                arr = jax.tree.map(lambda *a: jnp.stack(a, axis=1), *[seg_aux[u][key] for u in us])
+                parts.append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), arr))
+        return jax.tree.map(lambda *a: jnp.concatenate(a), *parts) if parts else None
 
-    def _aux(self, auxes, loss: bool, collect: bool):
+    def _aux(self, auxes, loss: bool, collect: bool, observed: bool = False):
         learned = set(range(self.first_hash, self.num_layers))
         csa = set(self.csa_layers)
         lb = self._layer_values(auxes, "lb_loss", learned)
@@ -339,6 +343,8 @@ class Transformer(nnx.Module):
             "expert_load": self._layer_values(auxes, "load", set(range(self.num_layers))),
             "moe_dropped": jnp.mean(self._layer_values(auxes, "dropped", set(range(self.num_layers)))),
         }
+        if observed and csa:
+            aux["observed"] = self._layer_values(auxes, "observed", csa)
         if collect and csa:
             for key in COLLECT_KEYS + (JOINT_KEYS if self.joint else ()):
                 aux[key] = self._layer_values(auxes, key, csa)

@@ -10,7 +10,7 @@ Top-k binds on a query row when the row sees more compressed blocks than `indexe
 T tokens sees at most T // 4 CSA blocks (its last query, one document filling the row), so when
 indexer_topk >= max_target_length // 4 no row is ever narrowed: sparse attention equals dense and
 a warm-up's KL scores blocks that attention uses anyway. The training commands warn of it
-(`topk_warning`); `dsv4 eval-indexer` warns per swept k (core/eval/evaluate.py `topk_warnings`).
+(`topk_warning`); `dsv4 eval-indexer` warns per swept k (core/eval/report.py `topk_warnings`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""core/eval/evaluate.py: indexer-quality metrics against loop-based float64 references."""
+"""The indexer-quality metrics' definitions against loop-based float64 references: the dense
+formulation (tests/dense_eval.py, which the streamed evaluation must equal: tests/eval/test_streamed.py)
+and core/eval/report.py's pooling and derived figures."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import numpy as np
 import pytest
 
 from core.eval import evaluate as ev
-from core.eval import metrics as eval_metrics
+from core.eval import report
 from core.ops.masks import NEG, csa_visible
+from tests import dense_eval as eval_metrics
 from tests import reference_eval as ref
 
 KS = (1, 4)
@@ -157,7 +160,7 @@ def test_token_nll_float64(x64):
 def test_metric_sums_pool_rows_across_batches_and_layers(x64):
     """Two batches x two layers through batch_sums + MetricSums = the reference on all rows."""
     cases = [_packed_case(s)[0] for s in (10, 11, 12, 13)]
-    acc = ev.MetricSums(layers=(2, 4), ks=KS)
+    acc = report.MetricSums(layers=(2, 4), ks=KS)
     for batch in (cases[:2], cases[2:]):  # a batch holds layers (2, 4)
         aux = {name: jnp.asarray(np.stack([c[i] for c in batch]))
                for i, name in enumerate(("teacher_query", "compressed_kv", "index_scores", "visible"))}
@@ -194,15 +197,15 @@ K_KEYS = {"k", "informative_rows", "informative_share", "all", "informative"}
 
 
 def test_report_schema_is_stable_and_json_safe():
-    acc = ev.MetricSums(layers=(2,), ks=(4, 8))
-    result = ev.IndexerEval(ks=(4, 8), indexer_topk=4, batches=0, rows=0, tokens=0, lm_loss_dense=None,
+    acc = report.MetricSums(layers=(2,), ks=(4, 8))
+    result = report.IndexerEval(ks=(4, 8), indexer_topk=4, batches=0, rows=0, tokens=0, lm_loss_dense=None,
                             lm_loss_topk=None, layers=acc.layer_reports(), overall=acc.overall(), seed=0)
     d = json.loads(json.dumps(result.to_dict()))
     assert set(d) == EVAL_KEYS and set(d["lm_loss"]) == {"dense", "topk", "gap"}
     assert set(d["overall"]) == ROW_KEYS and set(d["layers"][0]) == ROW_KEYS | {"layer"}
     for entry in d["overall"]["by_k"]:
         assert set(entry) == K_KEYS
-        assert set(entry["all"]) == set(entry["informative"]) == set(eval_metrics.METRICS) | set(ev.DERIVED)
+        assert set(entry["all"]) == set(entry["informative"]) == set(eval_metrics.METRICS) | set(report.DERIVED)
         assert entry["all"]["recall"] is None and entry["all"]["gain"] is None  # no rows: null, never NaN
 
 
@@ -219,12 +222,12 @@ def _hand_case():
 
 
 def _derived_means(p, scores, vis, rand, k):
-    """ev.derived of the row means (all valid rows, informative rows) of one layer."""
+    """report.derived of the row means (all valid rows, informative rows) of one layer."""
     r = {n: np.asarray(v, np.float64) for n, v in row_metrics(*map(jnp.asarray, (p, scores, vis, rand)), k).items()}
     out = []
     for key in ("valid", "informative"):
         rows = r[key].astype(bool)
-        out.append(ev.derived({m: float(r[m][rows].mean()) for m in eval_metrics.METRICS}))
+        out.append(report.derived({m: float(r[m][rows].mean()) for m in eval_metrics.METRICS}))
     return out
 
 
@@ -251,16 +254,16 @@ def test_kl_captured_and_gain_float64_by_hand(x64):
 
 
 def test_derived_metrics_without_rows_or_headroom():
-    none = ev.derived({m: None for m in eval_metrics.METRICS})
+    none = report.derived({m: None for m in eval_metrics.METRICS})
     assert none["kl_captured"] is None and none["gain"] is None
-    flat = ev.derived({**{m: 0.5 for m in eval_metrics.METRICS}, "kl_uniform": 0.0})  # oracle == random
+    flat = report.derived({**{m: 0.5 for m in eval_metrics.METRICS}, "kl_uniform": 0.0})  # oracle == random
     assert flat["gain"] is None and flat["kl_captured"] is None
 
 
 @pytest.mark.parametrize("topk,length,binds", [(16, 128, True), (31, 128, True), (32, 128, False), (64, 128, False),
                                                (16, 256, True), (64, 256, False)])
 def test_topk_warnings_fire_exactly_when_topk_cannot_bind(topk, length, binds):
-    from core.eval.evaluate import topk_warnings
+    from core.eval.report import topk_warnings
     from core.train.handoff import topk_never_binds
 
     assert topk_never_binds(topk, length) == (not binds)

@@ -407,6 +407,7 @@ def _training_and_eval():
     from core.checkpoint import run_files
     from core.data.batches import train_batches
     from core.eval.evaluate import evaluate_checkpoint
+    from core.eval.rows import EvalSet
     from core.model import moe
     from core.train.run import Trainer
     from tests.conftest import tiny_config
@@ -435,7 +436,8 @@ def _training_and_eval():
         try:
             for name, extra in (("expert", ()), ("data", ("ici_expert_parallelism=1", "ici_data_parallelism=8"))):
                 before = calls[0]
-                evals[name] = evaluate_checkpoint(run_dir, overrides=["moe_capacity_factor=0", *extra], batches=1,
+                evals[name] = evaluate_checkpoint(run_dir, overrides=["moe_capacity_factor=0", *extra],
+                                                  eval_set=EvalSet(rows=8),
                                                   ks="2,4").to_dict()
                 evals[name + "_calls"] = calls[0] - before
         finally:
