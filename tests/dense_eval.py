@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from core.eval.metrics import METRICS, random_rows
+from core.eval.rows import row_keys
 from core.ops.masks import NEG
 from core.ops.topk import select_topk, selection_mask
 
@@ -179,11 +180,13 @@ def token_nll(logits_btv, targets_bt, weights_bt):
     return jnp.sum(nll_bt * w_bt), jnp.sum(w_bt)
 
 
-def dense_step(model, tokens, positions, segment_ids, targets, loss_mask, keys_b, ks: Sequence[int]):
+def dense_step(model, batch, ks: Sequence[int], seed: int):
     """`make_eval_step`'s outputs the dense way: (sums [L, ...], nll dense, nll top-k, target weight).
 
     The random baseline draws are `random_rows` of the whole rows, as every streamed block draws them.
     """
+    tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
+    targets, loss_mask, keys_b = batch["targets"], batch["loss_mask"], row_keys(seed, batch["rows"])
     logits_dense, aux = model(tokens, positions, segment_ids, mode="eval_dense", collect=True)
     logits_topk, _ = model(tokens, positions, segment_ids, mode="eval")
     layers, _, t, w = aux["visible"].shape

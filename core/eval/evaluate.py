@@ -32,7 +32,7 @@ import numpy as np
 
 from core.eval.metrics import layer_sums
 from core.eval.report import IndexerEval, MetricSums, ratio, topk_warnings
-from core.eval.rows import EvalSet, batch_rows, eval_config, row_batches, row_keys
+from core.eval.rows import EVAL_KEYS, EvalSet, batch_rows, eval_config, row_batches, row_keys
 
 
 # ----------------------------------------------------------------------------- the step
@@ -65,20 +65,22 @@ def parse_ks(text: str | Iterable[int] | None, default: int, num_blocks: int) ->
 
 
 class StepSpec(NamedTuple):
-    """The eval step's static settings: the swept ks, the teacher's and indexer's head chunk
-    (csa_qk_head_chunk_size), the LM loss's tokens per chunk, and whether layers report progress."""
+    """The eval step's static settings: the swept ks, the random baseline's seed, the teacher's and
+    indexer's head chunk (csa_qk_head_chunk_size), the LM loss's tokens per chunk, and whether
+    layers report progress."""
 
     ks: tuple[int, ...]
+    seed: int
     head_chunk: int
     lm_chunk: int
     progress: bool = False
 
     @classmethod
-    def of(cls, cfg, ks: Sequence[int], progress: bool = False) -> "StepSpec":
+    def of(cls, cfg, ks: Sequence[int], seed: int = 0, progress: bool = False) -> "StepSpec":
         """lm_chunk: lm_loss_chunk_size, or attention_query_chunk_size where that is 0 (the
         evaluation never builds [B, T, V] logits)."""
-        return cls(tuple(ks), cfg.csa_qk_head_chunk_size, cfg.lm_loss_chunk_size or cfg.attention_query_chunk_size,
-                   progress)
+        return cls(tuple(ks), seed, cfg.csa_qk_head_chunk_size,
+                   cfg.lm_loss_chunk_size or cfg.attention_query_chunk_size, progress)
 
 
 _LISTENERS: list[Callable[[], None]] = []  # progress listeners of the evaluation under way (`evaluate_indexer`)
@@ -89,54 +91,84 @@ def _tick() -> None:
         listener()
 
 
-def eval_step(spec: StepSpec) -> Callable[..., Any]:
-    """The eval step as a plain function (model, tokens, positions, segment_ids, targets, loss_mask,
-    keys_b) -> (sums with a leading CSA-layer axis, nll sum dense, nll sum top-k, target weight).
+PROGRAMS = ("dense", "topk")  # the eval step's two programs, run one after the other
 
-    Runs the decoder twice: mode "eval_dense" with each CSA layer's metrics streamed inside it
-    (`core.eval.metrics.layer_sums` as the `observe` hook; progress ticks when spec.progress) and
-    the dense LM loss; mode "eval" for the top-k LM loss. keys_b: one PRNG key per row
-    (`core.eval.rows.row_keys`).
+
+def eval_step(spec: StepSpec, program: str) -> Callable[..., Any]:
+    """One program of the eval step as a plain function of (model, batch); batch:
+    `core.eval.rows.EVAL_KEYS` arrays.
+
+    "dense": mode "eval_dense" with each CSA layer's metrics streamed inside it
+    (`core.eval.metrics.layer_sums` as the `observe` hook; progress ticks when spec.progress) ->
+    (sums with a leading CSA-layer axis, nll sum, target weight). "topk": mode "eval" -> nll sum.
+    Two programs, not one: one program would hold both forwards' activations at once (the compiler
+    interleaves them), two hold one forward's (docs/evaluation.md#memory). The random baseline
+    draws from one key per row, `core.eval.rows.row_keys(spec.seed, batch["rows"])`.
     """
     from core.loss.lm import chunked_lm_loss
 
-    def step(model, tokens, positions, segment_ids, targets, loss_mask, keys_b):
-        observe = functools.partial(layer_sums, ks=spec.ks, keys_b=keys_b, head_chunk=spec.head_chunk,
-                                    tick=_tick if spec.progress else None)
-        h_dense, aux = model.hidden(tokens, positions, segment_ids, mode="eval_dense", observe=observe)
-        h_topk, _ = model.hidden(tokens, positions, segment_ids, mode="eval")
-        weight = jnp.sum(loss_mask.astype(jnp.float32))
+    if program not in PROGRAMS:
+        raise ValueError(f"program={program!r}: use one of {', '.join(PROGRAMS)}")
 
-        def nll(h_btm):  # the chunked mean times the weight it divided by
-            return chunked_lm_loss(h_btm, model.head[...], targets, loss_mask, chunk=spec.lm_chunk) * jnp.maximum(weight, 1.0)
+    def nll(model, h_btm, batch, weight):  # the chunked mean times the weight it divided by
+        mean = chunked_lm_loss(h_btm, model.head[...], batch["targets"], batch["loss_mask"], chunk=spec.lm_chunk)
+        return mean * jnp.maximum(weight, 1.0)
 
-        return aux["observed"], nll(h_dense), nll(h_topk), weight
+    def step(model, batch):
+        args = (batch["tokens"], batch["positions"], batch["segment_ids"])
+        weight = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+        if program == "topk":
+            return nll(model, model.hidden(*args, mode="eval")[0], batch, weight)
+        observe = functools.partial(layer_sums, ks=spec.ks, keys_b=row_keys(spec.seed, batch["rows"]),
+                                    head_chunk=spec.head_chunk, tick=_tick if spec.progress else None)
+        h_btm, aux = model.hidden(*args, mode="eval_dense", observe=observe)
+        return aux["observed"], nll(model, h_btm, batch, weight), weight
 
     return step
 
 
-@functools.lru_cache(maxsize=8)
-def make_eval_step(spec: StepSpec, mesh=None) -> Callable[..., Any]:
-    """`eval_step(spec)` jitted. With a `mesh` it is traced under the mesh's abstract mesh, as the
-    train step is (`core.train.step.with_mesh`), so the MoE takes the same path as in training
-    (expert parallelism on an `expert` axis). Cached per (spec, mesh), so repeated evaluations of
-    same-shaped models reuse the compiled step."""
+def state_step(spec: StepSpec, program: str, graphdef) -> Callable[..., Any]:
+    """`eval_step(spec, program)` as a function of the model's state: (state, batch) -> its outputs,
+    with the model `nnx.merge(graphdef, state)`. Jitted so, the state is an input only (nnx.jit
+    would also return every variable, a second copy of the weights)."""
     from flax import nnx
+
+    step = eval_step(spec, program)
+    return lambda state, batch: step(nnx.merge(graphdef, state), batch)
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted(spec: StepSpec, program: str, graphdef, mesh) -> Callable[..., Any]:
+    import jax
 
     from core.train.step import with_mesh
 
-    step = eval_step(spec)
-    return nnx.jit(step if mesh is None else with_mesh(mesh, step))
+    fn = state_step(spec, program, graphdef)
+    return jax.jit(fn if mesh is None else with_mesh(mesh, fn))
 
 
-def _place(batch: dict[str, Any], mesh) -> list[Any]:
-    names = ("tokens", "positions", "segment_ids", "targets", "loss_mask")
+def make_eval_step(spec: StepSpec, mesh=None) -> Callable[..., Any]:
+    """The eval step jitted: (model, batch) -> (sums, nll sum dense, nll sum top-k, target weight),
+    its two programs run one after the other. With a `mesh` they are traced under the mesh's
+    abstract mesh, as the train step is (`core.train.step.with_mesh`), so the MoE takes the same
+    path as in training (expert parallelism on an `expert` axis). Cached per (spec, the model's
+    graphdef, mesh), so repeated evaluations of same-shaped models reuse the compiled programs."""
+    from flax import nnx
+
+    def run(model, batch):
+        graphdef, state = nnx.split(model)
+        sums, nll_dense, weight = _jitted(spec, "dense", graphdef, mesh)(state, batch)
+        return sums, nll_dense, _jitted(spec, "topk", graphdef, mesh)(state, batch), weight
+
+    return run
+
+
+def _place(batch: dict[str, Any], mesh) -> dict[str, Any]:
     if mesh is None:
-        return [jnp.asarray(batch[name]) for name in names]
+        return {name: jnp.asarray(batch[name]) for name in EVAL_KEYS}
     from core.parallel.sharding import shard_batch
 
-    placed = shard_batch({name: batch[name] for name in names}, mesh)
-    return [placed[name] for name in names]
+    return shard_batch({name: batch[name] for name in EVAL_KEYS}, mesh)
 
 
 def check_indexer(cfg) -> None:
@@ -156,8 +188,8 @@ def evaluate_indexer(model, cfg, batches: Iterable[tuple[dict[str, Any], int, in
     Args:
       model: a `core.model.transformer.Transformer` built from `cfg` (with use_indexer and CSA layers).
       cfg: its Config.
-      batches: (dict of int [B, T] arrays tokens, positions, segment_ids, targets, loss_mask; index
-        of its first row; real rows in it), as `core.eval.rows.row_batches` yields them.
+      batches: (dict of `core.eval.rows.EVAL_KEYS` arrays, index of its first row, real rows in
+        it), as `core.eval.rows.row_batches` yields them.
       ks: the k values to sweep (default: cfg.indexer_topk).
       seed: the random baseline's seed (row r draws from fold_in(key(seed), r): `row_keys`).
       mesh: the device mesh the model's state lives on (`core.parallel.sharding.shard_state`):
@@ -170,7 +202,7 @@ def evaluate_indexer(model, cfg, batches: Iterable[tuple[dict[str, Any], int, in
     """
     check_indexer(cfg)
     ks = tuple(ks or (cfg.indexer_topk,))
-    step = make_eval_step(StepSpec.of(cfg, ks, progress=on_progress is not None), mesh)
+    step = make_eval_step(StepSpec.of(cfg, ks, seed, progress=on_progress is not None), mesh)
     layers = len(cfg.csa_layers)
     acc = MetricSums(cfg.csa_layers, ks)
     nll = np.zeros(3, np.float64)  # dense, top-k, weight
@@ -185,10 +217,9 @@ def evaluate_indexer(model, cfg, batches: Iterable[tuple[dict[str, Any], int, in
     if on_progress is not None:
         _LISTENERS.append(listener)
     try:
-        for batch, first, real in batches:
+        for batch, _, real in batches:
             ticks[0] = 0
-            keys = row_keys(seed, first, batch["tokens"].shape[0])
-            sums, nll_dense, nll_topk, weight = step(model, *_place(batch, mesh), keys)
+            sums, nll_dense, nll_topk, weight = step(model, _place(batch, mesh))
             acc.add(jax.tree.map(np.asarray, sums))
             nll += [float(nll_dense), float(nll_topk), float(weight)]
             rows += real * batch["tokens"].shape[1]

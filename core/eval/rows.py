@@ -22,6 +22,8 @@ import numpy as np
 from core.data.batches import BATCH_KEYS, eval_batches
 from core.errors import ConfigError
 
+EVAL_KEYS = BATCH_KEYS + ("rows",)  # an eval batch: the training batch's arrays and each row's index
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalSet:
@@ -71,7 +73,9 @@ def batch_rows(eval_set: EvalSet, mesh) -> int:
 def row_batches(cfg, rows: int, batch: int) -> Iterator[tuple[dict[str, np.ndarray], int, int]]:
     """(batch of `batch` rows, index of its first row, real rows in it) over the first `rows` eval rows.
 
-    `cfg` is `eval_config`'s. The last batch is filled up with padding rows (all zeros).
+    `cfg` is `eval_config`'s. A batch holds int32 arrays EVAL_KEYS: the training batch's [B, T] and
+    "rows" [B], each row's index in the evaluation set. The last batch is filled up with padding
+    rows (all zeros but their index).
     """
     source = eval_batches(cfg, 1, rows)
     first = 0
@@ -80,6 +84,7 @@ def row_batches(cfg, rows: int, batch: int) -> Iterator[tuple[dict[str, np.ndarr
         if not got:
             return
         out = {k: np.zeros((batch, cfg.max_target_length), np.int32) for k in BATCH_KEYS}
+        out["rows"] = np.arange(first, first + batch, dtype=np.int32)
         for i, row in enumerate(got):
             for k in BATCH_KEYS:
                 out[k][i] = row[k][0]
@@ -89,9 +94,8 @@ def row_batches(cfg, rows: int, batch: int) -> Iterator[tuple[dict[str, np.ndarr
             return
 
 
-def row_keys(seed: int, first: int, count: int):
-    """One PRNG key per row: fold_in(key(seed), row index) for rows first .. first + count - 1."""
+def row_keys(seed: int, rows_b):
+    """One PRNG key per row: fold_in(key(seed), row index) for the row indices rows_b [B] (jit-safe)."""
     import jax
-    import jax.numpy as jnp
 
-    return jax.vmap(lambda r: jax.random.fold_in(jax.random.key(seed), r))(jnp.arange(first, first + count))
+    return jax.vmap(lambda r: jax.random.fold_in(jax.random.key(seed), r))(rows_b)

@@ -20,7 +20,7 @@ import pytest
 
 from core.eval import evaluate as ev
 from core.eval import metrics
-from core.eval.rows import row_keys
+from core.eval.rows import EVAL_KEYS, row_keys
 from core.loss.indexer_kl_rows import Teacher
 from core.ops.chunked_attention import RowQueries
 from core.ops.masks import Packing
@@ -65,7 +65,7 @@ def test_layer_sums_equal_the_dense_sums_float64(x64):
     q = rng.normal(size=(b, t, h, d)) * d ** -0.5
     kv = rng.normal(size=(b, t // 4, d))
     q_i, k_i, w_i = rng.normal(size=(b, t, hi, di)), rng.normal(size=(b, t // 4, di)), rng.normal(size=(b, t, hi))
-    keys = row_keys(7, 3, b)
+    keys = row_keys(7, jnp.arange(3, 3 + b))
     index = IndexerInputs(RowQueries.given(jnp.asarray(q_i)), jnp.asarray(k_i), jnp.asarray(w_i))
     teacher = Teacher(RowQueries.given(jnp.asarray(q)), jnp.asarray(kv))
     packing = Packing(jnp.asarray(pos), jnp.asarray(seg))
@@ -83,10 +83,10 @@ def test_layer_sums_equal_the_dense_sums_float64(x64):
 
 
 def test_random_draws_depend_on_the_row_and_position_only():
-    keys = row_keys(0, 0, 3)
+    keys = row_keys(0, jnp.arange(3))
     whole = metrics.random_rows(keys, 0, 8, 5)
     np.testing.assert_array_equal(np.asarray(metrics.random_rows(keys, 4, 4, 5)), np.asarray(whole[:, 4:]))
-    np.testing.assert_array_equal(np.asarray(metrics.random_rows(row_keys(0, 1, 2), 0, 8, 5)), np.asarray(whole[1:]))
+    np.testing.assert_array_equal(np.asarray(metrics.random_rows(row_keys(0, jnp.arange(1, 3)), 0, 8, 5)), np.asarray(whole[1:]))
     assert not np.array_equal(np.asarray(whole[0]), np.asarray(whole[1]))
 
 
@@ -99,40 +99,43 @@ def tiny():
     pos, seg = _packing(t)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, seg.shape).astype(np.int32)
-    batch = [tokens, pos, seg, np.roll(tokens, -1, axis=1), (seg > 0).astype(np.int32)]
-    return cfg, init_model(cfg, 0), [jnp.asarray(x) for x in batch], row_keys(5, 0, 2)
+    batch = {"tokens": tokens, "positions": pos, "segment_ids": seg, "targets": np.roll(tokens, -1, axis=1),
+             "loss_mask": (seg > 0).astype(np.int32), "rows": np.array([4, 9], np.int32)}
+    return cfg, init_model(cfg, 0), {k: jnp.asarray(x) for k, x in batch.items()}
 
 
 def test_eval_step_equals_the_dense_step(tiny):
     from flax import nnx
 
-    cfg, model, batch, keys = tiny
+    cfg, model, batch = tiny
     ks = (2, 4, 8)
-    got = ev.make_eval_step(ev.StepSpec.of(cfg, ks))(model, *batch, keys)
-    want = nnx.jit(lambda m, *a: dense_eval.dense_step(m, *a, ks))(model, *batch, keys)
+    got = ev.make_eval_step(ev.StepSpec.of(cfg, ks, seed=5))(model, batch)
+    want = nnx.jit(lambda m, b: dense_eval.dense_step(m, b, ks, 5))(model, batch)
     _assert_close(got, want, atol=1e-5, rtol=1e-5)
     sums = _leaves(got[0])
     assert sums["['sums']['all']['kl']"].min() > 0 and sums["['informative']"].min() > 0
-    assert float(got[3]) == float(np.asarray(batch[4]).sum())
+    assert float(got[3]) == float(np.asarray(batch["loss_mask"]).sum())
 
 
-def _temp_bytes(cfg, length: int, step) -> int:
-    """Temporaries of `step` compiled for one row of `length` tokens (abstract inputs: nothing runs)."""
+def _temp_bytes(cfg, length: int, spec) -> int:
+    """The larger temporaries of the eval step's two programs compiled for one row of `length`
+    tokens (abstract inputs: nothing runs)."""
     from flax import nnx
 
     from core.model.transformer import abstract
 
     cfg = cfg.replace(max_target_length=length)
     model = abstract(cfg)
-    ints = jax.ShapeDtypeStruct((1, length), jnp.int32)
-    keys = jax.eval_shape(lambda: row_keys(0, 0, 1))
-    return nnx.jit(step).lower(model, *[ints] * 5, keys).compile().memory_analysis().temp_size_in_bytes
+    batch = {k: jax.ShapeDtypeStruct((1, length), jnp.int32) for k in EVAL_KEYS}
+    batch["rows"] = jax.ShapeDtypeStruct((1,), jnp.int32)
+    return max(nnx.jit(ev.eval_step(spec, program)).lower(model, batch).compile().memory_analysis().temp_size_in_bytes
+               for program in ev.PROGRAMS)
 
 
 def test_eval_step_memory_is_linear_in_t():
     """One CSA layer: temp at 1024 tokens <= 4x temp at 256 tokens."""
     cfg = tiny_config("warmup", "compress_ratios=[4]", "base_num_decoder_layers=1", "first_num_hash_layers=0",
                       "indexer_topk=4")
-    step = ev.eval_step(ev.StepSpec.of(cfg, (4, 16)))
-    short, long = _temp_bytes(cfg, 256, step), _temp_bytes(cfg, 1024, step)
+    spec = ev.StepSpec.of(cfg, (4, 16))
+    short, long = _temp_bytes(cfg, 256, spec), _temp_bytes(cfg, 1024, spec)
     assert long <= 4 * short, f"temp {short} B at T=256, {long} B at T=1024: {long / short:.2f}x for 4x the tokens"
