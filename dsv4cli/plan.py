@@ -25,7 +25,7 @@ EPILOG = ("Example: dsv4 plan --target cpu:8 ici_fsdp_parallelism=-1    |    "
           "dsv4 plan --model deepseek4-284b --stage warmup --target v5p-128 --search ici_tensor_parallelism=1")
 
 Target = Annotated[str, typer.Option("--target", "-t", help="v4-N, v5e-N, v5p-N, v6e-N (MaxText's TPU names), h100xN, h200xN, b200xN (8 per host) or cpu:N.")]
-Stage = Annotated[str, typer.Option("--stage", help="The training command whose step is planned: pretrain, warmup or sparse.")]
+Stage = Annotated[str, typer.Option("--stage", help="The training command whose step is planned: pretrain, warmup or sparse; or eval, the step of dsv4 eval-indexer.")]
 Top = Annotated[int, typer.Option("--top", min=0, help="How many of the largest temporaries to list.")]
 Search = Annotated[bool, typer.Option("--search", help="Search the meshes and per-device batches (ici_*, dcn_*, per_device_batch_size given as overrides stay fixed).")]
 MaxBatch = Annotated[int, typer.Option("--max-batch", help="--search: the largest per-device batch tried (1, 2, 4, ... up to it).")]
@@ -41,8 +41,10 @@ def command(target: Target, overrides: opt.Overrides = None, model: opt.Model = 
     from core.errors import ConfigError
     from core.plan import compile as plan_compile
 
-    if stage not in STAGES:
-        raise ConfigError(f"--stage {stage!r}: use one of {', '.join(STAGES)}.")
+    if stage not in (*STAGES, plan_compile.EVAL):
+        raise ConfigError(f"--stage {stage!r}: use one of {', '.join(STAGES)}, {plan_compile.EVAL}.")
+    if search and stage == plan_compile.EVAL:
+        raise ConfigError("--search plans training steps: drop --search, or plan --stage eval on a mesh you give (ici_*=...).")
     if search:
         from dsv4cli import plan_search
 
@@ -86,6 +88,10 @@ def render(console, r: dict[str, Any]) -> None:
     for name, value, source in rows:
         table.add_row(name, _bytes(value), source)
     console.print(table)
+    if r.get("eval_programs"):  # --stage eval: two programs, one after the other
+        temps = ", ".join(f"{part} {_bytes(n)}" for part, n in r["eval_programs"].items())
+        console.print(f"eval-indexer runs two programs one after the other (temporaries: {temps}); the table is the "
+                      f"{r['eval_program']} one's, the larger")
     if r.get("refused"):
         console.print(f"[red]does not fit[/red]: the compiler refused the step: {r['refused']['message']}")
     elif r["fits"]:

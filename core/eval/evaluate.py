@@ -127,40 +127,74 @@ def eval_step(spec: StepSpec, program: str) -> Callable[..., Any]:
     return step
 
 
-def state_step(spec: StepSpec, program: str, graphdef) -> Callable[..., Any]:
-    """`eval_step(spec, program)` as a function of the model's state: (state, batch) -> its outputs,
-    with the model `nnx.merge(graphdef, state)`. Jitted so, the state is an input only (nnx.jit
-    would also return every variable, a second copy of the weights)."""
+def state_step(spec: StepSpec, part: str, graphdef) -> Callable[..., Any]:
+    """`eval_step(spec, part)` as a function of the model's state: (state, batch) -> its outputs;
+    `graphdef, state` split the 1-tuple (model,), as the train step's split (model, optimizer).
+    Jitted so, the state is an input only (nnx.jit would also return every variable, a second copy
+    of the weights). Named step_<part>: its compiled module is jit_step_<part>."""
     from flax import nnx
 
-    step = eval_step(spec, program)
-    return lambda state, batch: step(nnx.merge(graphdef, state), batch)
+    step = eval_step(spec, part)
+
+    def fn(state, batch):
+        (model,) = nnx.merge(graphdef, state)
+        return step(model, batch)
+
+    fn.__name__ = fn.__qualname__ = f"step_{part}"
+    return fn
 
 
 @functools.lru_cache(maxsize=16)
-def _jitted(spec: StepSpec, program: str, graphdef, mesh) -> Callable[..., Any]:
+def _jitted(spec: StepSpec, part: str, graphdef, mesh, cfg) -> Callable[..., Any]:
+    """The part jitted as `core.train.program.jit_step` jits a step (traced under the mesh, the
+    mesh's compiler options, nothing donated); plain `jax.jit` without a mesh."""
     import jax
 
-    from core.train.step import with_mesh
+    from core.train import program
 
-    fn = state_step(spec, program, graphdef)
-    return jax.jit(fn if mesh is None else with_mesh(mesh, fn))
+    fn = state_step(spec, part, graphdef)
+    return jax.jit(fn) if mesh is None else program.jit_step(fn, cfg, mesh)
 
 
-def make_eval_step(spec: StepSpec, mesh=None) -> Callable[..., Any]:
+def make_eval_step(spec: StepSpec, mesh=None, cfg=None) -> Callable[..., Any]:
     """The eval step jitted: (model, batch) -> (sums, nll sum dense, nll sum top-k, target weight),
-    its two programs run one after the other. With a `mesh` they are traced under the mesh's
-    abstract mesh, as the train step is (`core.train.step.with_mesh`), so the MoE takes the same
-    path as in training (expert parallelism on an `expert` axis). Cached per (spec, the model's
-    graphdef, mesh), so repeated evaluations of same-shaped models reuse the compiled programs."""
+    its two programs run one after the other. With a `mesh` (and the run's `cfg`) they are jitted
+    as a training command jits its step (`core.train.program.jit_step`): traced under the mesh, so
+    the MoE takes the same path as in training (expert parallelism on an `expert` axis), compiled
+    with the run's compiler options. Cached per (spec, the model's graphdef, mesh, cfg), so
+    repeated evaluations of same-shaped models reuse the compiled programs."""
     from flax import nnx
 
     def run(model, batch):
-        graphdef, state = nnx.split(model)
-        sums, nll_dense, weight = _jitted(spec, "dense", graphdef, mesh)(state, batch)
-        return sums, nll_dense, _jitted(spec, "topk", graphdef, mesh)(state, batch), weight
+        graphdef, state = nnx.split((model,))
+        sums, nll_dense, weight = _jitted(spec, "dense", graphdef, mesh, cfg)(state, batch)
+        return sums, nll_dense, _jitted(spec, "topk", graphdef, mesh, cfg)(state, batch), weight
 
     return run
+
+
+def lowered_eval(cfg, ks: Sequence[int], mesh=None) -> tuple[dict[str, Any], Any]:
+    """The eval step's programs lowered from `core.train.program.abstract_inputs` on `mesh` (default
+    the run's own), as `make_eval_step` jits them; nothing is allocated. `dsv4 plan --stage eval`
+    compiles these.
+
+    Returns:
+      ({part: jax.stages.Lowered} for PROGRAMS, program.StepInputs with the eval batch: the
+      training batch's arrays and "rows" [B], split over the batch axes).
+    """
+    import jax
+
+    from core.model.transformer import abstract
+    from core.parallel.sharding import batch_sharding
+    from core.train import program
+
+    inputs = program.abstract_inputs(cfg, (abstract(cfg),), mesh)
+    rows = next(iter(inputs.batch.values())).shape[0]
+    batch = {**inputs.batch, "rows": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=batch_sharding(inputs.mesh))}
+    spec = StepSpec.of(cfg, ks)
+    lowered = {part: program.jit_step(state_step(spec, part, inputs.graphdef), cfg, inputs.mesh).lower(inputs.state, batch)
+               for part in PROGRAMS}
+    return lowered, inputs._replace(batch=batch)
 
 
 def _place(batch: dict[str, Any], mesh) -> dict[str, Any]:
@@ -202,7 +236,7 @@ def evaluate_indexer(model, cfg, batches: Iterable[tuple[dict[str, Any], int, in
     """
     check_indexer(cfg)
     ks = tuple(ks or (cfg.indexer_topk,))
-    step = make_eval_step(StepSpec.of(cfg, ks, seed, progress=on_progress is not None), mesh)
+    step = make_eval_step(StepSpec.of(cfg, ks, seed, progress=on_progress is not None), mesh, None if mesh is None else cfg)
     layers = len(cfg.csa_layers)
     acc = MetricSums(cfg.csa_layers, ks)
     nll = np.zeros(3, np.float64)  # dense, top-k, weight

@@ -39,11 +39,15 @@ MARKER = "__PLAN__"
 # ----------------------------------------------------------------------------- parent side
 
 
+EVAL = "eval"  # --stage eval: the evaluation's step (core/eval/evaluate.py), on the warm-up preset's config
+
+
 def load(model: str, stage: str | None, overrides: Sequence[str], config_file: str | None = None):
-    """The Config of a plan, exactly as the training command of `stage` resolves it."""
+    """The Config of a plan, exactly as the training command of `stage` resolves it (for EVAL the
+    warm-up's: the evaluation's programs do not depend on the stage; its masks allow frozen_weights=released)."""
     from core.config.schema import load_config
 
-    return load_config(model, list(overrides), config_file=config_file, stage=stage)
+    return load_config(model, list(overrides), config_file=config_file, stage="warmup" if stage == EVAL else stage)
 
 
 class CompileTimeout(ConfigError):
@@ -149,11 +153,38 @@ def lower_plan(cfg, target: tg.Target):
     return lowered_step(cfg, device_mesh(cfg, tg.compile_devices(target)))
 
 
+def compile_eval_plan(cfg, target: tg.Target, *, top: int = 10, dump: str | None = None) -> dict[str, Any]:
+    """In the child: compile the evaluation's two programs (core.eval.evaluate.lowered_eval, at the
+    config's indexer_topk) for `target` and report the one with the larger total (they run one
+    after the other), with stage "eval" and each program's temporaries under "eval_programs"."""
+    from core.eval.evaluate import lowered_eval
+    from core.plan import report
+
+    lowered, (_, state, batch, mesh) = lowered_eval(cfg, (cfg.indexer_topk,), device_mesh(cfg, tg.compile_devices(target)))
+    state_info = report.state_bytes(cfg, state, batch)
+    reports = {}
+    for part, program in lowered.items():
+        try:
+            compiled = program.compile()
+        except Exception as e:  # noqa: BLE001  (only an out-of-memory refusal is a verdict)
+            refusal = report.refusal(str(e))
+            if refusal is None:
+                raise
+            return {**report.refused_report(cfg, target, mesh, state_info, refusal), "stage": EVAL, "eval_program": part}
+        reports[part] = report.compiled_report(cfg, target, mesh, state_info, compiled, top=top, analytic=False,
+                                               buffer_text=read_buffer_assignment(dump, f"jit_step_{part}"))
+    part = max(reports, key=lambda p: reports[p]["per_device"]["total_bytes"])
+    return {**reports[part], "stage": EVAL, "eval_program": part,
+            "eval_programs": {p: r["per_device"]["temp_bytes"] for p, r in reports.items()}}
+
+
 def compile_plan(cfg, target: tg.Target, *, top: int = 10, analytic: bool = True,
-                 dump: str | None = None) -> dict[str, Any]:
+                 dump: str | None = None, stage: str | None = None) -> dict[str, Any]:
     """In the child: compile the step for `target` and build the report (core/plan/report.py)."""
     from core.plan import report
 
+    if stage == EVAL:
+        return compile_eval_plan(cfg, target, top=top, dump=dump)
     lowered, (_, state, batch, mesh) = lower_plan(cfg, target)
     state_info = report.state_bytes(cfg, state, batch)
     try:
@@ -167,11 +198,11 @@ def compile_plan(cfg, target: tg.Target, *, top: int = 10, analytic: bool = True
                                   buffer_text=read_buffer_assignment(dump))
 
 
-def read_buffer_assignment(dump: str | None) -> str:
-    """The train step's buffer assignment text from an XLA dump directory ("" if none)."""
+def read_buffer_assignment(dump: str | None, module: str = "jit_step") -> str:
+    """The train step's (or `module`'s) buffer assignment text from an XLA dump directory ("" if none)."""
     if not dump:
         return ""
-    files = sorted(Path(dump).glob("*jit_step*after_optimizations-buffer-assignment.txt"))
+    files = sorted(Path(dump).glob(f"*{module}*after_optimizations-buffer-assignment.txt"))
     return files[-1].read_text() if files else ""
 
 
@@ -181,7 +212,7 @@ def _child(args: dict[str, Any]) -> dict[str, Any]:
     try:
         cfg = load(args["model"], args["stage"], args["overrides"], args["config_file"])
         return compile_plan(cfg, tg.parse_target(args["target"]), top=args["top"], analytic=args["analytic"],
-                            dump=args.get("dump"))
+                            dump=args.get("dump"), stage=args["stage"])
     except DsvError as e:
         return {"error": str(e)}
 

@@ -1,0 +1,68 @@
+"""`dsv4 plan --stage eval`: the evaluation's programs (core.eval.evaluate.lowered_eval, the ones
+`dsv4 eval-indexer` jits) compiled for a target with the training plan's report and JSON fields:
+on cpu:1 (its temporaries equal the same programs compiled in-process; no optimizer state), on the
+compile-only v5p-8 through libtpu, and its bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from tests.plan import invoke_plan
+from tests.plan.test_plan_accelerators import SMALL
+
+EVAL_SMALL = (*SMALL, "indexer_topk=4")
+
+
+@pytest.fixture(scope="module")
+def cpu1():
+    result = invoke_plan("--stage", "eval", "--target", "cpu:1", *EVAL_SMALL, "--top", "3", "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_cpu1_reports_the_eval_programs_with_the_plan_fields(cpu1):
+    from core.plan.compile import compile_plan, load
+    from core.plan.targets import parse_target
+
+    train = compile_plan(load("deepseek4-tiny", "warmup", EVAL_SMALL), parse_target("cpu:1"), top=0, analytic=False)
+    assert set(train) - {"flops_rule"} <= set(cpu1)  # the training plan's fields, and more
+    assert cpu1["stage"] == "eval" and set(cpu1["eval_programs"]) == {"dense", "topk"}
+    assert cpu1["eval_program"] == max(cpu1["eval_programs"], key=cpu1["eval_programs"].get)
+    d = cpu1["per_device"]
+    assert d["optimizer_bytes"] == 0 and d["temp_bytes"] == cpu1["eval_programs"][cpu1["eval_program"]] > 0
+    assert d["parameter_bytes"] == train["per_device"]["parameter_bytes"] and cpu1["fits"]
+    assert cpu1["top_temporaries"]
+
+
+def test_cpu1_temporaries_are_the_in_process_programs(cpu1):
+    from core.eval.evaluate import lowered_eval
+    from core.plan.compile import load
+
+    cfg = load("deepseek4-tiny", "eval", EVAL_SMALL)
+    lowered, _ = lowered_eval(cfg, (cfg.indexer_topk,))
+    temps = {part: program.compile().memory_analysis().temp_size_in_bytes for part, program in lowered.items()}
+    assert temps == cpu1["eval_programs"]
+
+
+def test_eval_search_and_unknown_stage_are_one_line_exit_2():
+    for args, needle in ((("--stage", "eval", "--search"), "--search plans training steps"),
+                         (("--stage", "evaluate"), "eval")):
+        result = invoke_plan(*args, "--target", "cpu:1", *EVAL_SMALL)
+        assert result.exit_code == 2 and needle in result.stderr, result.output
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install "dsv4[tpu]"')
+def test_v5p8_compiles_the_eval_programs_with_libtpu():
+    from core.plan.compile import plan
+    from core.plan.targets import GIB
+
+    result = plan("deepseek4-tiny", "eval", "v5p-8", EVAL_SMALL, top=3, analytic=False)
+    assert result["platform"] == "tpu" and result["devices"] == 4 and result["stage"] == "eval"
+    d = result["per_device"]
+    assert result["fits"] and d["usable_bytes"] == int(95.74 * GIB) and d["optimizer_bytes"] == 0
+    assert all(t > 0 for t in result["eval_programs"].values()) and d["code_bytes"] > 0
