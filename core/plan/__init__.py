@@ -1,4 +1,5 @@
-"""Planning (`dsv4 plan`, DESIGN.md "Planning"): the training step compiled ahead of time for a target.
+"""Planning (`dsv4 plan`, DESIGN.md "Planning"): the training step (or, `--stage eval`, the
+evaluation's programs) compiled ahead of time for a target.
 
 Modules: targets (TPU topologies by MaxText's names, NVIDIA GPUs from XLA's GpuTargetConfigProto
 specs in specs/, fake CPU devices; the extra each needs), compile (the child process that builds
@@ -7,6 +8,6 @@ loops counted: matmul FLOPs, bytes accessed, collectives per mesh axis), report 
 shapes and shardings, the compiler's memory, largest temporaries, FLOP figures, roofline, verdict),
 search (`--search`: meshes and batches enumerated, pruned on exact state bytes, compiled and ranked,
 cached per candidate).
-May import: core.train and everything below (core.bench for the component attribution); nothing
-imports it.
+May import: core.train and everything below (core.bench for the component attribution, core.eval
+for the evaluation's programs); nothing imports it.
 """

@@ -10,6 +10,7 @@ runs `python -m core.plan.compile` with `targets.child_env(target)`, so the plat
 device count are set before JAX starts and an extra's start-up messages stay in the child. The
 child prints one JSON line (marker `__PLAN__`): the report of core/plan/report.py, or an error.
 `run_child` is that parent side for any such child (core/plan/search.py's state pass is another).
+`--stage eval` compiles the evaluation's two programs instead (`compile_eval_plan`).
 XLA's buffer assignment, for the largest temporaries, is read from an XLA dump in a temporary
 directory of the child (a dump does not change the program).
 
