@@ -205,7 +205,7 @@ class Attention(nnx.Module):
           collect: also return the indexer's scores, selection and teacher inputs.
           observe: CSA layers with an indexer call it with the indexer's inputs, the teacher (both
             per run of rows), the packing and the streamed loss's query block (0: none); its
-            result is aux["observed"] (the streamed evaluation, core/eval/streamed.py).
+            result is aux["observed"] (the streamed evaluation, core/eval/metrics.py).
 
         Returns:
           (y_btm [B, T, M], aux). CSA layers with an indexer: aux["indexer_loss"] (f32 scalar,
