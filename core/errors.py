@@ -1,6 +1,6 @@
 """Typed user errors. The CLI maps every one of them to one red line and exit code `exit_code`:
 2 for bad input (the default; a config that does not fit the devices too), 3 for a diverged run,
-4 for a failed write.
+4 for a failed write, 5 for a multi-process run whose processes lost each other.
 
 Each message names what is wrong (key, value, path, parameter) and the fix, in one sentence.
 `device_memory_error` recognises XLA's out-of-memory error, which is no DsvError when it is raised.
@@ -72,3 +72,9 @@ def device_memory_error(exc: BaseException) -> DeviceMemoryError | None:
     if detail is None or not is_device_memory(detail):
         return None
     return DeviceMemoryError(f"out of device memory ({detail}): {DEVICE_MEMORY_FIX}.")
+
+
+class ClusterError(DsvError):
+    """The processes of a multi-process run lost each other: a peer stopped, hung or fell behind."""
+
+    exit_code = 5

@@ -36,7 +36,8 @@ SPARSE_HELP = (
     "--init-from starts from a run's weights and router biases (e.g. the warm-up's) with a fresh optimizer."
 )
 EXIT_CODES = (" Exit codes: 0 done, 2 bad input or run directory in use, 3 diverged (non-finite loss; the step was not "
-              "applied, the last good checkpoint kept), 4 a write failed (disk full, permissions), 130 interrupted.")
+              "applied, the last good checkpoint kept), 4 a write failed (disk full, permissions), 5 a multi-process run "
+              "lost a process (docs/scaling.md#when-a-process-is-lost), 130 interrupted.")
 WARMUP_HELP += EXIT_CODES
 SPARSE_HELP += EXIT_CODES
 SPARSE_EPILOG = "Example: dsv4 sparse --steps 100 --init-from runs/warmup"

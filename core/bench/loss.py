@@ -141,7 +141,7 @@ def step_flops(shape: LossShape, seq: int, variant: str = "direct") -> float:
 
 def memory_budget() -> int:
     """Bytes a run may use: the accelerator's memory limit, else the host's available RAM."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
     try:

@@ -21,7 +21,7 @@ import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from core.errors import ConfigError
+from core.errors import ClusterError, ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -118,6 +118,52 @@ def describe_mesh(mesh: Mesh) -> str:
     return f"{axes} ({mesh.size} {platform} device{'s' * (mesh.size > 1)}, {procs} process{'es' * (procs > 1)})"
 
 
+# ----------------------------------------------------------------------------- the CPU runtime
+
+# XLA:CPU runs a device's collectives on a shared intra-op thread pool (PJRT_NPROC threads; XLA's
+# default: max(cores, devices)). Its thunk executor orders collectives by scheduling edges only: a
+# loop (`lax.scan`) or conditional whose body holds collectives may still be running when the next
+# collective starts, so one device can block in a later collective while a peer waits for it in the
+# loop's. Each blocked collective holds a pool thread; with as many threads as devices the pool
+# runs dry and the step never completes (docs/scaling.md#collective-order-on-the-cpu). A few
+# threads per device keep a thread free for the lagging device; idle threads cost nothing.
+CPU_THREADS_PER_DEVICE = 4
+# Seconds a device waits in a collective rendezvous before XLA aborts the process (XLA's default:
+# 40 s, shorter than a loaded machine's lag) and before it logs that it may be stuck.
+CPU_COLLECTIVE_TERMINATE_S = 900
+CPU_COLLECTIVE_WARN_S = 120
+
+
+def _flag_value(flags: str, name: str) -> str | None:
+    for token in flags.split():
+        if token.startswith(f"--{name}="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def prepare_cpu_runtime(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Set the XLA:CPU runtime's thread pool and collective time-outs before JAX starts (module
+    constants above); values the user set win. A no-op for other platforms (the variables are read by
+    the CPU client only). Returns what was set.
+
+    Args:
+      env: the environment to update (default `os.environ`).
+    """
+    env = os.environ if env is None else env
+    flags = env.get("XLA_FLAGS", "")
+    devices = int(_flag_value(flags, "xla_force_host_platform_device_count") or 1)
+    added = {}
+    if "PJRT_NPROC" not in env and "NPROC" not in env:
+        added["PJRT_NPROC"] = str(max(os.cpu_count() or 1, CPU_THREADS_PER_DEVICE * devices))
+    extra = [f"--{name}={value}" for name, value in (
+        ("xla_cpu_collective_call_terminate_timeout_seconds", CPU_COLLECTIVE_TERMINATE_S),
+        ("xla_cpu_collective_call_warn_stuck_timeout_seconds", CPU_COLLECTIVE_WARN_S)) if f"--{name}=" not in flags]
+    if extra:
+        added["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
+    env.update(added)
+    return added
+
+
 # ----------------------------------------------------------------------------- multi-host
 
 
@@ -133,6 +179,45 @@ def cluster_environment() -> str | None:
     if env.get(DISTRIBUTED_ENV, "").lower() in ("1", "true", "yes", "auto"):
         return DISTRIBUTED_ENV
     return None
+
+
+# The coordination service declares a process lost after this many seconds without a heartbeat, and
+# the others then stop (docs/scaling.md#when-a-process-is-lost).
+HEARTBEAT_TIMEOUT_S = 100
+SHUTDOWN_TIMEOUT_S = 300
+# How long the processes wait for each other at a named barrier (`wait_for_peers`): one process can
+# compile or restore far slower than another on a loaded host.
+BARRIER_TIMEOUT_S = 3600
+_BARRIERS: dict[str, int] = {}
+
+
+def wait_for_peers(name: str, timeout_s: int = BARRIER_TIMEOUT_S) -> None:
+    """Block until every process of a multi-process run reaches the barrier `name` (the coordination
+    service's barrier, not a device collective: no gloo or NCCL time-out applies); a no-op for one
+    process. Call it where processes may drift apart (after compiling the step) so that their first
+    collectives start together.
+
+    Raises:
+      ClusterError: a peer did not arrive within `timeout_s` (lost, or stuck).
+    """
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the client jax.distributed.initialize made (no public handle)
+
+    _BARRIERS[name] = _BARRIERS.get(name, 0) + 1  # a barrier id serves once: every process counts alike
+    try:
+        distributed.global_state.client.wait_at_barrier(f"{name}-{_BARRIERS[name]}", timeout_in_ms=timeout_s * 1000)
+    except Exception as e:  # noqa: BLE001  (the client raises XlaRuntimeError / JaxRuntimeError)
+        raise ClusterError(f"process {jax.process_index()} waited {timeout_s} s at {name!r} for the other "
+                           f"{jax.process_count() - 1} process(es) and gave up ({first_line(e)}): check that "
+                           "every process runs and can reach the coordinator, then rerun the same command on all of "
+                           "them.") from None
+
+
+def first_line(error: BaseException) -> str:
+    """The first non-empty line of an error's message, without XLA's status prefix noise."""
+    text = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -151,6 +236,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     """
     if jax.distributed.is_initialized():
         return True
+    prepare_cpu_runtime()
     env = os.environ
     num_processes = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES")
     process_id = process_id if process_id is not None else _env_int("JAX_PROCESS_ID")
@@ -169,7 +255,8 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         raise ConfigError(f"--process-id {process_id} is outside 0..{num_processes - 1}: number the processes 0 to --num-processes - 1.")
     try:
         jax.distributed.initialize(coordinator_address, num_processes, process_id,
-                                   initialization_timeout=timeout_s)
+                                   initialization_timeout=timeout_s, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+                                   shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
     except RuntimeError as e:
         if "before any JAX" in str(e) or "must be called before" in str(e):
             raise ConfigError("jax.distributed.initialize ran after JAX had started: initialise the distributed "

@@ -135,7 +135,7 @@ def check_state_fits(cfg, stage: str, model) -> None:
     for path, leaf in nnx.to_flat_state(abstract_state(nnx.state(model), mesh)):
         shard = state_bytes_per_device(leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf)
         need += shard * (3 if isinstance(leaf, nnx.Param) and trainable(path) else 1)
-    usable, source = device_memory_bytes(jax.devices()[0])
+    usable, source = device_memory_bytes(jax.local_devices()[0])  # another process's device has no stats
     if usable is None or need <= usable:
         return
     gib = 2 ** 30

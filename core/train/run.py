@@ -35,10 +35,10 @@ from core.train import resume_checks, step_guard
 from core.train.run_lock import RunLock, releases_lock_on_error
 from core.train.write_errors import WriteGuard, quiet_write_errors, tree_bytes
 from core.data.batches import train_batches
-from core.errors import CheckpointError
+from core.errors import CheckpointError, ClusterError
 from core.model import transformer
 from core.train.precompile import StepPrecompile, ahead_or_jitted_step, check_state_fits
-from core.parallel.mesh import describe_mesh
+from core.parallel.mesh import describe_mesh, first_line, wait_for_peers
 from core.parallel.sharding import shard_batch
 from core.train.handoff import is_indexer, source_lacks_indexer, topk_warning
 from core.train.tensorboard import EventWriter
@@ -181,6 +181,8 @@ class Trainer:
                          else ahead_or_jitted_step(cfg, self.graphdef, self.state, setup.mesh))
         self.last_saved = self.resumed_from
         self.info = self._describe(init_from, fresh_indexer, notices)
+        # processes compile and restore at their own pace: start step 0's collectives together
+        wait_for_peers("dsv4-step-compiled")
 
     def _abstract_model(self):
         """The config's model from `nnx.eval_shape` (shapes only), traced once per Trainer."""
@@ -233,7 +235,8 @@ class Trainer:
     def _mesh_line(self) -> str:
         """The header's devices line: the mesh and, on accelerators, the compiled step's memory need."""
         mesh = describe_mesh(self.setup.mesh)
-        note = step_memory_note(getattr(self._step_fn, "compiled", None), self.setup.mesh.devices.flat[0])
+        local = next(d for d in self.setup.mesh.devices.flat if d.process_index == jax.process_index())
+        note = step_memory_note(getattr(self._step_fn, "compiled", None), local)
         return mesh if note is None else f"{mesh}  ·  {note}"
 
     def _check_stage(self, step: int) -> None:
@@ -266,6 +269,20 @@ class Trainer:
                            optimizer=nnx.to_pure_dict(nnx.state(optimizer)), data=self.data.state(), metadata=metadata)
         self.last_saved = step
 
+    def _fetch(self, step: int, metrics) -> dict[str, float]:
+        """The step's metrics on the host; a failed collective of a multi-process run (a peer stopped
+        or timed out) becomes one ClusterError naming the step and the last complete checkpoint."""
+        try:
+            return {k: float(v) for k, v in jax.device_get(metrics).items()}
+        except jax.errors.JaxRuntimeError as e:
+            if jax.process_count() == 1:
+                raise
+            kept = (f"checkpoint step {self.last_saved} is the last complete one" if self.last_saved is not None
+                    else "no checkpoint was written yet")
+            raise ClusterError(f"step {step} failed on process {jax.process_index()} of {jax.process_count()}: a "
+                               f"collective with the other processes failed ({first_line(e)}); {kept}: check that "
+                               "every process is alive, then rerun the same command on all of them.") from None
+
     def run(self) -> Iterator[dict[str, Any]]:
         cfg, tokens = self.cfg, self.info["tokens_per_step"]
         row: dict[str, Any] = {}
@@ -277,7 +294,7 @@ class Trainer:
                     start = time.perf_counter()
                     batch = shard_batch(next(self.data), self.setup.mesh)
                     self.state, metrics = self._step_fn(self.state, batch)
-                    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    metrics = self._fetch(step, metrics)
                     step_guard.check_finite(step, metrics, cfg, self.last_saved)
                     elapsed = time.perf_counter() - start
                     row = {"step": step, **{k: metrics[k] for k in METRIC_KEYS}, "step_time_s": elapsed,
