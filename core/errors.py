@@ -1,6 +1,7 @@
 """Typed user errors. The CLI maps every one of them to one red line and exit code `exit_code`:
 2 for bad input (the default; a config that does not fit the devices too), 3 for a diverged run,
-4 for a failed write, 5 for a multi-process run whose processes lost each other.
+4 for a failed write, 5 for a multi-process run whose processes lost each other, 143 for a run stopped
+by SIGTERM (preemption) after saving.
 
 Each message names what is wrong (key, value, path, parameter) and the fix, in one sentence.
 `device_memory_error` recognises XLA's out-of-memory error, which is no DsvError when it is raised.
@@ -78,3 +79,9 @@ class ClusterError(DsvError):
     """The processes of a multi-process run lost each other: a peer stopped, hung or fell behind."""
 
     exit_code = 5
+
+
+class PreemptedError(DsvError):
+    """SIGTERM (or JAX's preemption notice) stopped the run after a step whose checkpoint was saved."""
+
+    exit_code = 143

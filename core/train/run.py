@@ -1,4 +1,4 @@
-"""Training runs: the run directory, resume, init-from, metrics, TensorBoard, Ctrl-C.
+"""Training runs: the run directory, resume, init-from, metrics, TensorBoard, Ctrl-C and SIGTERM.
 
 A `Trainer` drives the jitted step of core/train/step.py (losses, optimizer, trainable mask,
 router biases; its docstring holds that maths) over one run directory (DESIGN.md, "Run layout"):
@@ -10,16 +10,15 @@ applied and stops the run (abort_on_nan_loss / abort_on_inf_loss; core/train/ste
 process at a time holds a run directory (core/train/run_lock.py); a resume that changes the
 optimizer's structure or the schedule says so (core/train/resume_checks.py); write failures become
 one RunWriteError (core/train/write_errors.py).
+Ctrl-C, SIGTERM (JAX's preemption notice) and write errors stop every process after the same step
+(core/train/stop.py).
 
 The step itself (`make_train_step`, `build`, `Setup`, ...) is core/train/step.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -35,38 +34,18 @@ from core.train import resume_checks, step_guard
 from core.train.run_lock import RunLock, releases_lock_on_error
 from core.train.write_errors import WriteGuard, quiet_write_errors, tree_bytes
 from core.data.batches import train_batches
-from core.errors import CheckpointError, ClusterError
+from core.errors import CheckpointError, ClusterError, PreemptedError, RunWriteError
 from core.model import transformer
 from core.train.precompile import StepPrecompile, ahead_or_jitted_step, check_state_fits
 from core.parallel.mesh import describe_mesh, first_line, wait_for_peers
 from core.parallel.sharding import shard_batch
+from core.train.stop import StopRequest
 from core.train.handoff import is_indexer, source_lacks_indexer, topk_warning
 from core.train.tensorboard import EventWriter
 from core.train.step import METRIC_KEYS, abstract_pure, build, check_masks, has_config, load_init_weights
 
 
 # ----------------------------------------------------------------------------- the run
-
-
-@contextlib.contextmanager
-def _deferred_sigint() -> Iterator[threading.Event]:
-    """Ctrl-C sets the returned event instead of raising; a second Ctrl-C raises at once."""
-    flag = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield flag
-        return
-    previous = signal.getsignal(signal.SIGINT)
-
-    def handler(signum, frame):
-        flag.set()
-        signal.signal(signal.SIGINT, previous)
-
-    signal.signal(signal.SIGINT, handler)
-    try:
-        yield flag
-    finally:
-        if signal.getsignal(signal.SIGINT) is handler:
-            signal.signal(signal.SIGINT, previous)
 
 
 def dsv4_version() -> str:
@@ -286,11 +265,10 @@ class Trainer:
     def run(self) -> Iterator[dict[str, Any]]:
         cfg, tokens = self.cfg, self.info["tokens_per_step"]
         row: dict[str, Any] = {}
+        stop = StopRequest(cfg.steps - 1)
         try:
-            with _deferred_sigint() as interrupted, quiet_write_errors():
+            with stop.signals(), quiet_write_errors():
                 for step in range(self.start_step, cfg.steps):
-                    if interrupted.is_set():
-                        break
                     start = time.perf_counter()
                     batch = shard_batch(next(self.data), self.setup.mesh)
                     self.state, metrics = self._step_fn(self.state, batch)
@@ -299,19 +277,13 @@ class Trainer:
                     elapsed = time.perf_counter() - start
                     row = {"step": step, **{k: metrics[k] for k in METRIC_KEYS}, "step_time_s": elapsed,
                            "tokens_per_s": tokens / elapsed, "compile": step == self.start_step}
-                    if jax.process_index() == 0:
-                        with self.guard.writing("metrics", self.run_dir / run_files.METRICS_FILE):
-                            run_files.append_metrics(self.run_dir, row)
-                        if self.events is not None:
-                            with self.guard.writing("TensorBoard events", self.events.dir):
-                                self.events.write(row)
+                    self._log(row, stop)
                     if step == cfg.steps - 1 or (step + 1) % cfg.checkpoint_period == 0:
                         self._save(step, row)
                     yield row
-                if interrupted.is_set():
-                    if row and self.last_saved != row["step"]:
-                        self._save(row["step"], row)
-                    raise KeyboardInterrupt
+                    decision = stop.agreed(step)
+                    if decision is not None:
+                        self._stop(step, row, *decision)
         finally:
             try:
                 if self.events is not None:
@@ -320,6 +292,35 @@ class Trainer:
                     self.ckpt.close()  # a failed background save surfaces here, as one RunWriteError
             finally:
                 self.lock.release()
+
+    def _log(self, row: dict[str, Any], stop: StopRequest) -> None:
+        """Process 0 appends the row to metrics.jsonl and TensorBoard; a failed write stops this process
+        alone at once, or every process of a multi-process run after the agreed step (`StopRequest`)."""
+        if jax.process_index() != 0 or stop.reason == "write":
+            return
+        try:
+            with self.guard.writing("metrics", self.run_dir / run_files.METRICS_FILE):
+                run_files.append_metrics(self.run_dir, row)
+            if self.events is not None:
+                with self.guard.writing("TensorBoard events", self.events.dir):
+                    self.events.write(row)
+        except RunWriteError as e:
+            if jax.process_count() == 1:
+                raise
+            stop.request("write", str(e))
+
+    def _stop(self, step: int, row: dict[str, Any], reason: str, message: str) -> None:
+        """Every process stops after `step` (core/train/stop.py): Ctrl-C and SIGTERM save this step's
+        checkpoint first (on every process); a write error keeps the last complete one."""
+        if reason == "write":
+            raise RunWriteError(message or f"a write failed on another process after step {step}: see its error line")
+        if self.last_saved != step:
+            self._save(step, row)
+        if reason == "interrupted":
+            raise KeyboardInterrupt
+        raise PreemptedError(f"stopped by SIGTERM after step {step}; checkpoint step {step} is saved"
+                             f"{' on every process' if jax.process_count() > 1 else ''}: rerun the same command to "
+                             "resume from it.")
 
     def summary(self) -> dict[str, Any]:
         """First and last rows of the run's metrics and the latest checkpoint directory."""

@@ -69,3 +69,47 @@ def test_the_state_check_asks_only_this_process_devices_for_memory(monkeypatch):
     monkeypatch.setattr(jax, "local_device_count", lambda *a: 1)
     with pytest.raises(ConfigError, match="a device has 0.0 GiB"):
         precompile.check_state_fits(cfg, "sparse", model)
+
+
+# ----------------------------------------------------------------------------- SIGTERM (one process)
+
+SMALL = ("compress_ratios=[0,4]", "base_num_decoder_layers=2", "first_num_hash_layers=1", "vocab_size=512",
+         "max_target_length=64", "per_device_batch_size=1", "checkpoint_period=2", "learning_rate_schedule_steps=6")
+KEYS = ("total_loss", "indexer_loss", "moe_lb_loss", "grad_norm", "learning_rate")
+
+
+def _warmup(run, steps):
+    from typer.testing import CliRunner
+
+    from dsv4cli.main import app
+
+    return CliRunner().invoke(app, ["warmup", "--steps", str(steps), "--output", str(run), *SMALL])
+
+
+def test_sigterm_saves_the_current_step_and_the_rerun_is_bitwise(tmp_path, monkeypatch):
+    import signal
+
+    from core.checkpoint import run_files
+
+    straight = _warmup(tmp_path / "straight", 6)
+    assert straight.exit_code == 0, straight.output
+    append = run_files.append_metrics
+
+    def append_then_sigterm(run_dir, row):  # the scheduler's SIGTERM arrives while step 2 runs
+        append(run_dir, row)
+        if row["step"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(run_files, "append_metrics", append_then_sigterm)
+    run = tmp_path / "preempted"
+    stopped = _warmup(run, 6)
+    lines = [line for line in stopped.stderr.splitlines() if line.strip()]
+    assert stopped.exit_code == 143 and len(lines) == 1 and "Traceback" not in stopped.output, stopped.output
+    assert "SIGTERM after step 2" in lines[0] and "checkpoint step 2 is saved" in lines[0], lines[0]
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [1, 2]
+    monkeypatch.setattr(run_files, "append_metrics", append)
+    resumed = _warmup(run, 6)
+    assert resumed.exit_code == 0 and "resuming from checkpoint step 2" in resumed.output, resumed.output
+    want, got = run_files.read_metrics(tmp_path / "straight"), run_files.read_metrics(run)
+    assert [r["step"] for r in got] == list(range(6))
+    assert [[r[k] for k in KEYS] for r in got] == [[r[k] for k in KEYS] for r in want]
