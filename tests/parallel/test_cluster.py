@@ -113,3 +113,14 @@ def test_sigterm_saves_the_current_step_and_the_rerun_is_bitwise(tmp_path, monke
     want, got = run_files.read_metrics(tmp_path / "straight"), run_files.read_metrics(run)
     assert [r["step"] for r in got] == list(range(6))
     assert [[r[k] for k in KEYS] for r in got] == [[r[k] for k in KEYS] for r in want]
+
+
+def test_the_most_severe_stop_reason_wins():
+    from core.train.stop import StopRequest
+
+    stop = StopRequest(last_step=9)
+    assert stop.agreed(0) is None
+    stop.request("interrupted")
+    stop.request("write", "cannot write metrics")
+    stop.request("preempted")  # milder than a write error: kept out
+    assert stop.agreed(1) == ("write", "cannot write metrics")

@@ -346,6 +346,11 @@ def test_two_processes_match_one(runs):
         _assert_same(res["losses"], runs["one"]["warmup"], f"process {pid}")
         _assert_same(res["sparse_losses"], runs["one"]["sparse"], f"process {pid} sparse")
     assert runs["multi_metrics_lines"] == STEPS, "only process 0 writes metrics"
+    from core.train.stop import STOP_CHECK_EVERY
+
+    for res in runs["multi"]:  # Ctrl-C on process 1 only: both stop after the first agreed step, saved
+        assert res["stopped"] == {"steps": list(range(STOP_CHECK_EVERY)), "interrupted": True,
+                                  "last_saved": STOP_CHECK_EVERY - 1}, res["stopped"]
     # The checkpoint both processes wrote (each its own shards) resumes on one device.
     _assert_same(runs["resumed"]["from_2_processes"], runs["resumed"]["warmup"], "2 processes -> 1 resume")
 
@@ -424,6 +429,25 @@ def _worker_meshes(root: str) -> dict:
     return out
 
 
+def _ctrl_c_on_process_1(pid: int, run_dir: Path) -> dict:
+    """An 8-step warm-up where process 1 alone gets Ctrl-C during step 0: both stop after the same step
+    (the first agreement, core/train/stop.py), save it, and raise KeyboardInterrupt."""
+    import signal
+
+    from core.train.run import Trainer
+
+    trainer = Trainer(_cfg("multi", "warmup", (MULTI[0] + ["steps=8"], 1)), stage="warmup", run_dir=run_dir)
+    steps, interrupted = [], False
+    try:
+        for row in trainer.run():
+            steps.append(row["step"])
+            if pid == 1 and row["step"] == 0:
+                os.kill(os.getpid(), signal.SIGINT)
+    except KeyboardInterrupt:
+        interrupted = True
+    return {"steps": steps, "interrupted": interrupted, "last_saved": trainer.last_saved}
+
+
 def _worker_multiprocess(pid: str, port: str, root: str) -> dict:
     from core.parallel import mesh as mesh_lib
     from core.parallel import sharding
@@ -437,6 +461,7 @@ def _worker_multiprocess(pid: str, port: str, root: str) -> dict:
     (run_dir / f"{READY}{pid}").touch()
     # the sparse stage with a tensor axis: its step holds collectives inside loops (issue 38)
     _, sparse_losses = _train("multi", "sparse", Path(root) / "multi_sparse", mesh=MULTI)
+    stopped = _ctrl_c_on_process_1(int(pid), Path(root) / "multi_stop")
     mesh = trainer.setup.mesh
     rows = sharding.local_batch_slice(mesh, 8)
     tokens = np.arange(8 * 4, dtype=np.int32).reshape(8, 4)
@@ -444,7 +469,7 @@ def _worker_multiprocess(pid: str, port: str, root: str) -> dict:
     b = sharding.shard_batch({"t": tokens[rows]}, mesh, process_local=True)["t"]
     equal = all(np.array_equal(x.data, y.data) and x.index == y.index
                 for x, y in zip(a.addressable_shards, b.addressable_shards))
-    return {"losses": losses, "sparse_losses": sparse_losses, "processes": jax.process_count(), "devices": jax.device_count(),
+    return {"losses": losses, "sparse_losses": sparse_losses, "stopped": stopped, "processes": jax.process_count(), "devices": jax.device_count(),
             "local_devices": jax.local_device_count(), "main": mesh_lib.is_main_process(),
             "describe": mesh_lib.describe_mesh(mesh), "rows": [rows.start, rows.stop],
             "process_local_equal": equal}
