@@ -34,7 +34,7 @@ from core.train import resume_checks, step_guard
 from core.train.run_lock import RunLock, releases_lock_on_error
 from core.train.write_errors import WriteGuard, quiet_write_errors, tree_bytes
 from core.data.batches import train_batches
-from core.errors import CheckpointError, ClusterError, PreemptedError, RunWriteError
+from core.errors import CheckpointError, ClusterError, PreemptedError, RunWriteError, device_memory_error
 from core.model import transformer
 from core.train.precompile import StepPrecompile, ahead_or_jitted_step, check_state_fits
 from core.parallel.mesh import describe_mesh, first_line, wait_for_peers
@@ -254,7 +254,7 @@ class Trainer:
         try:
             return {k: float(v) for k, v in jax.device_get(metrics).items()}
         except jax.errors.JaxRuntimeError as e:
-            if jax.process_count() == 1:
+            if jax.process_count() == 1 or device_memory_error(e) is not None:
                 raise
             kept = (f"checkpoint step {self.last_saved} is the last complete one" if self.last_saved is not None
                     else "no checkpoint was written yet")
