@@ -50,7 +50,9 @@ class Config:
     compress_ratios: tuple[int, ...]
     sliding_window_size: int          # tokens
     dtype: str
-    weight_dtype: str
+    weight_dtype: str                 # trained parameters (the master copy AdamW updates)
+    frozen_weight_dtype: str          # frozen parameters
+    allow_bf16_updates: bool          # let a training command update bfloat16 parameters in place
     frozen_weights: str               # param_dtype | released (frozen linear weights as FP8/FP4 codes + scales)
     scan_layers: bool
     remat_policy: str                 # none | minimal | full (what a layer saves for the backward)
@@ -115,6 +117,8 @@ class Config:
     adam_b1: float
     adam_b2: float
     adam_eps: float
+    mu_dtype: str                     # AdamW first moment
+    nu_dtype: str                     # AdamW second moment
     adam_weight_decay: float
     gradient_clipping_threshold: float
     trainable_parameters_mask: tuple[str, ...]

@@ -41,6 +41,9 @@ _NON_NEGATIVE = {
 _CHOICES = {
     "dtype": ("float32", "bfloat16"),
     "weight_dtype": ("float32", "bfloat16"),
+    "frozen_weight_dtype": ("float32", "bfloat16"),
+    "mu_dtype": ("float32", "bfloat16"),
+    "nu_dtype": ("float32", "bfloat16"),
     "remat_policy": ("none", "minimal", "full"),
     "moe_impl": ("tiled", "dense", "ragged"),
     "rope_type": ("default", "yarn"),
@@ -74,6 +77,7 @@ def validate(cfg, stage: str | None = None):
     _check_shapes(cfg)
     _check_indexer(cfg)
     _check_masks(cfg)
+    _check_precision(cfg, stage)
     _check_stage(cfg, stage)
     return cfg
 
@@ -157,6 +161,23 @@ def _check_masks(cfg) -> None:
                 re.compile(pattern)
             except re.error as e:
                 raise ConfigError(f"{key} entry {pattern!r} is not a valid regex ({e}): fix or quote it.") from None
+
+
+# the largest adam_b2 at which a bfloat16 second moment follows float32's (bfloat16 rounds each
+# step's (1 - b2) share: docs/precision.md#moments)
+BF16_NU_MAX_B2 = 0.95
+
+
+def _check_precision(cfg, stage: str | None) -> None:
+    """A training command keeps float32 master weights unless told otherwise (docs/precision.md), and a
+    bfloat16 second moment has a b2 whose share of a step survives bfloat16's rounding."""
+    _check(stage is None or cfg.weight_dtype != "bfloat16" or cfg.allow_bf16_updates,
+           f"weight_dtype=bfloat16 makes dsv4 {stage} update bfloat16 parameters in place, where most AdamW steps "
+           "round away: set weight_dtype=float32 (the master copy; dtype=bfloat16 still computes in bfloat16), "
+           "or allow_bf16_updates=true to train that way anyway.")
+    _check(cfg.nu_dtype != "bfloat16" or cfg.adam_b2 <= BF16_NU_MAX_B2,
+           f"nu_dtype=bfloat16 with adam_b2={cfg.adam_b2}: bfloat16 rounds away too much of each step's (1 - b2) share "
+           f"and the second moment falls behind the gradients; use nu_dtype=float32 or adam_b2 <= {BF16_NU_MAX_B2}.")
 
 
 def _check_stage(cfg, stage: str | None) -> None:
