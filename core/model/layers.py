@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from core import tree
 from core.model.init_draws import FanInTruncatedNormal
 
 Initializer = Callable[..., jax.Array]
@@ -58,6 +59,27 @@ def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequenc
         raise ValueError(f"param of shape {shape} needs one axis name per dimension, got {axes}")
     value = init(rngs.params(), shape, dtype)
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def hold_frozen(model: nnx.Module, trainable: Callable[[str], bool], dtype) -> list[str]:
+    """Cast every frozen nnx.Param of `model` to `dtype` (config `frozen_weight_dtype`), in place.
+
+    Nothing updates a frozen parameter, so it needs no float32 master copy (docs/precision.md).
+
+    Args:
+      model: the decoder (concrete, or inside `nnx.eval_shape` / a jit).
+      trainable: '/'-joined parameter path -> trained? (the config's masks).
+      dtype: the storage dtype of the frozen parameters.
+    Returns:
+      the cast parameter paths.
+    """
+    cast = []
+    for path, node in nnx.iter_graph(model):
+        full = tree.join(path)
+        if isinstance(node, nnx.Param) and node.dtype != dtype and not trainable(full):
+            node.set_value(node.get_value().astype(dtype))
+            cast.append(full)
+    return cast
 
 
 def upcast(x: jax.Array) -> jax.Array:

@@ -65,7 +65,7 @@ from flax import nnx
 
 from core.config.stages import stage_of
 from core.model.attention import Attention, AttentionSpec
-from core.model.layers import RMSNorm, dense_init, param
+from core.model.layers import RMSNorm, dense_init, hold_frozen, param
 from core.loss.lm import head_logits
 from core.model.mhc import HeadCollapse, HyperConnection, expand
 from core.model.moe import MoE, MoESpec, hash_table, update_router_bias
@@ -258,8 +258,10 @@ class Transformer(nnx.Module):
                                     rngs=rngs, param_dtype=pdt)
         self.norm = RMSNorm(cfg.emb, cfg.normalization_layer_epsilon, rngs=rngs, param_dtype=pdt)
         self.head = param(rngs, dense_init(), (cfg.emb, cfg.vocab_size), ("embed", "vocab"), pdt)
+        trainable = mask_matcher(cfg.trainable_parameters_mask, cfg.frozen_parameters_mask)
         if quant.holds_released(cfg.frozen_weights):  # frozen linear weights as the release stores them
-            quant.hold_released(self, mask_matcher(cfg.trainable_parameters_mask, cfg.frozen_parameters_mask))
+            quant.hold_released(self, trainable)
+        hold_frozen(self, trainable, jnp.dtype(cfg.frozen_weight_dtype))  # no master copy where nothing trains
 
     def _flags(self, mode: str):
         """(dense, indexer loss, head run) of `mode`, from the stage table in training."""
@@ -292,7 +294,7 @@ class Transformer(nnx.Module):
 
     def logits(self, h_btm):
         """The head: final hidden states [B, T, M] -> float32 logits [B, T, V]."""
-        return head_logits(h_btm, self.head[...])
+        return head_logits(h_btm, self.head[...].astype(self.dtype))
 
     def hidden(self, tokens, positions, segment_ids, *, mode: str = "train", collect: bool = False,
                observe=None):
@@ -306,7 +308,7 @@ class Transformer(nnx.Module):
         dense, loss, run_head = self._flags(mode)
         flags = dict(dense=dense, indexer_loss=loss, collect=collect, observe=observe)
         args = (tokens, positions, segment_ids)
-        x = expand(self.embed[...][tokens].astype(self.dtype), self.n)
+        x = expand(self.embed[...].astype(self.dtype)[tokens], self.n)  # cast first: FSDP gathers in dtype
 
         policy = REMAT_POLICIES[self.remat_policy]
         auxes = []  # per segment: [aux per unit position], arrays [repeats, ...] when scanned

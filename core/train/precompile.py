@@ -119,10 +119,11 @@ def device_memory_bytes(device) -> tuple[int | None, str]:
 
 def check_state_fits(cfg, stage: str, model) -> None:
     """ConfigError, before anything is built or compiled, when the parameters and AdamW's two
-    moments of the trainable ones (shapes and the run's shardings of the abstract `model`) exceed
+    moments of the trainable ones (in mu_dtype / nu_dtype) (shapes and the run's shardings of the abstract `model`) exceed
     one device's memory under the config's mesh. A lower bound of the step's needs: `dsv4 plan`
     adds the compiler's temporaries."""
     import jax
+    import jax.numpy as jnp
     from flax import nnx
 
     from core.errors import ConfigError
@@ -131,10 +132,14 @@ def check_state_fits(cfg, stage: str, model) -> None:
 
     mesh = make_mesh(cfg)
     trainable = ts.config_matcher(cfg)
+    moments = jnp.dtype(cfg.mu_dtype)
     need = 0
     for path, leaf in nnx.to_flat_state(abstract_state(nnx.state(model), mesh)):
-        shard = state_bytes_per_device(leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf)
-        need += shard * (3 if isinstance(leaf, nnx.Param) and trainable(path) else 1)
+        value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+        shard = state_bytes_per_device(value)
+        need += shard
+        if isinstance(leaf, nnx.Param) and trainable(path):  # + AdamW's moments, in their own dtypes
+            need += shard // value.dtype.itemsize * (moments.itemsize + jnp.dtype(cfg.nu_dtype).itemsize)
     usable, source = device_memory_bytes(jax.local_devices()[0])  # another process's device has no stats
     if usable is None or need <= usable:
         return
@@ -142,5 +147,5 @@ def check_state_fits(cfg, stage: str, model) -> None:
     raise ConfigError(
         f"{cfg.model_name}: its parameters and optimizer state alone need {need / gib:.1f} GiB per device on mesh "
         f"{describe_mesh(mesh)}, and a device has {usable / gib:.1f} GiB ({source}): shard further "
-        f"(e.g. ici_fsdp_parallelism=-1, weight_dtype=bfloat16) and check first with "
+        f"(e.g. ici_fsdp_parallelism=-1, mu_dtype=bfloat16 nu_dtype=bfloat16) and check first with "
         f"`dsv4 plan --model {cfg.model_name} --stage {stage} --target <target>`.")

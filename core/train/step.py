@@ -42,7 +42,7 @@ from flax import nnx
 from core.checkpoint import store as ckpt
 from core import tree
 from core.config.stages import stage_of
-from core.train import program, step_guard
+from core.train import optimizer, program, step_guard
 from core.errors import ConfigError
 from core.model.init_draws import bucketed_draws
 from core.loss.lm import lm_loss_from_hidden
@@ -146,15 +146,7 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
 
 
 def _make_optimizer(cfg) -> optax.GradientTransformation:
-    trainable = config_matcher(cfg)
-    train = [optax.clip_by_global_norm(cfg.gradient_clipping_threshold)] if cfg.gradient_clipping_threshold > 0 else []
-    train.append(optax.adamw(learning_rate_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
-                             weight_decay=cfg.adam_weight_decay))
-
-    def labels(params):
-        return jax.tree_util.tree_map_with_path(lambda p, _: "train" if trainable(p) else "frozen", params)
-
-    return optax.multi_transform({"train": optax.chain(*train), "frozen": optax.set_to_zero()}, labels)
+    return optimizer.adamw(cfg, learning_rate_schedule(cfg), config_matcher(cfg))
 
 
 # ----------------------------------------------------------------------------- the step
@@ -238,7 +230,7 @@ def step_fn(cfg, graphdef, platform: str | None = None):
 
         def loss_fn(model):
             h, aux = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], mode="train")
-            lm = (lm_loss_from_hidden(h, model.head[...], batch["targets"], batch["loss_mask"],
+            lm = (lm_loss_from_hidden(h, model.head[...].astype(model.dtype), batch["targets"], batch["loss_mask"],
                                       chunk=cfg.lm_loss_chunk_size) if lm_loss else jnp.zeros((), jnp.float32))
             return lm + aux["indexer_loss"] + aux["moe_lb_loss"], (lm, aux)
 
