@@ -49,7 +49,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv", "tensor"),
     ("mlp", "tensor"),
     ("experts", "expert"),
+    ("q_lora", "fsdp"),  # wq_b [q_lora, H, D] has no embed axis; where embed holds fsdp (wq_a) the next rule
     ("q_lora", None),
+    ("o_lora", "fsdp"),  # wo_a [G, H/G * D, o_lora] likewise
     ("o_lora", None),
     ("layers", None),
     ("norm", None),

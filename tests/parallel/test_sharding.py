@@ -58,7 +58,7 @@ EXPECTED = {
     "fsdp4_tensor2": {
         "embed": (("tensor", "fsdp"), (256, 16)),                       # (vocab, embed)
         "layers/0/attn/wkv": (("fsdp", "tensor"), (16, 16)),            # (embed, kv)
-        "layers/0/attn/wq_b": ((None, "tensor", None), (16, 2, 32)),    # (q_lora, heads, kv): tensor taken by heads
+        "layers/0/attn/wq_b": (("fsdp", "tensor", None), (4, 2, 32)),   # (q_lora, heads, kv): fsdp on q_lora
         "layers/0/ffn/experts/w1": ((None, "fsdp", "tensor"), (16, 16, 32)),  # (experts, embed, mlp)
         "layers/0/ffn/gate/bias": ((None,), (16,)),                     # RouterBias, replicated
         "norm/weight": ((None,), (64,)),
@@ -188,7 +188,8 @@ def test_logical_to_spec_resolves_rules_and_divisibility():
 
     mesh = FakeMesh()
     assert logical_to_spec(("embed", "mlp"), (64, 32), mesh) == P("fsdp", "tensor")
-    assert logical_to_spec(("q_lora", "heads", "kv"), (16, 4, 32), mesh) == P(None, "tensor", None)
+    assert logical_to_spec(("q_lora", "heads", "kv"), (16, 4, 32), mesh) == P("fsdp", "tensor", None)
+    assert logical_to_spec(("embed", "q_lora"), (16, 16), mesh) == P("fsdp", None)  # fsdp once: embed's
     assert logical_to_spec(("embed", "vocab"), (6, 10), mesh) == P(None, "tensor")
     assert logical_to_spec(("experts", "embed", "mlp"), (16, 64, 3), mesh) == P("expert", "fsdp", None)
     assert logical_to_spec(("batch", None), (16, 3), mesh) == P(("data", "fsdp", "expert"), None)
