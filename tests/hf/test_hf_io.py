@@ -154,8 +154,8 @@ def test_flash_config_json_imports_to_the_284b_config():
     flash = load_config("deepseek4-284b")
     keys = yaml.safe_load((Path(__file__).parents[2] / "configs" / "deepseek4-284b.yml").read_text())
     keys.pop("stages")  # the layouts of its stages, applied only under a stage
-    # the file's layout and precision (dtype, weight_dtype, ici_*/dcn_*) are run choices, not the model's
-    run = {k for k in keys if k in ("dtype", "weight_dtype") or k.startswith(("ici_", "dcn_"))}
+    # the file's layout and precision (dtype, *_dtype, ici_*/dcn_*) are run choices, not the model's
+    run = {k for k in keys if k == "dtype" or k.endswith("_dtype") or k.startswith(("ici_", "dcn_"))}
     keys = {k: v for k, v in keys.items() if k not in run}
     assert {k: getattr(cfg, k) for k in keys} == {k: getattr(flash, k) for k in keys}
     assert cfg.replace(**{k: getattr(flash, k) for k in run}) == flash
