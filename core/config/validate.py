@@ -173,8 +173,9 @@ def _check_precision(cfg, stage: str | None) -> None:
     bfloat16 second moment has a b2 whose share of a step survives bfloat16's rounding."""
     _check(stage is None or cfg.weight_dtype != "bfloat16" or cfg.allow_bf16_updates,
            f"weight_dtype=bfloat16 makes dsv4 {stage} update bfloat16 parameters in place, where most AdamW steps "
-           "round away: set weight_dtype=float32 (the master copy; dtype=bfloat16 still computes in bfloat16), "
-           "or allow_bf16_updates=true to train that way anyway.")
+           "round away: set weight_dtype=float32 (the master copy; dtype=bfloat16 still computes in bfloat16 and "
+           "frozen_weight_dtype=bfloat16 holds what the stage freezes in bfloat16), or allow_bf16_updates=true "
+           "to train that way anyway.")
     _check(cfg.nu_dtype != "bfloat16" or cfg.adam_b2 <= BF16_NU_MAX_B2,
            f"nu_dtype=bfloat16 with adam_b2={cfg.adam_b2}: bfloat16 rounds away too much of each step's (1 - b2) share "
            f"and the second moment falls behind the gradients; use nu_dtype=float32 or adam_b2 <= {BF16_NU_MAX_B2}.")

@@ -12,7 +12,7 @@ dequantisation is exact: a model holding them equals, bitwise, its `dequantize_h
 Held:   attn.{wq_a, wq_b, wkv, wo_a, wo_b}, attn.indexer.wq_b, ffn.shared_experts.{w1, w2, w3} as FP8
         e4m3 with 128 x 128 block scales; ffn.experts.{w1, w2, w3} as FP4 e2m1 (two per int8) with
         per-32 scales.
-Kept in weight_dtype: what the release itself stores unquantised: embed, head, norms, the router
+Kept as parameters (in frozen_weight_dtype): what the release stores unquantised: embed, head, norms, the router
 weight, the compressors' wkv / wgate / ape, the indexer's weights_proj, mHC fn / base / scale,
 attention sinks (BF16 or F32 there), plus the router biases and hash tables (not parameters).
 Paths: `<param path>/codes` and `<param path>/scales`.
