@@ -119,8 +119,8 @@ def device_memory_bytes(device) -> tuple[int | None, str]:
 
 def check_state_fits(cfg, stage: str, model) -> None:
     """ConfigError, before anything is built or compiled, when the parameters and AdamW's two
-    moments of the trainable ones (in mu_dtype / nu_dtype) (shapes and the run's shardings of the abstract `model`) exceed
-    one device's memory under the config's mesh. A lower bound of the step's needs: `dsv4 plan`
+    moments of the trainable ones (in mu_dtype, nu_dtype; shapes and the run's shardings of the
+    abstract `model`) exceed one device's memory under the config's mesh. A lower bound of the step's needs: `dsv4 plan`
     adds the compiler's temporaries."""
     import jax
     import jax.numpy as jnp
