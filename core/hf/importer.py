@@ -15,8 +15,11 @@ DESIGN.md, "Real checkpoints". The source is a directory with config.json and *.
 Peak host memory: the output parameters plus about one float32 copy of the largest tensor (the
 save adds a bounded number of `core.checkpoint.host_tree.CHUNK_BYTES` chunks, not a copy;
 docs/benchmarks.md#checkpoint-import-and-export-at-flash-width).
-Output dtype: --dtype, else bfloat16 above 1e9 parameters and float32 below. dsv4 stores every
-parameter in one weight_dtype, so bfloat16 also rounds the float32 tensors (mHC, ape, sinks).
+Output dtype: --dtype, else bfloat16 above 1e9 parameters and float32 below; it is the run's
+frozen_weight_dtype. With bfloat16 (which also rounds the float32 tensors: mHC, ape, sinks) the run's
+config.yml names the warm-up's trainable_parameters_mask: the frozen weights are held in bfloat16 and
+the indexer, which the warm-up trains, in float32 (weight_dtype, the master copy AdamW updates;
+docs/precision.md). A later stage that trains more restores those weights into its own float32 masters.
 
 `keep_quantized` (--keep-quantized, official layout only): the FP8 / FP4 weights that the warm-up
 freezes and dsv4 holds released (core/model/quant.py RELEASED: all of them but the indexer's wq_b,
@@ -170,7 +173,9 @@ def build_config(config: dict, table: dict, *, model_name: str, dtype: str | Non
         reason = "--dtype"
     warmup = stage_presets("warmup")["trainable_parameters_mask"]
     held = dict(frozen_weights="released", trainable_parameters_mask=warmup) if keep_quantized else {}
-    return cfg.replace(weight_dtype=dtype, **held), layout, reason
+    if dtype == "bfloat16":  # what the warm-up freezes in bfloat16; what it trains gets its float32 master copy
+        held = dict(trainable_parameters_mask=warmup, **held)
+    return cfg.replace(weight_dtype="float32", frozen_weight_dtype=dtype, **held), layout, reason
 
 
 # ----------------------------------------------------------------------------- reading one tensor
@@ -356,7 +361,7 @@ def import_checkpoint(src: str, output: str | Path, *, dtype: str | None = None,
     where, leaves, treedef = names.state_slots(cfg)
     dims = {**names.dims_of(cfg), "experts": cfg.num_experts}
     params = count_parameters({k: v.shape for k, v in leaves.items()})["parameters"]
-    summary = ImportSummary(str(src), str(output), layout, cfg.model_name, params, cfg.weight_dtype, reason,
+    summary = ImportSummary(str(src), str(output), layout, cfg.model_name, params, cfg.frozen_weight_dtype, reason,
                             keep_quantized=keep_quantized, use_indexer=cfg.use_indexer, routed_bias=cfg.routed_bias)
     if keep_quantized:
         _check_keepable(table, layout, where, leaves)

@@ -333,6 +333,13 @@ def test_bfloat16_import_export_import_is_bitwise(official, work):
     a, b = _state(ckpt.restore_model(run)[0]), _state(ckpt.restore_model(run2)[0])
     assert [k for k in a if not np.array_equal(a[k].astype(np.float32), b[k].astype(np.float32))] == []
     assert {str(v.dtype) for k, v in a.items() if v.dtype.kind != "i"} >= {"bfloat16"}
+    # the warm-up takes the bfloat16 import as it is: the indexer it trains is a float32 master, the rest bfloat16
+    for stage in ("warmup", "sparse"):
+        load_config(str(run / "config.yml"), stage=stage)
+    floats = {k: str(v.dtype) for k, v in a.items() if v.dtype.kind != "i"}
+    assert {d for k, d in floats.items() if "indexer" in k} == {"float32"}, floats
+    held = [k for k in floats if "indexer" not in k and not k.endswith("gate/bias")]  # the bias is no Param
+    assert held and {k for k in held if floats[k] != "bfloat16"} == set()
 
 
 # ----------------------------------------------------------------------------- bad input
