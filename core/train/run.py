@@ -11,13 +11,15 @@ process at a time holds a run directory (core/train/run_lock.py); a resume that 
 optimizer's structure or the schedule says so (core/train/resume_checks.py); write failures become
 one RunWriteError (core/train/write_errors.py).
 Ctrl-C, SIGTERM (JAX's preemption notice) and write errors stop every process after the same step
-(core/train/stop.py).
+(core/train/stop.py). Batches are read ahead on a thread and each step's metrics are read after the
+next step is dispatched (`Trainer.run`; docs/scaling.md#host-work).
 
 The step itself (`make_train_step`, `build`, `Setup`, ...) is core/train/step.py's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -34,6 +36,7 @@ from core.train import resume_checks, step_guard
 from core.train.run_lock import RunLock, releases_lock_on_error
 from core.train.write_errors import WriteGuard, quiet_write_errors, tree_bytes
 from core.data.batches import train_batches
+from core.data.prefetch import Prefetch
 from core.errors import CheckpointError, ClusterError, PreemptedError, RunWriteError, device_memory_error
 from core.model import transformer
 from core.train.precompile import StepPrecompile, ahead_or_jitted_step, check_state_fits
@@ -95,6 +98,16 @@ def step_memory_note(compiled, device) -> str | None:
 def _write_metrics(run_dir: Path, rows: list[dict[str, Any]]) -> None:
     """Replace metrics.jsonl by `rows` (the format of `ckpt.append_metrics`)."""
     (run_dir / run_files.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step: its metrics (device arrays), the data position after its batch, when it began."""
+
+    step: int
+    metrics: Any
+    data: dict[str, Any]
+    start: float
 
 
 class Trainer:
@@ -239,13 +252,14 @@ class Trainer:
         self.data.restore(out["data"])
         self.start_step = step + 1
 
-    def _save(self, step: int, row: dict[str, Any]) -> None:
+    def _save(self, step: int, row: dict[str, Any], data: dict[str, Any]) -> None:
+        """Checkpoint `step` (checked already) with `data`, the data position after its batch."""
         model, optimizer = nnx.merge(self.graphdef, self.state)
         metadata = {"config": self.cfg.to_dict(), "stage": self.stage, "step": step, "metrics": row,
                     "model_name": self.cfg.model_name, "dsv4_version": dsv4_version()}
         with self.guard.writing("checkpoint", self.ckpt.dir, step):
             self.ckpt.save(step, model=nnx.to_pure_dict(nnx.state(model)),
-                           optimizer=nnx.to_pure_dict(nnx.state(optimizer)), data=self.data.state(), metadata=metadata)
+                           optimizer=nnx.to_pure_dict(nnx.state(optimizer)), data=data, metadata=metadata)
         self.last_saved = step
 
     def _fetch(self, step: int, metrics) -> dict[str, float]:
@@ -263,27 +277,39 @@ class Trainer:
                                "every process is alive, then rerun the same command on all of them.") from None
 
     def run(self) -> Iterator[dict[str, Any]]:
-        cfg, tokens = self.cfg, self.info["tokens_per_step"]
+        """Train from `start_step` to `steps`, yielding each step's metrics row once it is checked.
+
+        Host work overlaps the device (docs/scaling.md#host-work): batches are read ahead on a
+        thread (core/data/prefetch.py), and step s's metrics are fetched after step s+1 is dispatched.
+        A step is saved only after its metrics are checked (`step_guard.check_finite`): a checkpoint
+        step and the last step are fetched before the next dispatch, and a stop finishes the step in
+        flight, checks it and saves it. After a DivergenceError the in-memory state may hold the step
+        dispatched after the diverged one; it is never saved.
+        """
+        cfg = self.cfg
         row: dict[str, Any] = {}
         stop = StopRequest(cfg.steps - 1)
+        self._settled_at = time.perf_counter()
         try:
-            with stop.signals(), quiet_write_errors():
+            with Prefetch(self.data, max(cfg.steps - self.start_step, 0)) as feed, stop.signals(), \
+                    quiet_write_errors():
+                pending: _InFlight | None = None
                 for step in range(self.start_step, cfg.steps):
-                    start = time.perf_counter()
-                    batch = shard_batch(next(self.data), self.setup.mesh)
-                    self.state, metrics = self._step_fn(self.state, batch)
-                    metrics = self._fetch(step, metrics)
-                    step_guard.check_finite(step, metrics, cfg, self.last_saved)
-                    elapsed = time.perf_counter() - start
-                    row = {"step": step, **{k: metrics[k] for k in METRIC_KEYS}, "step_time_s": elapsed,
-                           "tokens_per_s": tokens / elapsed, "compile": step == self.start_step}
-                    self._log(row, stop)
+                    current = self._dispatch(step, feed)
+                    if pending is not None:  # the previous step's metrics, while this one runs
+                        row = self._settle(pending, stop)
+                        yield row
+                    pending = current
                     if step == cfg.steps - 1 or (step + 1) % cfg.checkpoint_period == 0:
-                        self._save(step, row)
-                    yield row
-                    decision = stop.agreed(step)
+                        row, pending = self._settle(current, stop), None
+                        self._save(step, row, current.data)
+                        yield row
+                    decision = stop.agreed(step)  # once per step, before the next dispatch, on every process
                     if decision is not None:
-                        self._stop(step, row, *decision)
+                        if pending is not None:
+                            row = self._settle(pending, stop)
+                            yield row
+                        self._stop(step, row, current.data, *decision)
         finally:
             try:
                 if self.events is not None:
@@ -292,6 +318,27 @@ class Trainer:
                     self.ckpt.close()  # a failed background save surfaces here, as one RunWriteError
             finally:
                 self.lock.release()
+
+    def _dispatch(self, step: int, feed: Prefetch) -> "_InFlight":
+        """Start `step` on the device with the next prefetched batch; returns at once (async dispatch)."""
+        start = time.perf_counter()
+        batch, position = next(feed)
+        self.state, metrics = self._step_fn(self.state, shard_batch(batch, self.setup.mesh))
+        return _InFlight(step, metrics, position, start)
+
+    def _settle(self, flight: "_InFlight", stop: StopRequest) -> dict[str, Any]:
+        """Fetch and check a dispatched step's metrics (DivergenceError if non-finite) and log its row.
+        Its time runs from the later of its dispatch and the previous step's fetch: the step's share of
+        the device when steps overlap."""
+        metrics = self._fetch(flight.step, flight.metrics)
+        step_guard.check_finite(flight.step, metrics, self.cfg, self.last_saved)
+        now = time.perf_counter()
+        elapsed = now - max(flight.start, self._settled_at)
+        self._settled_at = now
+        row = {"step": flight.step, **{k: metrics[k] for k in METRIC_KEYS}, "step_time_s": elapsed,
+               "tokens_per_s": self.info["tokens_per_step"] / elapsed, "compile": flight.step == self.start_step}
+        self._log(row, stop)
+        return row
 
     def _log(self, row: dict[str, Any], stop: StopRequest) -> None:
         """Process 0 appends the row to metrics.jsonl and TensorBoard; a failed write stops this process
@@ -309,13 +356,13 @@ class Trainer:
                 raise
             stop.request("write", str(e))
 
-    def _stop(self, step: int, row: dict[str, Any], reason: str, message: str) -> None:
+    def _stop(self, step: int, row: dict[str, Any], data: dict[str, Any], reason: str, message: str) -> None:
         """Every process stops after `step` (core/train/stop.py): Ctrl-C and SIGTERM save this step's
         checkpoint first (on every process); a write error keeps the last complete one."""
         if reason == "write":
             raise RunWriteError(message or f"a write failed on another process after step {step}: see its error line")
         if self.last_saved != step:
-            self._save(step, row)
+            self._save(step, row, data)
         if reason == "interrupted":
             raise KeyboardInterrupt
         raise PreemptedError(f"stopped by SIGTERM after step {step}; checkpoint step {step} is saved"

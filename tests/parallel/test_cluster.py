@@ -78,41 +78,59 @@ SMALL = ("compress_ratios=[0,4]", "base_num_decoder_layers=2", "first_num_hash_l
 KEYS = ("total_loss", "indexer_loss", "moe_lb_loss", "grad_norm", "learning_rate")
 
 
-def _warmup(run, steps):
+def _warmup(run, steps, *extra):
     from typer.testing import CliRunner
 
     from dsv4cli.main import app
 
-    return CliRunner().invoke(app, ["warmup", "--steps", str(steps), "--output", str(run), *SMALL])
+    return CliRunner().invoke(app, ["warmup", "--steps", str(steps), "--output", str(run), *SMALL, *extra])
 
 
 def test_sigterm_saves_the_current_step_and_the_rerun_is_bitwise(tmp_path, monkeypatch):
+    """Checkpoints every 3 steps (2, 5). Step 3's row is logged while step 4 runs (metrics are read one step
+    late, core/train/run.py), so a SIGTERM then stops after step 4, which the stop itself must save with the
+    data position after step 4's batch, not the position of the batches read ahead."""
     import signal
 
     from core.checkpoint import run_files
+    from core.checkpoint import store as ckpt
+    from core.config.schema import load_config
+    from core.data.batches import train_batches
 
-    straight = _warmup(tmp_path / "straight", 6)
+    straight = _warmup(tmp_path / "straight", 6, "checkpoint_period=3")
     assert straight.exit_code == 0, straight.output
     append = run_files.append_metrics
 
-    def append_then_sigterm(run_dir, row):  # the scheduler's SIGTERM arrives while step 2 runs
+    def append_then_sigterm(run_dir, row):  # the scheduler's SIGTERM arrives while step 4 runs
         append(run_dir, row)
-        if row["step"] == 2:
+        if row["step"] == 3:
             os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(run_files, "append_metrics", append_then_sigterm)
     run = tmp_path / "preempted"
-    stopped = _warmup(run, 6)
+    stopped = _warmup(run, 6, "checkpoint_period=3")
     lines = [line for line in stopped.stderr.splitlines() if line.strip()]
     assert stopped.exit_code == 143 and len(lines) == 1 and "Traceback" not in stopped.output, stopped.output
-    assert "SIGTERM after step 2" in lines[0] and "checkpoint step 2 is saved" in lines[0], lines[0]
-    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [1, 2]
+    assert "SIGTERM after step 4" in lines[0] and "checkpoint step 4 is saved" in lines[0], lines[0]
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+    import jax
+
+    data = train_batches(load_config("deepseek4-tiny", SMALL, stage="warmup"), jax.device_count())
+    for _ in range(5):  # steps 0..4 consumed five batches
+        next(data)
+    assert ckpt.read_data_state(run / "checkpoints", 4) == json_round_trip(data.state())
     monkeypatch.setattr(run_files, "append_metrics", append)
-    resumed = _warmup(run, 6)
-    assert resumed.exit_code == 0 and "resuming from checkpoint step 2" in resumed.output, resumed.output
+    resumed = _warmup(run, 6, "checkpoint_period=3")
+    assert resumed.exit_code == 0 and "resuming from checkpoint step 4" in resumed.output, resumed.output
     want, got = run_files.read_metrics(tmp_path / "straight"), run_files.read_metrics(run)
     assert [r["step"] for r in got] == list(range(6))
     assert [[r[k] for k in KEYS] for r in got] == [[r[k] for k in KEYS] for r in want]
+
+
+def json_round_trip(value):
+    import json
+
+    return json.loads(json.dumps(value))
 
 
 def test_the_most_severe_stop_reason_wins():

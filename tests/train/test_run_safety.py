@@ -104,6 +104,22 @@ def test_diverging_run_stops_with_exit_3_and_keeps_the_good_checkpoint(tmp_path)
     assert [np.asarray(x).tobytes() for x in jax.tree.leaves(trainer.state)] == resumed
 
 
+def test_a_divergence_with_a_step_in_flight_saves_nothing_past_the_good_steps(tmp_path):
+    """Checkpoints every 3 steps: the step after each unsaved one is dispatched before its metrics are read
+    (core/train/run.py). The run still stops with exit 3, logs and saves only steps before the diverged one,
+    and every saved value is finite."""
+    run = tmp_path / "diverge-overlapped"
+    line = _one_error_line(_warmup(run, 6, "learning_rate=1e30", "gradient_clipping_threshold=0",
+                                   "checkpoint_period=3"), 3)
+    bad = int(re.search(r"step (\d+) diverged", line).group(1))
+    assert [r["step"] for r in run_files.read_metrics(run)] == list(range(bad))
+    saved = ckpt.finished_steps(run / "checkpoints")
+    assert saved == [s for s in (2, 5) if s < bad], (saved, bad)
+    for step in saved:
+        values, _ = _variables(run, step)
+        assert all(np.isfinite(v).all() for v in values.values() if v.dtype.kind == "f")
+
+
 # the guard tests' model: one sliding-window layer, 1 x 64 tokens
 ONE_SWA_LAYER = ("compress_ratios=[0]", "base_num_decoder_layers=1", "first_num_hash_layers=0", "max_target_length=64",
                  "per_device_batch_size=1")
@@ -179,6 +195,30 @@ def test_fixed_schedule_extends_a_run_bitwise(straight, tmp_path):
     assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want]
     (a, _), (b, _) = _variables(straight), _variables(run)
     assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def test_overlapped_steps_equal_the_straight_run_bitwise(straight, tmp_path, monkeypatch):
+    """One checkpoint at the end: every step's metrics are read after the next step is dispatched, while
+    the straight run (checkpoints 1, 3, 5) reads steps 1 and 3 before dispatching the next. Metrics,
+    weights and the saved data position are equal bitwise."""
+    from core.train.run import Trainer
+
+    order = []
+    dispatch, settle = Trainer._dispatch, Trainer._settle
+    monkeypatch.setattr(Trainer, "_dispatch", lambda self, step, feed: order.append(f"d{step}") or
+                        dispatch(self, step, feed))
+    monkeypatch.setattr(Trainer, "_settle", lambda self, flight, stop: order.append(f"s{flight.step}") or
+                        settle(self, flight, stop))
+    run = tmp_path / "overlapped"
+    result = _warmup(run, 6, FIXED, "checkpoint_period=6")
+    assert result.exit_code == 0, result.output
+    assert order == ["d0", "d1", "s0", "d2", "s1", "d3", "s2", "d4", "s3", "d5", "s4", "s5"], order
+    keys = ("total_loss", "indexer_loss", "moe_lb_loss", "grad_norm", "learning_rate")
+    want, got = run_files.read_metrics(straight), run_files.read_metrics(run)
+    assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want]
+    (a, _), (b, _) = _variables(straight), _variables(run)
+    assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    assert ckpt.read_data_state(run / "checkpoints", 5) == ckpt.read_data_state(straight / "checkpoints", 5)
 
 
 def test_resume_that_changes_the_schedule_says_so(straight, tmp_path):
