@@ -114,7 +114,7 @@ def test_torn_last_metrics_line_is_dropped_and_the_run_goes_on(warm_run, tmp_pat
     rows = metrics.read_text().splitlines()
     metrics.write_text(rows[0] + "\n" + rows[1][: len(rows[1]) // 2])  # killed while appending step 1's row
     # readers of a torn run are unaffected (eval-indexer reuses tests/eval/test_eval_cli.py's compiled step)
-    for command in (["inspect-ckpt", str(run), "--json"], ["eval-indexer", str(run), "--batches", "1", "--topk", "2,4,8"]):
+    for command in (["inspect-ckpt", str(run), "--json"], ["eval-indexer", str(run), "--rows", "1", "--topk", "2,4,8"]):
         result = runner.invoke(app, command)
         assert result.exit_code == 0, result.output
     result = _warmup(run)

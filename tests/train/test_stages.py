@@ -105,7 +105,7 @@ def test_chain_into_sparse_and_eval(stage_chain):
     assert f"initialised from {stage_chain['warmup'][0]}" in output
     rows = run_files.read_metrics(run)
     assert len(rows) == CHAIN_STEPS["sparse"] and all(r["indexer_loss"] > 0 and r["lm_loss"] > 0 for r in rows)
-    result = runner.invoke(app, ["eval-indexer", str(run), "--batches", "1", "--topk", "4,32", "--json"])
+    result = runner.invoke(app, ["eval-indexer", str(run), "--rows", "1", "--topk", "4,32", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["checkpoint"]["stage"] == "sparse" and report["topk_binds_share"] is None  # 16 not swept
@@ -115,7 +115,7 @@ def test_chain_into_sparse_and_eval(stage_chain):
     for e in by_k:
         assert -1 <= e["all"]["kl_captured"] <= 1
     assert by_k[1]["informative"]["gain"] is None
-    table = runner.invoke(app, ["eval-indexer", str(run), "--batches", "1", "--topk", "4,32"])
+    table = runner.invoke(app, ["eval-indexer", str(run), "--rows", "1", "--topk", "4,32"])
     assert "gain@k" in table.stdout and "KL captured" in table.stdout and "top-k binds" in table.stdout
     assert "warning: top-k never binds at k=32" in table.stdout
 
