@@ -253,7 +253,7 @@ class Trainer:
         or timed out) becomes one ClusterError naming the step and the last complete checkpoint."""
         try:
             return {k: float(v) for k, v in jax.device_get(metrics).items()}
-        except jax.errors.JaxRuntimeError as e:
+        except (jax.errors.JaxRuntimeError, ValueError) as e:  # a gloo time-out arrives as a ValueError
             if jax.process_count() == 1 or device_memory_error(e) is not None:
                 raise
             kept = (f"checkpoint step {self.last_saved} is the last complete one" if self.last_saved is not None
