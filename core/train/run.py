@@ -258,9 +258,11 @@ class Trainer:
                 raise
             kept = (f"checkpoint step {self.last_saved} is the last complete one" if self.last_saved is not None
                     else "no checkpoint was written yet")
+            cpu = (" (on CPUs this can also be XLA:CPU's collective order, docs/scaling.md#collective-order-on-the-cpu)"
+                   if "Gloo" in str(e) else "")
             raise ClusterError(f"step {step} failed on process {jax.process_index()} of {jax.process_count()}: a "
-                               f"collective with the other processes failed ({first_line(e)}); {kept}: check that "
-                               "every process is alive, then rerun the same command on all of them.") from None
+                               f"collective with the other processes failed ({first_line(e)}){cpu}; {kept}: check "
+                               "that every process is alive, then rerun the same command on all of them.") from None
 
     def run(self) -> Iterator[dict[str, Any]]:
         cfg, tokens = self.cfg, self.info["tokens_per_step"]

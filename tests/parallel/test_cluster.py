@@ -53,6 +53,7 @@ def test_a_timed_out_gloo_collective_becomes_one_line(monkeypatch):
         Trainer._fetch(types.SimpleNamespace(last_saved=None), 0, {"total_loss": 0.0})
     message = str(info.value)
     assert "\n" not in message and "step 0 failed" in message and "Timed out waiting 600000ms" in message
+    assert "docs/scaling.md#collective-order-on-the-cpu" in message
 
 
 def test_a_single_process_passes_barriers_at_once():
