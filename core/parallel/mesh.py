@@ -132,6 +132,11 @@ CPU_THREADS_PER_DEVICE = 4
 # 40 s, shorter than a loaded machine's lag) and before it logs that it may be stuck.
 CPU_COLLECTIVE_TERMINATE_S = 900
 CPU_COLLECTIVE_WARN_S = 120
+# Seconds a device of a multi-process run waits for a peer in a gloo collective before the collective
+# fails (XLA's default: 30 min). Across processes the reordering above can leave two devices waiting
+# for each other in different collectives for ever; this bounds that wait, and the failure becomes one
+# line (`Trainer._fetch`) instead of a hang (docs/scaling.md#collective-order-on-the-cpu).
+CPU_COLLECTIVE_PEER_TIMEOUT_S = 600
 
 
 def _flag_value(flags: str, name: str) -> str | None:
@@ -157,7 +162,8 @@ def prepare_cpu_runtime(env: dict[str, str] | None = None) -> dict[str, str]:
         added["PJRT_NPROC"] = str(max(os.cpu_count() or 1, CPU_THREADS_PER_DEVICE * devices))
     extra = [f"--{name}={value}" for name, value in (
         ("xla_cpu_collective_call_terminate_timeout_seconds", CPU_COLLECTIVE_TERMINATE_S),
-        ("xla_cpu_collective_call_warn_stuck_timeout_seconds", CPU_COLLECTIVE_WARN_S)) if f"--{name}=" not in flags]
+        ("xla_cpu_collective_call_warn_stuck_timeout_seconds", CPU_COLLECTIVE_WARN_S),
+        ("xla_cpu_collective_timeout_seconds", CPU_COLLECTIVE_PEER_TIMEOUT_S)) if f"--{name}=" not in flags]
     if extra:
         added["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
     env.update(added)

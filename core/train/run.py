@@ -267,14 +267,16 @@ class Trainer:
         or timed out) becomes one ClusterError naming the step and the last complete checkpoint."""
         try:
             return {k: float(v) for k, v in jax.device_get(metrics).items()}
-        except jax.errors.JaxRuntimeError as e:
+        except (jax.errors.JaxRuntimeError, ValueError) as e:  # a gloo time-out arrives as a ValueError
             if jax.process_count() == 1 or device_memory_error(e) is not None:
                 raise
             kept = (f"checkpoint step {self.last_saved} is the last complete one" if self.last_saved is not None
                     else "no checkpoint was written yet")
+            cpu = (" (on CPUs this can also be XLA:CPU's collective order, docs/scaling.md#collective-order-on-the-cpu)"
+                   if "Gloo" in str(e) else "")
             raise ClusterError(f"step {step} failed on process {jax.process_index()} of {jax.process_count()}: a "
-                               f"collective with the other processes failed ({first_line(e)}); {kept}: check that "
-                               "every process is alive, then rerun the same command on all of them.") from None
+                               f"collective with the other processes failed ({first_line(e)}){cpu}; {kept}: check "
+                               "that every process is alive, then rerun the same command on all of them.") from None
 
     def run(self) -> Iterator[dict[str, Any]]:
         """Train from `start_step` to `steps`, yielding each step's metrics row once it is checked.

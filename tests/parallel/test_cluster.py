@@ -6,7 +6,9 @@ The localhost multi-process training runs live in tests/parallel/test_sharding.p
 from __future__ import annotations
 
 import os
+import types
 
+import jax
 import pytest
 
 from core.errors import ConfigError
@@ -22,6 +24,7 @@ def test_cpu_runtime_gets_threads_per_device_and_long_collective_time_outs():
     flags = env["XLA_FLAGS"].split()
     assert "--xla_backend_optimization_level=0" in flags
     assert f"--xla_cpu_collective_call_terminate_timeout_seconds={mesh_lib.CPU_COLLECTIVE_TERMINATE_S}" in flags
+    assert f"--xla_cpu_collective_timeout_seconds={mesh_lib.CPU_COLLECTIVE_PEER_TIMEOUT_S}" in flags
     assert mesh_lib.prepare_cpu_runtime(env) == {}, "a second call adds nothing"
     assert env["XLA_FLAGS"].split() == flags
 
@@ -32,6 +35,25 @@ def test_cpu_runtime_keeps_what_the_user_set():
     assert env["PJRT_NPROC"] == "3" and "PJRT_NPROC" not in added
     assert "--xla_cpu_collective_call_terminate_timeout_seconds=5" in env["XLA_FLAGS"].split()
     assert "terminate_timeout_seconds=900" not in env["XLA_FLAGS"]
+
+
+def test_a_timed_out_gloo_collective_becomes_one_line(monkeypatch):
+    """A gloo collective that waited `--xla_cpu_collective_timeout_seconds` for a peer raises a
+    ValueError (message as measured with jaxlib's gloo); the run says so in one line, naming the step."""
+    from core.errors import ClusterError
+    from core.train.run import Trainer
+
+    def timed_out(_):
+        raise ValueError("UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
+                         "Timed out waiting 600000ms for recv operation to complete\nmore detail")
+
+    monkeypatch.setattr(jax, "device_get", timed_out)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ClusterError) as info:
+        Trainer._fetch(types.SimpleNamespace(last_saved=None), 0, {"total_loss": 0.0})
+    message = str(info.value)
+    assert "\n" not in message and "step 0 failed" in message and "Timed out waiting 600000ms" in message
+    assert "docs/scaling.md#collective-order-on-the-cpu" in message
 
 
 def test_a_single_process_passes_barriers_at_once():
