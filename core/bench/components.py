@@ -25,18 +25,21 @@ OWNERS = {
     "model/moe": "MoE", "ops/moe_dispatch": "MoE", "ops/expert_parallel": "MoE",
     "model/mhc": "mHC",
     "loss/lm": "head",
+    "model/indexer_init": "indexer",
+    "train/optimizer": "optimizer",
 }
 # shared building blocks: their work belongs to the caller
 HELPERS = {"model/layers", "model/init_draws", "model/quant", "ops/quant", "ops/rope", "ops/masks", "parallel/sharding", "parallel/mesh", "tree"}
 # wiring and drivers: no arithmetic of their own beyond what they call (their frames pass up too)
 GLUE = {
     "errors", "model/transformer", "model/params",
-    "config/schema", "config/files", "config/values", "config/validate", "config/stages",
-    "data/batches", "data/sources", "data/identity",
+    "config/schema", "config/files", "config/values", "config/validate", "config/stages", "config/key_table",
+    "data/batches", "data/sources", "data/identity", "data/prefetch",
     "checkpoint/store", "checkpoint/run_files", "checkpoint/host_tree", "checkpoint/inspect",
     "train/step", "train/program", "train/run", "train/precompile", "train/compile_cache", "train/run_lock", "train/step_guard",
-    "train/resume_checks", "train/write_errors", "train/handoff", "train/tensorboard",
-    "eval/metrics", "eval/evaluate",
+    "train/resume_checks", "train/write_errors", "train/handoff", "train/tensorboard", "train/stop",
+    "train/indexer_init",
+    "eval/metrics", "eval/evaluate", "eval/report", "eval/rows",
     "hf/names", "hf/config_json", "hf/safetensors_io", "hf/importer", "hf/exporter",
     "bench/loss", "bench/train", "bench/trace", "bench/components",
     "plan/targets", "plan/compile", "plan/report", "plan/hlo", "plan/search",
