@@ -111,7 +111,7 @@ def eval_step(spec: StepSpec, program: str) -> Callable[..., Any]:
         raise ValueError(f"program={program!r}: use one of {', '.join(PROGRAMS)}")
 
     def nll(model, h_btm, batch, weight):  # the chunked mean times the weight it divided by
-        mean = chunked_lm_loss(h_btm, model.head[...], batch["targets"], batch["loss_mask"], chunk=spec.lm_chunk)
+        mean = chunked_lm_loss(h_btm, model.head[...].astype(model.dtype), batch["targets"], batch["loss_mask"], chunk=spec.lm_chunk)
         return mean * jnp.maximum(weight, 1.0)
 
     def step(model, batch):

@@ -47,7 +47,7 @@ def eval_config(cfg, eval_set: EvalSet):
     The length must fit the model's positions (max_position_embeddings) and every layer's blocks
     (config validation: a multiple of each compress ratio, indexer_topk <= length // 4).
     """
-    length = eval_set.length or cfg.max_target_length
+    length = cfg.max_target_length if eval_set.length is None else eval_set.length
     if length < 1:
         raise ConfigError(f"--length {length} must be a positive number of tokens.")
     if length > cfg.max_position_embeddings:
@@ -63,6 +63,8 @@ def batch_rows(eval_set: EvalSet, mesh) -> int:
     from core.parallel.sharding import BATCH_AXES
 
     shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in BATCH_AXES)
+    if eval_set.batch_rows is not None and eval_set.batch_rows < 1:
+        raise ConfigError(f"--batch-rows {eval_set.batch_rows} must be at least 1 (or left out: one per shard).")
     rows = eval_set.batch_rows or shards
     if rows % shards:
         raise ConfigError(f"--batch-rows {rows} does not split over the mesh's {shards} data/fsdp/expert shards: "

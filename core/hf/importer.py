@@ -174,7 +174,7 @@ def build_config(config: dict, table: dict, *, model_name: str, dtype: str | Non
     warmup = stage_presets("warmup")["trainable_parameters_mask"]
     held = dict(frozen_weights="released", trainable_parameters_mask=warmup) if keep_quantized else {}
     if dtype == "bfloat16":  # what the warm-up freezes in bfloat16; what it trains gets its float32 master copy
-        held = dict(trainable_parameters_mask=warmup, **held)
+        held.setdefault("trainable_parameters_mask", warmup)
     return cfg.replace(weight_dtype="float32", frozen_weight_dtype=dtype, **held), layout, reason
 
 

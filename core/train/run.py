@@ -153,9 +153,7 @@ class Trainer:
         elif init_from is not None:
             self.init_step = load_init_weights(setup, init_from, fresh_indexer)
             if cfg.indexer_init == "teacher":  # once, before step 0: a resume takes the branch above
-                from core.train.indexer_init import teacher_init
-
-                notices.append(teacher_init(setup.model, cfg, setup.mesh).line())
+                notices.append(self._teacher_init(init_from, fresh_indexer))
         self.init_from = None if self.resumed_from is not None else init_from
         self.graphdef, self.state = nnx.split((setup.model, setup.optimizer))
         self.guard = WriteGuard(self.run_dir, self.ckpt.dir, tree_bytes(self.state),
@@ -175,6 +173,17 @@ class Trainer:
         self.info = self._describe(init_from, fresh_indexer, notices)
         # processes compile and restore at their own pace: start step 0's collectives together
         wait_for_peers("dsv4-step-compiled")
+
+    def _teacher_init(self, init_from: str | Path, fresh_indexer: bool) -> str:
+        """indexer_init=teacher over an indexer that never trained (none in the source, or a pre-training
+        run's idle one); a trained indexer (a warm-up's, an imported release's) is kept as loaded."""
+        source_stage = None if fresh_indexer else ckpt.read_metadata(init_from).get("stage")
+        if source_stage not in (None, "pretrain"):
+            return (f"indexer_init=teacher skipped: {init_from} (stage {source_stage}) holds a trained indexer, "
+                    "kept as loaded (docs/indexer-init.md)")
+        from core.train.indexer_init import teacher_init
+
+        return teacher_init(self.setup.model, self.cfg, self.setup.mesh).line()
 
     def _abstract_model(self):
         """The config's model from `nnx.eval_shape` (shapes only), traced once per Trainer."""

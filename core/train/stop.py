@@ -18,17 +18,19 @@ wants to stop keeps training. A single process decides alone, every step (no cos
 from __future__ import annotations
 
 import contextlib
+import itertools
 import signal
 import threading
 from typing import Iterator
 
 import jax
 
-from core.parallel.mesh import BARRIER_TIMEOUT_S, wait_for_peers
+from core.parallel.mesh import wait_for_peers
 
 STOP_CHECK_EVERY = 4          # steps between agreements in a multi-process run
 SEVERITY = ("interrupted", "preempted", "write")
 _KEY = "dsv4/stop"
+_ROUNDS = itertools.count(1)  # key prefixes serve once per process lifetime: every process counts alike
 
 
 class StopRequest:
@@ -36,7 +38,6 @@ class StopRequest:
 
     def __init__(self, last_step: int):
         self.last_step, self.reason, self.message = last_step, None, ""
-        self._rounds = 0
 
     def request(self, reason: str, message: str = "") -> None:
         """Record a reason to stop; a more severe one replaces a milder one."""
@@ -77,8 +78,8 @@ class StopRequest:
         from jax.experimental import multihost_utils
 
         if multihost_utils.reached_preemption_sync_point(step):
-            self.request("preempted")
-            return self.reason, self.message  # the same step on every process, by the service's design
+            self.request("preempted")  # the same step on every process, by the service's design; the
+            return self._exchange(step)  # exchange keeps a write error elsewhere from splitting the stop
         if (step + 1) % STOP_CHECK_EVERY and step != self.last_step:
             return None
         return self._exchange(step)
@@ -87,10 +88,9 @@ class StopRequest:
         from jax._src import distributed
 
         client = distributed.global_state.client
-        self._rounds += 1
-        prefix = f"{_KEY}/{self._rounds}/"
+        prefix = f"{_KEY}/{next(_ROUNDS)}/"
         client.key_value_set(f"{prefix}{jax.process_index()}", f"{self.reason or ''}\n{self.message}")
-        wait_for_peers("dsv4-stop", BARRIER_TIMEOUT_S)
+        wait_for_peers("dsv4-stop")
         wishes = [value.split("\n", 1) for _, value in client.key_value_dir_get(prefix)]
         wishes = [(r, m) for r, m in wishes if r]
         if not wishes:

@@ -146,6 +146,8 @@ def test_plot(run_dir, tmp_path):
     (["{run}", "--length", "200"], "multiple of compress ratio"),
     (["{run}", "use_indexer=false", "indexer_loss_scaling_factor=0"], "no lightning indexer"),
     (["{run}", "--rows", "0"], "--rows 0"),
+    (["{run}", "--batch-rows", "-8"], "--batch-rows -8"),
+    (["{run}", "--length", "0"], "--length 0"),
     (["{run}", "no_such_key=3"], "no_such_key"),
     (["{run}", "base_emb_dim=32"], "shape"),
     (["{run}", "--data", "{tmp}/none.jsonl"], "none.jsonl"),

@@ -340,6 +340,8 @@ def test_bfloat16_import_export_import_is_bitwise(official, work):
     assert {d for k, d in floats.items() if "indexer" in k} == {"float32"}, floats
     held = [k for k in floats if "indexer" not in k and not k.endswith("gate/bias")]  # the bias is no Param
     assert held and {k for k in held if floats[k] != "bfloat16"} == set()
+    kept = import_checkpoint(str(official[0]), work / "runs" / "bf16-kept", dtype="bfloat16", keep_quantized=True)
+    assert kept.dtype == "bfloat16" and kept.kept_fp8 + kept.kept_fp4 > 0
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -137,8 +137,9 @@ def warmed(work, runs):
     root = work[0]
     out = {}
     for name, run in zip(("kept", "plain"), runs[:2]):
-        _invoke("warmup", "--model", str(run / "config.yml"), "--init-from", str(run),
-                "--output", str(root / f"warm-{name}"), *WARMUP)
+        result = _invoke("warmup", "--model", str(run / "config.yml"), "--init-from", str(run),
+                         "--output", str(root / f"warm-{name}"), *WARMUP)
+        assert "indexer_init=teacher skipped" in result.output, result.output  # the release's indexer is kept
         out[name] = root / f"warm-{name}"
     return out
 
