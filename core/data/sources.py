@@ -172,6 +172,7 @@ class Documents:
         self.streaming = False
         self._stream = None
         self._every = 0
+        self._orders: dict[int, np.ndarray] = {}
         self._texts: Sequence[Any]
         if not cfg.hf_path:
             texts = embedded_documents()
@@ -210,6 +211,17 @@ class Documents:
     def _text(self, row: Any) -> str:
         text = row if self.column is None else row[self.column]
         return text if isinstance(text, str) else ("" if text is None else str(text))
+
+    def text(self, epoch: int, position: int) -> str | None:
+        """Map-style sources: the text at `position` of `epoch`'s shuffled order; None past its end."""
+        if position >= len(self._index):
+            return None
+        order = self._orders.get(epoch)
+        if order is None:
+            if len(self._orders) > 2:  # rows are at most an epoch apart
+                self._orders.pop(min(self._orders))
+            order = self._orders[epoch] = self._index[np.random.default_rng([self.seed, epoch]).permutation(len(self._index))]
+        return self._text(self._texts[int(order[position])])
 
     def epoch(self, epoch: int, start: int, shuffle: bool) -> Iterator[str]:
         """Texts of `epoch` from document `start` on (shuffled by (seed, epoch) if `shuffle`)."""

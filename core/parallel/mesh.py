@@ -220,6 +220,22 @@ def wait_for_peers(name: str, timeout_s: int = BARRIER_TIMEOUT_S) -> None:
                            "them.") from None
 
 
+def exchange(name: str, value: str) -> list[str]:
+    """Every process's `value` (in process order), through the coordination service's key-value store
+    and a `wait_for_peers` barrier (no device collective); `[value]` for one process. Every process
+    must call it, with the same `name`, the same number of times."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    _BARRIERS[f"kv/{name}"] = round_ = _BARRIERS.get(f"kv/{name}", 0) + 1  # a key serves once
+    prefix = f"dsv4/{name}/{round_}/"
+    client.key_value_set(f"{prefix}{jax.process_index()}", value)
+    wait_for_peers(name)
+    return [v for _, v in sorted(client.key_value_dir_get(prefix), key=lambda kv: int(kv[0].rsplit("/", 1)[1]))]
+
+
 def first_line(error: BaseException) -> str:
     """The first non-empty line of an error's message, without XLA's status prefix noise."""
     text = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)

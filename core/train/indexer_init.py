@@ -30,7 +30,7 @@ from core.loss.indexer_kl_rows import Spec, kl_rows, teacher_rows
 from core.model.indexer_init import LayerStats, TeacherWeights, teacher_indexer
 from core.ops.masks import block_first_positions
 from core.ops.rope import apply_rope
-from core.parallel.sharding import shard_batch
+from core.parallel.sharding import local_batch_slice, shard_batch
 from core.train.program import with_mesh
 
 TEMPERATURES = tuple(float(2.0 ** (e / 2)) for e in range(-16, 9))  # 1/256 .. 16, steps of sqrt(2)
@@ -141,11 +141,13 @@ def _jitted(kind: str, rope, mesh):
 
 def calibration_batches(cfg, mesh=None) -> list[dict[str, Any]]:
     """The first `indexer_init_batches` batches of a fresh training stream of `cfg` (sharded over `mesh`)."""
-    data = train_batches(cfg, cfg.per_device_batch_size * jax.device_count())
+    rows = cfg.per_device_batch_size * jax.device_count()
+    local = range(rows) if mesh is None else range(*local_batch_slice(mesh, rows).indices(rows))
+    data = train_batches(cfg, rows, local)  # this process's rows only, as training reads them
     out = []
     for _ in range(cfg.indexer_init_batches):
         batch = next(data)
-        out.append(batch if mesh is None else shard_batch(batch, mesh))
+        out.append(batch if mesh is None else shard_batch(batch, mesh, process_local=True))
     return out
 
 

@@ -11,7 +11,8 @@ process at a time holds a run directory (core/train/run_lock.py); a resume that 
 optimizer's structure or the schedule says so (core/train/resume_checks.py); write failures become
 one RunWriteError (core/train/write_errors.py).
 Ctrl-C, SIGTERM (JAX's preemption notice) and write errors stop every process after the same step
-(core/train/stop.py). Batches are read ahead on a thread and each step's metrics are read after the
+(core/train/stop.py). Each process reads only its own rows of each batch (core/data/batches.py);
+a checkpoint joins their data positions. Batches are read ahead on a thread and each step's metrics are read after the
 next step is dispatched (`Trainer.run`; docs/scaling.md#host-work).
 
 The step itself (`make_train_step`, `build`, `Setup`, ...) is core/train/step.py's.
@@ -35,13 +36,13 @@ from core.checkpoint import run_files
 from core.train import resume_checks, step_guard
 from core.train.run_lock import RunLock, releases_lock_on_error
 from core.train.write_errors import WriteGuard, quiet_write_errors, tree_bytes
-from core.data.batches import train_batches
+from core.data.batches import merge_positions, train_batches
 from core.data.prefetch import Prefetch
 from core.errors import CheckpointError, ClusterError, PreemptedError, RunWriteError, device_memory_error
 from core.model import transformer
 from core.train.precompile import StepPrecompile, ahead_or_jitted_step, check_state_fits
-from core.parallel.mesh import describe_mesh, first_line, wait_for_peers
-from core.parallel.sharding import shard_batch
+from core.parallel.mesh import describe_mesh, exchange, first_line, make_mesh, wait_for_peers
+from core.parallel.sharding import local_batch_slice, shard_batch
 from core.train.stop import StopRequest
 from core.train.handoff import is_indexer, source_lacks_indexer, topk_warning
 from core.train.tensorboard import EventWriter
@@ -135,7 +136,9 @@ class Trainer:
             self._check_stage(self.resumed_from)
             # read once, here: a corrupt metrics.jsonl stops the resume before anything is written
             logged = run_files.read_metrics(self.run_dir, metrics_notices)
-        self.data = train_batches(cfg, cfg.per_device_batch_size * jax.device_count())
+        rows = cfg.per_device_batch_size * jax.device_count()
+        local = local_batch_slice(make_mesh(cfg), rows)  # this process reads and tokenises its own rows only
+        self.data = train_batches(cfg, rows, range(local.start, local.stop))
         notices = ([] if self.resumed_from is None  # changed data stops a resume before the model is built
                    else self.data.check(ckpt.read_data_state(self.ckpt.dir, self.resumed_from)))
         fresh_indexer = self._check_sources(init_from)
@@ -263,6 +266,8 @@ class Trainer:
 
     def _save(self, step: int, row: dict[str, Any], data: dict[str, Any]) -> None:
         """Checkpoint `step` (checked already) with `data`, the data position after its batch."""
+        if jax.process_count() > 1:  # each process knows the position of its own rows
+            data = merge_positions([json.loads(v) for v in exchange("dsv4-data", json.dumps(data))])
         model, optimizer = nnx.merge(self.graphdef, self.state)
         metadata = {"config": self.cfg.to_dict(), "stage": self.stage, "step": step, "metrics": row,
                     "model_name": self.cfg.model_name, "dsv4_version": dsv4_version()}
@@ -334,7 +339,7 @@ class Trainer:
         """Start `step` on the device with the next prefetched batch; returns at once (async dispatch)."""
         start = time.perf_counter()
         batch, position = next(feed)
-        self.state, metrics = self._step_fn(self.state, shard_batch(batch, self.setup.mesh))
+        self.state, metrics = self._step_fn(self.state, shard_batch(batch, self.setup.mesh, process_local=True))
         return _InFlight(step, metrics, position, start)
 
     def _settle(self, flight: "_InFlight", stop: StopRequest) -> dict[str, Any]:

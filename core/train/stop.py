@@ -18,19 +18,16 @@ wants to stop keeps training. A single process decides alone, every step (no cos
 from __future__ import annotations
 
 import contextlib
-import itertools
 import signal
 import threading
 from typing import Iterator
 
 import jax
 
-from core.parallel.mesh import wait_for_peers
+from core.parallel.mesh import exchange
 
 STOP_CHECK_EVERY = 4          # steps between agreements in a multi-process run
 SEVERITY = ("interrupted", "preempted", "write")
-_KEY = "dsv4/stop"
-_ROUNDS = itertools.count(1)  # key prefixes serve once per process lifetime: every process counts alike
 
 
 class StopRequest:
@@ -85,13 +82,7 @@ class StopRequest:
         return self._exchange(step)
 
     def _exchange(self, step: int) -> tuple[str, str] | None:
-        from jax._src import distributed
-
-        client = distributed.global_state.client
-        prefix = f"{_KEY}/{next(_ROUNDS)}/"
-        client.key_value_set(f"{prefix}{jax.process_index()}", f"{self.reason or ''}\n{self.message}")
-        wait_for_peers("dsv4-stop")
-        wishes = [value.split("\n", 1) for _, value in client.key_value_dir_get(prefix)]
+        wishes = [value.split("\n", 1) for value in exchange("dsv4-stop", f"{self.reason or ''}\n{self.message}")]
         wishes = [(r, m) for r, m in wishes if r]
         if not wishes:
             return None

@@ -35,10 +35,11 @@ def _docs_file(tmp_path, n=12, kind="jsonl"):
     return path, texts
 
 
-def _pairs(batches):
-    """The (input, target) pairs of non-padding positions, in stream order."""
+def _pairs(batches, row=None):
+    """The (input, target) pairs of non-padding positions (of one row, or all rows), in stream order."""
     out = []
     for b in batches:
+        b = b if row is None else {k: v[row:row + 1] for k, v in b.items()}
         m = b["loss_mask"].astype(bool)
         out += list(zip(b["tokens"][m].tolist(), b["targets"][m].tolist()))
     return out
@@ -81,10 +82,11 @@ def test_embedded_default_packs_documents_in_shuffled_order():
         assert b["segment_ids"].min() >= 1  # training rows are never padded
     docs = data_sources.embedded_documents()
     n_train = len(docs) - round(len(docs) * cfg.eval_holdout_fraction)
-    order = np.random.default_rng([cfg.data_shuffle_seed, 0]).permutation(n_train)
-    expected = _reference_pairs([docs[i] for i in order])
-    got = _pairs(batches)
-    assert got == expected[:len(got)]
+    orders = [np.random.default_rng([cfg.data_shuffle_seed, e]).permutation(n_train) for e in range(2)]
+    for row in range(BATCH):  # row r packs positions r, r + BATCH, ... of each epoch's order
+        expected = _reference_pairs([docs[i] for order in orders for i in order[row::BATCH]])
+        got = _pairs(batches, row)
+        assert len(got) == 40 * cfg.max_target_length and got == expected[:len(got)], row
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "txt"])
@@ -98,11 +100,12 @@ def test_local_files_stream_over_epochs_and_hold_out_eval(tmp_path, kind):
     if kind == "txt":  # paragraphs split at blank lines; the file's final newline stays on the last
         texts[-1] += "\n"
     train_texts, eval_texts = texts[:9], texts[9:]
-    epochs = [[train_texts[i] for i in np.random.default_rng([0, e]).permutation(9)] for e in range(10)]
-    expected = _reference_pairs([t for epoch in epochs for t in epoch])
-    got = _pairs(batches)
-    assert len(got) == 30 * BATCH * cfg.max_target_length and stream.state()["epoch"] >= 1
-    assert got == expected[:len(got)]
+    epochs = [[train_texts[i] for i in np.random.default_rng([0, e]).permutation(9)] for e in range(40)]
+    for row in range(BATCH):  # row r packs positions r, r + BATCH, ... of each epoch's order
+        expected = _reference_pairs([t for epoch in epochs for t in epoch[row::BATCH]])
+        got = _pairs(batches, row)
+        assert len(got) == 30 * cfg.max_target_length and got == expected[:len(got)], row
+    assert all(epoch >= 1 for epoch, _, _ in stream.state()["rows"])
     ev = list(data.eval_batches(cfg, BATCH))
     _check_row_invariants(ev[-1], cfg.max_target_length)
     assert _pairs(ev) == _reference_pairs(eval_texts)
@@ -192,3 +195,81 @@ def test_restore_refuses_other_data_settings(tmp_path):
     other = data.train_batches(tiny_config(None, "data_shuffle_seed=1"), BATCH)
     with pytest.raises(DataError, match="data_shuffle_seed"):
         other.restore(stream.state())
+
+
+# ----------------------------------------------------------------------------- rows per process
+
+ROWS = 4
+
+
+def _split(processes):
+    """The rows of each of `processes` equal processes (contiguous, as `local_batch_slice` gives them)."""
+    per = ROWS // processes
+    return [range(p * per, (p + 1) * per) for p in range(processes)]
+
+
+@pytest.mark.parametrize("source", ["embedded", "streaming", "synthetic"])
+def test_any_process_count_gives_the_same_global_batches_and_positions(tmp_path, source):
+    """1, 2 and 4 processes (simulated: each reads `rows`) give one process's global batches, and their
+    positions, joined as a checkpoint joins them, resume under the same process count bitwise."""
+    extra = {"embedded": [], "synthetic": ["dataset_type=synthetic"]}.get(source)
+    if extra is None:
+        path, _ = _docs_file(tmp_path, n=9)
+        extra = [f"hf_path={path}", "hf_streaming=true", "eval_holdout_fraction=0"]
+    cfg = tiny_config(None, *extra)
+    one = data.train_batches(cfg, ROWS)
+    want = [next(one) for _ in range(12)]  # crosses epochs on the small file
+    for processes in (2, 4):
+        streams = [data.train_batches(cfg, ROWS, rows) for rows in _split(processes)]
+        for step in range(12):
+            parts = [next(s) for s in streams]
+            for k in data.BATCH_KEYS:
+                np.testing.assert_array_equal(np.concatenate([p[k] for p in parts]), want[step][k],
+                                              err_msg=f"{processes} processes, step {step}, {k}")
+            if step == 5:
+                joined = json.loads(json.dumps(data.merge_positions([s.state() for s in streams])))
+        resumed = [data.train_batches(cfg, ROWS, rows) for rows in _split(processes)]
+        for s in resumed:
+            s.restore(joined)
+        for step in range(6, 12):
+            got = np.concatenate([next(s)["tokens"] for s in resumed])
+            np.testing.assert_array_equal(got, want[step]["tokens"], err_msg=f"{processes} processes resumed, step {step}")
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_process_tokenises_only_the_documents_of_its_rows(tmp_path, monkeypatch, streaming):
+    path, texts = _docs_file(tmp_path, n=16)
+    cfg = tiny_config(None, f"hf_path={path}", f"hf_streaming={streaming}", "eval_holdout_fraction=0")
+    tokenised = []
+    ids = data.document_ids
+    monkeypatch.setattr(data, "document_ids", lambda tok, text: tokenised.append(text) or ids(tok, text))
+    stream = data.train_batches(cfg, ROWS, range(2, 3))  # process 2 of 4
+    for _ in range(6):
+        next(stream)
+    epoch, position, _ = stream.state()["rows"][2]
+    assert stream.state()["rows"][:2] == [None, None] and stream.state()["rows"][3] is None
+    docs = data_sources.Documents(cfg, "train")
+    orders = [list(docs.epoch(e, 0, shuffle=True)) for e in range(epoch + 1)]
+    mine = [t for e, order in enumerate(orders) for p, t in enumerate(order) if p % ROWS == 2 and (e, p) <= (epoch, position)]
+    assert tokenised == mine[:len(tokenised)] and len(tokenised) >= len(mine) - 1
+
+
+def test_a_position_for_another_global_batch_is_refused():
+    stream = data.train_batches(tiny_config(), ROWS)
+    next(stream)
+    with pytest.raises(DataError, match="global batch of 4 rows, not 2 rows"):
+        data.train_batches(tiny_config(), 2).restore(stream.state())
+    old = {"epoch": 0, "document": 3, "offset": 5, "data": stream.state()["data"]}  # one stream for all rows
+    with pytest.raises(DataError, match="an older dsv4"):
+        data.train_batches(tiny_config(), ROWS).restore(old)
+    notices = data.train_batches(tiny_config(None, "allow_data_change=true"), ROWS).check(old)
+    assert any("starts from its beginning" in n for n in notices)
+
+
+def test_too_few_documents_for_the_rows_is_one_line(tmp_path):
+    path, _ = _docs_file(tmp_path, n=3)
+    cfg = tiny_config(None, f"hf_path={path}", "eval_holdout_fraction=0")
+    with pytest.raises(DataError, match="row 3 of the 4-row global batch") as e:
+        for _ in range(50):
+            next(data.train_batches(cfg, ROWS))
+    assert "\n" not in str(e.value)
