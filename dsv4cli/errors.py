@@ -16,12 +16,17 @@ import typer
 DEBUG = {"on": False}
 
 
-def fail(message: str, code: int = 2) -> None:
-    """Print one red line on stderr and exit with `code`."""
+def print_error(message: str) -> None:
+    """One red line on stderr, "error: <message>"."""
     from rich.console import Console
     from rich.markup import escape
 
     Console(stderr=True, highlight=False, soft_wrap=True).print(f"[red]error:[/red] {escape(message)}")
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print one red line on stderr and exit with `code`."""
+    print_error(message)
     raise typer.Exit(code)
 
 

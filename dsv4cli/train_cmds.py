@@ -58,7 +58,11 @@ def _train(stage: str, *, overrides, steps, output, model, config, init_from=Non
     run_dir = check_output_dir(run_dir, "--output" if output else "run directory (base_output_directory/run_name)")
     from core.parallel.mesh import initialize_distributed, is_main_process
 
-    initialize_distributed(*hosts)  # before any JAX work; a no-op for a plain single process
+    if initialize_distributed(*hosts):  # before any JAX work; a no-op for a plain single process
+        from core.parallel import peers
+        from dsv4cli.errors import print_error
+
+        peers.watch(print_error)  # a lost peer: one line and exit 5, not XLA's abort
     from core.train.compile_cache import enable_compilation_cache
 
     enable_compilation_cache(cfg.jax_cache_dir)  # before the step compiles: a rerun of this shape reads it back

@@ -1,6 +1,6 @@
 """Device meshes and shardings: where arrays live, on one host or many.
 
 Modules: mesh (the (data, fsdp, tensor, expert) mesh, granules, multi-host start-up), sharding
-(logical-axis rules, sharded state and batches).
+(logical-axis rules, sharded state and batches), peers (a lost process: watch and goodbye).
 May import: core.model and below.
 """

@@ -6,7 +6,9 @@
   how to fix them (`plan_mesh` resolves the sizes without touching devices). Axes are
   `AxisType.Auto`: jit propagates shardings (GSPMD), the layers stay mesh-agnostic.
 - Multi-host: `initialize_distributed` calls `jax.distributed.initialize` when flags or a cluster
-  environment ask for it; `is_main_process()` gates printing and metrics.
+  environment ask for it; `is_main_process()` gates printing and metrics; `wait_for_peers` and
+  `exchange` meet the other processes through the coordination service; core/parallel/peers.py
+  watches for a lost one.
 
 core/parallel/sharding.py places arrays on the mesh.
 """
@@ -187,10 +189,6 @@ def cluster_environment() -> str | None:
     return None
 
 
-# The coordination service declares a process lost after this many seconds without a heartbeat, and
-# the others then stop (docs/scaling.md#when-a-process-is-lost).
-HEARTBEAT_TIMEOUT_S = 100
-SHUTDOWN_TIMEOUT_S = 300
 # How long the processes wait for each other at a named barrier (`wait_for_peers`): one process can
 # compile or restore far slower than another on a loaded host.
 BARRIER_TIMEOUT_S = 3600
@@ -275,10 +273,14 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
                               "--num-processes N and --process-id I on every process (or launch under SLURM / Open MPI).")
     if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
         raise ConfigError(f"--process-id {process_id} is outside 0..{num_processes - 1}: number the processes 0 to --num-processes - 1.")
+    from core.parallel import peers
+
+    # a lost process is reported to the others' watch (core/parallel/peers.py), not fatal to them
+    jax.config.update("jax_enable_recoverability", True)
     try:
         jax.distributed.initialize(coordinator_address, num_processes, process_id,
-                                   initialization_timeout=timeout_s, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
-                                   shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
+                                   initialization_timeout=timeout_s, heartbeat_timeout_seconds=peers.heartbeat_timeout_s(),
+                                   shutdown_timeout_seconds=peers.SHUTDOWN_TIMEOUT_S)
     except RuntimeError as e:
         if "before any JAX" in str(e) or "must be called before" in str(e):
             raise ConfigError("jax.distributed.initialize ran after JAX had started: initialise the distributed "
@@ -286,6 +288,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         raise
     except (ValueError, TypeError) as e:
         raise ConfigError(f"cannot join the multi-host run ({e}): check --coordinator-address, --num-processes and --process-id.") from e
+    peers.joined()
     return True
 
 

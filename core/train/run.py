@@ -38,9 +38,11 @@ from core.train.run_lock import RunLock, releases_lock_on_error
 from core.train.write_errors import WriteGuard, quiet_write_errors, tree_bytes
 from core.data.batches import merge_positions, train_batches
 from core.data.prefetch import Prefetch
-from core.errors import CheckpointError, ClusterError, PreemptedError, RunWriteError, device_memory_error
+from core.errors import (CheckpointError, ClusterError, DivergenceError, PreemptedError, RunWriteError,
+                         device_memory_error)
 from core.model import transformer
 from core.train.precompile import StepPrecompile, ahead_or_jitted_step, check_state_fits
+from core.parallel import peers
 from core.parallel.mesh import describe_mesh, exchange, first_line, make_mesh, wait_for_peers
 from core.parallel.sharding import local_batch_slice, shard_batch
 from core.train.stop import StopRequest
@@ -99,6 +101,12 @@ def step_memory_note(compiled, device) -> str | None:
 def _write_metrics(run_dir: Path, rows: list[dict[str, Any]]) -> None:
     """Replace metrics.jsonl by `rows` (the format of `ckpt.append_metrics`)."""
     (run_dir / run_files.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _kept(last_saved: int | None) -> str:
+    """The last complete checkpoint, for a line that stops a multi-process run."""
+    return (f"checkpoint step {last_saved} is the last complete one" if last_saved is not None
+            else "no checkpoint was written yet")
 
 
 @dataclasses.dataclass
@@ -173,6 +181,7 @@ class Trainer:
         self._step_fn = (ahead.step(self.graphdef, self.state, setup.mesh) if ahead is not None
                          else ahead_or_jitted_step(cfg, self.graphdef, self.state, setup.mesh))
         self.last_saved = self.resumed_from
+        peers.set_progress(lambda: _kept(self.last_saved))  # what a lost-process line says
         self.info = self._describe(init_from, fresh_indexer, notices)
         # processes compile and restore at their own pace: start step 0's collectives together
         wait_for_peers("dsv4-step-compiled")
@@ -284,8 +293,8 @@ class Trainer:
         except (jax.errors.JaxRuntimeError, ValueError) as e:  # a gloo time-out arrives as a ValueError
             if jax.process_count() == 1 or device_memory_error(e) is not None:
                 raise
-            kept = (f"checkpoint step {self.last_saved} is the last complete one" if self.last_saved is not None
-                    else "no checkpoint was written yet")
+            peers.await_verdict()  # a peer that died: its loss is the line to show (core/parallel/peers.py)
+            kept = _kept(self.last_saved)
             cpu = (" (on CPUs this can also be XLA:CPU's collective order, docs/scaling.md#collective-order-on-the-cpu)"
                    if "Gloo" in str(e) else "")
             raise ClusterError(f"step {step} failed on process {jax.process_index()} of {jax.process_count()}: a "
@@ -326,6 +335,10 @@ class Trainer:
                             row = self._settle(pending, stop)
                             yield row
                         self._stop(step, row, current.data, *decision)
+            peers.leave("done")  # every process ends after the same step: none is lost when another exits
+        except DivergenceError:
+            peers.leave("done")  # the guard's verdict is all-reduced: every process stops at this step
+            raise
         finally:
             try:
                 if self.events is not None:
@@ -376,9 +389,11 @@ class Trainer:
         """Every process stops after `step` (core/train/stop.py): Ctrl-C and SIGTERM save this step's
         checkpoint first (on every process); a write error keeps the last complete one."""
         if reason == "write":
+            peers.leave("done")
             raise RunWriteError(message or f"a write failed on another process after step {step}: see its error line")
         if self.last_saved != step:
             self._save(step, row, data)
+        peers.leave("done")  # an agreed stop: none is lost when another exits
         if reason == "interrupted":
             raise KeyboardInterrupt
         raise PreemptedError(f"stopped by SIGTERM after step {step}; checkpoint step {step} is saved"

@@ -164,3 +164,162 @@ def test_the_most_severe_stop_reason_wins():
     stop.request("write", "cannot write metrics")
     stop.request("preempted")  # milder than a write error: kept out
     assert stop.agreed(1) == ("write", "cannot write metrics")
+
+
+# ----------------------------------------------------------------------------- several processes (localhost)
+
+# Two processes x 2 fake CPU devices, `dsv4 warmup` as a user runs it. One uninterrupted reference run
+# serves every comparison: the Ctrl-C run, resumed and then stopped by SIGTERM, resumed again to the
+# end, must log the reference's metrics bitwise. A third run loses a process to kill -9.
+MULTI_STEPS = 40  # JAX's preemption sync point comes a few steps after SIGTERM, later under load
+MULTI = (*SMALL[:-2], "checkpoint_period=100", f"learning_rate_schedule_steps={MULTI_STEPS}", "async_checkpointing=false")
+MULTI_HEARTBEAT_S = 10  # DSV4_HEARTBEAT_TIMEOUT_S of the kill -9 run
+_CLUSTER_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "DSV4_DISTRIBUTED",
+                 "SLURM_JOB_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+
+
+def _launch(run, name: str, heartbeat_s: int | None = None) -> list:
+    """Both processes of a localhost run into `run` (their output: <run>.<name>.<id>.out|err)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")])),
+               XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0 "
+                         "--xla_llvm_disable_expensive_passes=true")
+    if heartbeat_s is not None:
+        from core.parallel import peers
+
+        env[peers.HEARTBEAT_ENV] = str(heartbeat_s)
+    procs = []
+    for pid in range(2):
+        out, err = (open(f"{run}.{name}.{pid}.{kind}", "w") for kind in ("out", "err"))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "dsv4cli.main", "warmup", "--steps", str(MULTI_STEPS), "--output", str(run),
+             "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid), *MULTI],
+            env=env, stdout=out, stderr=err))
+    return procs
+
+
+def _logged(run) -> list[dict]:
+    import json
+
+    path = run / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def _when_logged(run, procs, step: int, timeout: float = 600) -> None:
+    """Block until step `step` is in metrics.jsonl (both processes still running)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not any(r["step"] >= step for r in _logged(run)):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
+            f"the run ended or stalled before step {step}: exit codes {[p.poll() for p in procs]}"
+        time.sleep(0.05)
+
+
+def _ended(run, name: str, procs, timeout: float = 600) -> list[dict]:
+    """Wait for both processes; their exit codes and error lines."""
+    import subprocess
+
+    out = []
+    for pid, p in enumerate(procs):
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"{name}: process {pid} hangs") from None
+        err = open(f"{run}.{name}.{pid}.err").read()
+        out.append({"rc": p.returncode, "err": err, "lines": [line for line in err.splitlines() if line.startswith("error:")]})
+    return out
+
+
+def _checkpoints(run) -> list[int]:
+    return sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@pytest.fixture(scope="module")
+def cluster_runs(tmp_path_factory):
+    """The reference and the kill -9 run start together; the Ctrl-C -> SIGTERM -> resumed chain starts once
+    the reference has compiled the step (the later runs read it from the compilation cache)."""
+    import signal
+    import threading
+    import time
+
+    root = tmp_path_factory.mktemp("cluster")
+    straight, lost, chain = root / "straight", root / "lost", root / "chain"
+    started = time.monotonic()
+    reference, dying = _launch(straight, "straight"), _launch(lost, "lost", MULTI_HEARTBEAT_S)
+    _when_logged(lost, dying, 1)
+    dying[1].kill()  # kill -9 of process 1
+    killed, survivor_ended = time.monotonic(), []
+    threading.Thread(target=lambda: survivor_ended.append(dying[0].wait() is not None and time.monotonic()),
+                     daemon=True).start()
+    _when_logged(straight, reference, 0)
+    procs = _launch(chain, "ctrl_c")  # Ctrl-C on process 1 alone
+    _when_logged(chain, procs, 0)
+    procs[1].send_signal(signal.SIGINT)
+    out = {"ctrl_c": _ended(chain, "ctrl_c", procs)}
+    out["ctrl_c_rows"], out["ctrl_c_checkpoints"] = _logged(chain), _checkpoints(chain)
+    procs = _launch(chain, "sigterm")  # resumed, then SIGTERM to every process
+    _when_logged(chain, procs, out["ctrl_c_checkpoints"][-1] + 1)
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    out["sigterm"] = _ended(chain, "sigterm", procs)
+    out["sigterm_rows"], out["sigterm_checkpoints"] = _logged(chain), _checkpoints(chain)
+    out["resumed"] = _ended(chain, "resumed", _launch(chain, "resumed"))
+    out["chain"] = _logged(chain)
+    out["lost"] = _ended(lost, "lost", dying)
+    out["lost_after_s"] = survivor_ended[0] - killed
+    out["straight"], out["reference"] = _ended(straight, "straight", reference), _logged(straight)
+    print(f"cluster runs: {time.monotonic() - started:.0f} s")  # shown with -s
+    return out
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_one_process_stops_every_process_after_the_same_step(cluster_runs):
+    from core.train.stop import STOP_CHECK_EVERY
+
+    assert [e["rc"] for e in cluster_runs["straight"]] == [0, 0], cluster_runs["straight"]
+    ends = cluster_runs["ctrl_c"]
+    assert [e["rc"] for e in ends] == [130, 130], ends
+    last = cluster_runs["ctrl_c_rows"][-1]["step"]
+    assert (last + 1) % STOP_CHECK_EVERY == 0 and last < MULTI_STEPS - 1, last  # an agreement step, not the end
+    assert cluster_runs["ctrl_c_checkpoints"] == [last], "both stopped after the same step and saved it"
+    assert all("Traceback" not in e["err"] for e in ends)
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_process_saves_the_current_step_and_the_reruns_are_bitwise(cluster_runs):
+    ends = cluster_runs["sigterm"]
+    assert [e["rc"] for e in ends] == [143, 143], ends
+    last = cluster_runs["sigterm_rows"][-1]["step"]
+    assert cluster_runs["sigterm_checkpoints"][-1] == last < MULTI_STEPS - 1, (cluster_runs["sigterm_checkpoints"], last)
+    assert all(len(e["lines"]) == 1 and f"SIGTERM after step {last}" in e["lines"][0] for e in ends), ends
+    assert [e["rc"] for e in cluster_runs["resumed"]] == [0, 0], cluster_runs["resumed"]
+    want, got = cluster_runs["reference"], cluster_runs["chain"]
+    assert [r["step"] for r in got] == list(range(MULTI_STEPS))
+    assert [[r[k] for k in KEYS] for r in got] == [[r[k] for k in KEYS] for r in want]
+
+
+@pytest.mark.slow
+def test_a_killed_process_ends_the_others_with_one_line(cluster_runs):
+    """kill -9 of process 1: process 0 exits 5 with one line within the heartbeat time-out plus one
+    look at the service (core/parallel/peers.py), instead of XLA's abort."""
+    from core.parallel import peers
+
+    survivor, killed = cluster_runs["lost"]
+    assert killed["rc"] == -9 and survivor["rc"] == 5, cluster_runs["lost"]
+    assert "Traceback" not in survivor["err"] and "Check failure" not in survivor["err"], survivor["err"][-3000:]
+    assert len(survivor["lines"]) == 1, survivor["err"][-3000:]
+    assert "process 1 of 2 was lost" in survivor["lines"][0] and "no checkpoint was written yet" in survivor["lines"][0]
+    bound = MULTI_HEARTBEAT_S + 2 * peers.WATCH_PERIOD_S
+    assert cluster_runs["lost_after_s"] < bound + 30, cluster_runs["lost_after_s"]  # slack for a loaded machine
+    print(f"process 0 ended {cluster_runs['lost_after_s']:.1f} s after kill -9 (heartbeat {MULTI_HEARTBEAT_S} s)")
