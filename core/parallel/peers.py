@@ -113,9 +113,8 @@ def _watch() -> None:
             live = client.get_live_nodes(list(range(count)))
             gone = set(range(count)) - set(live) - set(_goodbyes(client))
         except Exception as e:  # noqa: BLE001  (the service itself is unreachable: process 0 is gone)
-            from core.parallel.mesh import first_line
-
-            return _end(f"process 0 of {count}, which holds the coordination service, was lost ({first_line(e)})",
+            cause = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+            return _end(f"process 0 of {count}, which holds the coordination service, was lost ({cause[:200]})",
                         reachable=False)
         if gone:
             return _end(f"process {min(gone)} of {count} was lost: it sent no heartbeat for {heartbeat_timeout_s()} s "
