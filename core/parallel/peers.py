@@ -108,7 +108,9 @@ def _watch() -> None:
     while not _State.stopped.wait(WATCH_PERIOD_S):
         try:
             failed = [p for p, how in _goodbyes(client).items() if how == "error" and p != me]
-            if failed:
+            if failed:  # this process may be failing alike: give its own line the time to come first
+                if _State.stopped.wait(WATCH_PERIOD_S):
+                    return
                 return _end(f"process {failed[0]} of {count} stopped with an error (its own output says which)")
             live = client.get_live_nodes(list(range(count)))
             gone = set(range(count)) - set(live) - set(_goodbyes(client))

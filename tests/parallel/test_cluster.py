@@ -56,6 +56,57 @@ def test_a_timed_out_gloo_collective_becomes_one_line(monkeypatch):
     assert "docs/scaling.md#collective-order-on-the-cpu" in message
 
 
+class _Service:
+    """The coordination service as the watch sees it: live processes and goodbyes."""
+
+    def __init__(self, live, goodbyes=()):
+        self.live, self.goodbyes, self.asked = live, dict(goodbyes), 0
+
+    def get_live_nodes(self, ids):
+        self.asked += 1
+        return {p: 1 for p in self.live}
+
+    def key_value_dir_get(self, prefix):
+        return [(f"{prefix}{p}", how) for p, how in self.goodbyes.items()]
+
+
+@pytest.mark.parametrize("goodbyes,line", [
+    ({}, "process 2 of 3 was lost: it sent no heartbeat for 100 s"),
+    ({2: "done"}, None),  # gone after an agreed end: not lost
+    ({1: "error"}, "process 1 of 3 stopped with an error"),
+])
+def test_the_watch_names_a_lost_process_once(monkeypatch, goodbyes, line):
+    import threading
+
+    from core.parallel import peers
+
+    service = _Service(live=[0, 1] if 1 not in goodbyes else [0, 1, 2], goodbyes=goodbyes)
+    lines, exits = [], []
+    monkeypatch.setattr(peers, "WATCH_PERIOD_S", 0.01)
+    monkeypatch.setattr(peers, "_client", lambda: service)
+    monkeypatch.setattr(peers, "_disconnect", lambda: None)
+    monkeypatch.setattr(peers.os, "_exit", exits.append)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    monkeypatch.setattr(jax, "process_count", lambda: 3)
+    monkeypatch.delenv(peers.HEARTBEAT_ENV, raising=False)
+    monkeypatch.setattr(peers._State, "stopped", threading.Event())
+    monkeypatch.setattr(peers._State, "left", None)
+    monkeypatch.setattr(peers._State, "report", lines.append)
+    monkeypatch.setattr(peers._State, "progress", staticmethod(lambda: "checkpoint step 7 is the last complete one"))
+    if line is None:  # the watch keeps asking until this process leaves
+        watch = threading.Thread(target=peers._watch)
+        watch.start()
+        while service.asked < 3:
+            pass
+        peers._State.stopped.set()
+        watch.join()
+        assert lines == [] and exits == []
+        return
+    peers._watch()
+    assert len(lines) == 1 and line in lines[0] and "checkpoint step 7 is the last complete one" in lines[0], lines
+    assert exits == [5]
+
+
 def test_a_single_process_passes_barriers_at_once():
     mesh_lib.wait_for_peers("test-barrier", timeout_s=1)  # no coordination service: nothing to wait for
 
