@@ -218,7 +218,7 @@ class Documents:
             return None
         order = self._orders.get(epoch)
         if order is None:
-            if len(self._orders) > 2:  # rows are at most an epoch apart
+            if len(self._orders) > 2:  # a cache: the rows of a process are seldom more than an epoch apart
                 self._orders.pop(min(self._orders))
             order = self._orders[epoch] = self._index[np.random.default_rng([self.seed, epoch]).permutation(len(self._index))]
         return self._text(self._texts[int(order[position])])
