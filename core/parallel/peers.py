@@ -1,4 +1,4 @@
-"""Lost processes: the processes of a run leave together, or say which one was lost (docs/scaling.md#when-a-process-is-lost).
+"""Lost processes: the processes of a run leave together, or name the lost one (docs/scaling.md#when-a-process-is-lost).
 
 JAX's coordination service declares a process lost when its heartbeats stop for
 `HEARTBEAT_TIMEOUT_S`. By default the JAX client then aborts every other process with XLA's fatal

@@ -11,9 +11,10 @@ process at a time holds a run directory (core/train/run_lock.py); a resume that 
 optimizer's structure or the schedule says so (core/train/resume_checks.py); write failures become
 one RunWriteError (core/train/write_errors.py).
 Ctrl-C, SIGTERM (JAX's preemption notice) and write errors stop every process after the same step
-(core/train/stop.py). Each process reads only its own rows of each batch (core/data/batches.py);
-a checkpoint joins their data positions. Batches are read ahead on a thread and each step's metrics are read after the
-next step is dispatched (`Trainer.run`; docs/scaling.md#host-work).
+(core/train/stop.py); a lost process ends the others with one line (core/parallel/peers.py). Each
+process reads only its own rows of each batch (core/data/batches.py); a checkpoint joins their data
+positions. Batches are read ahead on a thread and each step's metrics are read after the next step
+is dispatched (`Trainer.run`; docs/scaling.md#host-work).
 
 The step itself (`make_train_step`, `build`, `Setup`, ...) is core/train/step.py's.
 """
