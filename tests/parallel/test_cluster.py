@@ -224,7 +224,9 @@ def test_the_most_severe_stop_reason_wins():
 # end, must log the reference's metrics bitwise. A third run loses a process to kill -9.
 MULTI_STEPS = 40  # JAX's preemption sync point comes a few steps after SIGTERM, later under load
 MULTI = (*SMALL[:-2], "checkpoint_period=100", f"learning_rate_schedule_steps={MULTI_STEPS}", "async_checkpointing=false")
-MULTI_HEARTBEAT_S = 10  # DSV4_HEARTBEAT_TIMEOUT_S of the kill -9 run
+# DSV4_HEARTBEAT_TIMEOUT_S of the kill -9 run: a heartbeat RPC that misses it ends a process, so a few
+# seconds are too few on a heavily loaded machine; the wait overlaps the other runs.
+MULTI_HEARTBEAT_S = 30
 _CLUSTER_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "DSV4_DISTRIBUTED",
                  "SLURM_JOB_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 
@@ -308,28 +310,35 @@ def cluster_runs(tmp_path_factory):
     straight, lost, chain = root / "straight", root / "lost", root / "chain"
     started = time.monotonic()
     reference, dying = _launch(straight, "straight"), _launch(lost, "lost", MULTI_HEARTBEAT_S)
-    _when_logged(lost, dying, 1)
-    dying[1].kill()  # kill -9 of process 1
-    killed, survivor_ended = time.monotonic(), []
-    threading.Thread(target=lambda: survivor_ended.append(dying[0].wait() is not None and time.monotonic()),
-                     daemon=True).start()
-    _when_logged(straight, reference, 0)
-    procs = _launch(chain, "ctrl_c")  # Ctrl-C on process 1 alone
-    _when_logged(chain, procs, 0)
-    procs[1].send_signal(signal.SIGINT)
-    out = {"ctrl_c": _ended(chain, "ctrl_c", procs)}
-    out["ctrl_c_rows"], out["ctrl_c_checkpoints"] = _logged(chain), _checkpoints(chain)
-    procs = _launch(chain, "sigterm")  # resumed, then SIGTERM to every process
-    _when_logged(chain, procs, out["ctrl_c_checkpoints"][-1] + 1)
-    for p in procs:
-        p.send_signal(signal.SIGTERM)
-    out["sigterm"] = _ended(chain, "sigterm", procs)
-    out["sigterm_rows"], out["sigterm_checkpoints"] = _logged(chain), _checkpoints(chain)
-    out["resumed"] = _ended(chain, "resumed", _launch(chain, "resumed"))
-    out["chain"] = _logged(chain)
-    out["lost"] = _ended(lost, "lost", dying)
-    out["lost_after_s"] = survivor_ended[0] - killed
-    out["straight"], out["reference"] = _ended(straight, "straight", reference), _logged(straight)
+    launched = [*reference, *dying]
+    try:
+        _when_logged(lost, dying, 1)
+        dying[1].kill()  # kill -9 of process 1
+        killed, survivor_ended = time.monotonic(), []
+        threading.Thread(target=lambda: survivor_ended.append(dying[0].wait() is not None and time.monotonic()),
+                         daemon=True).start()
+        _when_logged(straight, reference, 0)
+        launched += (procs := _launch(chain, "ctrl_c"))  # Ctrl-C on process 1 alone
+        _when_logged(chain, procs, 0)
+        procs[1].send_signal(signal.SIGINT)
+        out = {"ctrl_c": _ended(chain, "ctrl_c", procs)}
+        out["ctrl_c_rows"], out["ctrl_c_checkpoints"] = _logged(chain), _checkpoints(chain)
+        launched += (procs := _launch(chain, "sigterm"))  # resumed, then SIGTERM to every process
+        _when_logged(chain, procs, out["ctrl_c_checkpoints"][-1] + 1)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        out["sigterm"] = _ended(chain, "sigterm", procs)
+        out["sigterm_rows"], out["sigterm_checkpoints"] = _logged(chain), _checkpoints(chain)
+        launched += (procs := _launch(chain, "resumed"))
+        out["resumed"] = _ended(chain, "resumed", procs)
+        out["chain"] = _logged(chain)
+        out["lost"] = _ended(lost, "lost", dying)
+        out["lost_after_s"] = survivor_ended[0] - killed
+        out["straight"], out["reference"] = _ended(straight, "straight", reference), _logged(straight)
+    finally:
+        for p in launched:  # a failed fixture leaves nothing running
+            if p.poll() is None:
+                p.kill()
     print(f"cluster runs: {time.monotonic() - started:.0f} s")  # shown with -s
     return out
 
