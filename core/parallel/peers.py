@@ -105,6 +105,7 @@ def _goodbyes(client) -> dict[int, str]:
 
 def _watch() -> None:
     client, me, count = _client(), jax.process_index(), jax.process_count()
+    failing_since = None
     while not _State.stopped.wait(WATCH_PERIOD_S):
         try:
             failed = [p for p, how in _goodbyes(client).items() if how == "error" and p != me]
@@ -114,10 +115,14 @@ def _watch() -> None:
                 return _end(f"process {failed[0]} of {count} stopped with an error (its own output says which)")
             live = client.get_live_nodes(list(range(count)))
             gone = set(range(count)) - set(live) - set(_goodbyes(client))
-        except Exception as e:  # noqa: BLE001  (the service itself is unreachable: process 0 is gone)
+        except Exception as e:  # noqa: BLE001  (a slow answer on a loaded host, or the service is gone)
+            failing_since = failing_since or time.monotonic()
+            if time.monotonic() - failing_since < heartbeat_timeout_s():
+                continue
             cause = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-            return _end(f"process 0 of {count}, which holds the coordination service, was lost ({cause[:200]})",
-                        reachable=False)
+            return _end(f"process 0 of {count}, which holds the coordination service, cannot be reached "
+                        f"({cause[:200]})", reachable=False)
+        failing_since = None
         if gone:
             return _end(f"process {min(gone)} of {count} was lost: it sent no heartbeat for {heartbeat_timeout_s()} s "
                         "(killed, or its host failed)")
