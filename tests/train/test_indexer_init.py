@@ -24,7 +24,9 @@ PRETRAIN_STEPS = 4
 
 
 def _warmup(run_dir, source, steps: int):
-    cfg = tiny_config("warmup", "indexer_init=teacher", "indexer_init_batches=2", steps=steps, checkpoint_period=1)
+    # one schedule for every run length: A, B and B's resume share one compiled step
+    cfg = tiny_config("warmup", "indexer_init=teacher", "indexer_init_batches=2", "learning_rate_schedule_steps=2",
+                      steps=steps, checkpoint_period=1)
     trainer = train.Trainer(cfg, stage="warmup", run_dir=run_dir, init_from=source)
     rows = list(trainer.run())
     return trainer.info, rows
