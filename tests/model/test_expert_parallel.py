@@ -44,7 +44,8 @@ def worker():
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("JAX_ENABLE_X64", None)
     with tempfile.TemporaryDirectory() as dump:             # XLA's buffer assignment, for the largest temporaries
-        env.update(DSV4_TEST_DUMP=dump, XLA_FLAGS=f"{env['XLA_FLAGS']} --xla_dump_to={dump}")
+        env.update(DSV4_TEST_DUMP=dump,                      # of `_memory`'s programs only
+                   XLA_FLAGS=f"{env['XLA_FLAGS']} --xla_dump_to={dump} --xla_dump_hlo_module_re=.*moe_memory.*")
         proc = subprocess.run([sys.executable, str(HERE)], env=env, cwd=ROOT, capture_output=True, text=True,
                               timeout=1200)
     assert proc.returncode == 0, proc.stderr[-6000:]
