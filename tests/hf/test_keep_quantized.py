@@ -33,6 +33,7 @@ from core.hf.importer import read_source
 from dsv4cli.main import app
 from tests.hf_checkpoints import SMALL, write_official
 
+pytestmark = pytest.mark.slow  # two imports and two warm-ups through the CLI, each compiled: the file starts early
 runner = CliRunner()
 # 128-token rows (HCA's block), one row, k below the 32 blocks of a row
 WARMUP = ("--steps", "5", "dataset_type=synthetic", "max_target_length=128", "per_device_batch_size=1",
