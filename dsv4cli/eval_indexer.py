@@ -18,7 +18,6 @@ EPILOG = "Example: dsv4 eval-indexer runs/warmup --rows 16 --length 256 --topk 4
 
 Rows = Annotated[int, typer.Option("--rows", help="Held-out rows to score: the first N of the data source, whatever the run's batch.")]
 Length = Annotated[Optional[int], typer.Option("--length", help="Tokens per row (default: the run's max_target_length).")]
-BatchRows = Annotated[Optional[int], typer.Option("--batch-rows", help="Rows per step (default: one per data/fsdp/expert shard); the figures do not depend on it.")]
 TopK = Annotated[Optional[str], typer.Option("--topk", help="k values to sweep, e.g. 4,8,16 (default: the run's indexer_topk).")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of the random-blocks baseline and of synthetic rows.")]
 Data = Annotated[Optional[str], typer.Option("--data", help="Evaluate on this dataset instead of the run's (sets hf_path).")]
@@ -34,7 +33,7 @@ def command(
     step: opt.StepOpt = None,
     rows: Rows = 16,
     length: Length = None,
-    batch_rows: BatchRows = None,
+    batch_rows: opt.BatchRows = None,
     topk: TopK = None,
     seed: Seed = 0,
     data: Data = None,

@@ -20,6 +20,7 @@ Steps = Annotated[Optional[int], typer.Option("--steps", help="Total optimizer s
 Output = Annotated[Optional[Path], typer.Option("--output", "-o", help="Run directory (default: runs/<command>).")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 StepOpt = Annotated[Optional[int], typer.Option("--step", help="Checkpoint step to read (default: the latest).")]
+BatchRows = Annotated[Optional[int], typer.Option("--batch-rows", help="Evaluation rows per step (default: one per data/fsdp/expert shard), whatever the run's training batch; the figures do not depend on it.")]
 CkptPath = Annotated[Path, typer.Argument(help="A run directory, its checkpoints/ directory, or one step directory.")]
 
 # Multi-host (jax.distributed): give all three on every process, or none under SLURM / Open MPI /

@@ -36,13 +36,15 @@ CompileTimeout = Annotated[float, typer.Option("--compile-timeout", help="--sear
 @handle_errors
 def command(target: Target, overrides: opt.Overrides = None, model: opt.Model = "deepseek4-tiny", stage: Stage = "sparse",
             config: opt.ConfigFile = None, top: Top = 5, json_out: opt.Json = False, search: Search = False,
-            max_batch: MaxBatch = 8, cache: Cache = Path("runs/plan-cache"), compile_timeout: CompileTimeout = 900.0) -> None:
+            max_batch: MaxBatch = 8, cache: Cache = Path("runs/plan-cache"), compile_timeout: CompileTimeout = 900.0,
+            batch_rows: opt.BatchRows = None) -> None:
     from core.config.files import STAGES
     from core.errors import ConfigError
     from core.plan import compile as plan_compile
 
     if stage not in (*STAGES, plan_compile.EVAL):
         raise ConfigError(f"--stage {stage!r}: use one of {', '.join(STAGES)}, {plan_compile.EVAL}.")
+    plan_compile.check_eval_batch(stage, overrides or [], batch_rows)
     if search and stage == plan_compile.EVAL:
         raise ConfigError("--search plans training steps: drop --search, or plan --stage eval on a mesh you give (ici_*=...).")
     if search:
@@ -56,7 +58,7 @@ def command(target: Target, overrides: opt.Overrides = None, model: opt.Model = 
                                     "model takes minutes, a GPU one 5-15 here)...[/dim]")
 
     result = plan_compile.plan(model, stage, target, overrides or [], config_file=None if config is None else str(config),
-                               top=top, on_start=started)
+                               top=top, batch_rows=batch_rows, on_start=started)
     typer.echo(json.dumps(result, indent=2)) if json_out else render(display.console(), result)
     raise typer.Exit(0 if result["fits"] else 1)
 

@@ -173,14 +173,15 @@ def make_eval_step(spec: StepSpec, mesh=None, cfg=None) -> Callable[..., Any]:
     return run
 
 
-def lowered_eval(cfg, ks: Sequence[int], mesh=None) -> tuple[dict[str, Any], Any]:
+def lowered_eval(cfg, ks: Sequence[int], mesh=None, eval_set: EvalSet = EvalSet()) -> tuple[dict[str, Any], Any]:
     """The eval step's programs lowered from `core.train.program.abstract_inputs` on `mesh` (default
-    the run's own), as `make_eval_step` jits them; nothing is allocated. `dsv4 plan --stage eval`
-    compiles these.
+    the run's own), as `make_eval_step` jits them, over a batch of the evaluation's own rows per step
+    (`core.eval.rows.batch_rows(eval_set, mesh)`: `eval_set.batch_rows`, else one per batch shard;
+    never the training batch); nothing is allocated. `dsv4 plan --stage eval` compiles these.
 
     Returns:
-      ({part: jax.stages.Lowered} for PROGRAMS, program.StepInputs with the eval batch: the
-      training batch's arrays and "rows" [B], split over the batch axes).
+      ({part: jax.stages.Lowered} for PROGRAMS, program.StepInputs with the eval batch: EVAL_KEYS,
+      [rows, T] and "rows" [rows], split over the batch axes).
     """
     import jax
 
@@ -189,8 +190,9 @@ def lowered_eval(cfg, ks: Sequence[int], mesh=None) -> tuple[dict[str, Any], Any
     from core.train import program
 
     inputs = program.abstract_inputs(cfg, (abstract(cfg),), mesh)
-    rows = next(iter(inputs.batch.values())).shape[0]
-    batch = {**inputs.batch, "rows": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=batch_sharding(inputs.mesh))}
+    rows, sharding = batch_rows(eval_set, inputs.mesh), batch_sharding(inputs.mesh)
+    shape = lambda name: (rows,) if name == "rows" else (rows, cfg.max_target_length)  # noqa: E731
+    batch = {name: jax.ShapeDtypeStruct(shape(name), jnp.int32, sharding=sharding) for name in EVAL_KEYS}
     spec = StepSpec.of(cfg, ks)
     lowered = {part: program.jit_step(state_step(spec, part, inputs.graphdef), cfg, inputs.mesh).lower(inputs.state, batch)
                for part in PROGRAMS}

@@ -28,7 +28,7 @@ Top-k everywhere is `core.ops.topk.select_topk`: ties to the lower block index.
 Streaming (DESIGN.md, "Memory"): `layer_sums` runs inside the model's CSA layer (its `observe`
 hook, core.model.attention) on the indexer's and the teacher's inputs per run of rows, and scans
 over query blocks of qc rows with the streamed loss's row machinery (core/loss/indexer_kl_rows.py:
-`teacher_rows`, `kl_rows`, `scan_blocks`). What lives at once, per block: the teacher's
+`teacher_rows`, `kl_terms`, `scan_blocks`). What lives at once, per block: the teacher's
 [B, qc, hc, W] logits of one head group, the indexer's [B, qc, W, HI] logits, and a few
 [B, qc, W] rows (scores, P, masks, random draws); per layer only the metric sums leave it. The
 dense formulation ([B, T, W] and [B, H, T, W] whole) is the tests' reference
@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from core.loss.indexer_kl_rows import (EPS, Spec, compute_dtype, kl_rows, resolve_chunk, scan_blocks, slice_t,
+from core.loss.indexer_kl_rows import (EPS, Spec, compute_dtype, kl_terms, resolve_chunk, scan_blocks, slice_t,
                                        teacher_rows)
 from core.ops.chunked_attention import block_keys
 from core.ops.masks import Packing, visible_rows
@@ -106,16 +106,18 @@ def block_sums(psum_btw, scores_btw, visible_btw, random_btw, ks: Sequence[int])
     """
     dtype = psum_btw.dtype
     p_btw = psum_btw / (jnp.sum(psum_btw, axis=-1, keepdims=True) + EPS)
-    zeros_btw = jnp.zeros_like(p_btw)
+    # the KL terms of the indexer and of a uniform student, once: a row's KL is the sum of its
+    # terms whatever k, so every k's subset of rows only masks them
+    terms = [kl_terms(s_btw, psum_btw, visible_btw)[0] for s_btw in (scores_btw, jnp.zeros_like(p_btw))]
 
-    def kls(allowed_btw):  # (sum of kl, sum of kl_uniform) over the rows with something allowed
-        return kl_rows(scores_btw, psum_btw, allowed_btw, False)[0], kl_rows(zeros_btw, psum_btw, allowed_btw, False)[0]
+    def kls(rows_bt):  # (sum of kl, sum of kl_uniform) over the rows in rows_bt
+        return tuple(jnp.sum(jnp.where(rows_bt[..., None], t_btw, 0.0)) for t_btw in terms)
 
-    kl_all, klu_all = kls(visible_btw)
+    kl_all, klu_all = (jnp.sum(t_btw) for t_btw in terms)  # rows with nothing visible have no terms
     per_k, counts = {"all": [], "informative": []}, []
     for k in ks:
         r = row_metrics(p_btw, scores_btw, visible_btw, random_btw, k)
-        kl_inf, klu_inf = kls(visible_btw & r["informative"][..., None])
+        kl_inf, klu_inf = kls(r["informative"])
         for subset, mask, kl, klu in (("all", r["valid"], kl_all, klu_all), ("informative", r["informative"], kl_inf, klu_inf)):
             sums = {m: jnp.sum(jnp.where(mask, r[m], 0.0)).astype(dtype) for m in METRICS if m not in ("kl", "kl_uniform")}
             per_k[subset].append({**sums, "kl": kl, "kl_uniform": klu})

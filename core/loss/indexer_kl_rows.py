@@ -3,7 +3,7 @@
 Shared by both entry points of core/loss/indexer_kl.py (given scores) and core/loss/indexer_kl_streamed.py
 (streamed from the indexer's inputs); the maths and its gradient are described there. Per query
 block of qc rows and head group of hc heads, `teacher_rows` holds the [B, qc, hc, W] logits of one
-group at a time and `kl_rows` the [B, qc, W] rows of one block; `scan_blocks` runs a block function
+group at a time and `kl_rows` (its terms: `kl_terms`) the [B, qc, W] rows of one block; `scan_blocks` runs a block function
 over the query blocks with `lax.scan` (a plain call for a single block). `Teacher` groups the
 main attention's inputs that the streamed loss builds its target from, per run of rows;
 `WholeTeacher` holds the same inputs built whole, as the direct loss takes them, and
@@ -164,11 +164,9 @@ def teacher_rows(spec: Spec, q_bthd, kv_bwd, allowed_btw, raw_kv_bsd=None, windo
     return acc_btw
 
 
-def kl_rows(scores_btw, psum_btw, allowed_btw, with_grad: bool):
-    """Sum of KL over the valid rows, number of valid rows, and d(sum KL)/d scores (or None).
-
-    Rows with nothing allowed are not valid: they add 0 to both sums and get a 0 gradient.
-    """
+def kl_terms(scores_btw, psum_btw, allowed_btw):
+    """The KL's terms P (log(P + eps) - log Q) [B, t, W], 0 off the allowed entries with P > 0,
+    and what the gradient reuses: (terms_btw, p_btw, exp_btw, z_bt1). A row's sum is its KL."""
     p_btw = psum_btw / (jnp.sum(psum_btw, axis=-1, keepdims=True) + EPS)
     s_btw = jnp.where(allowed_btw, scores_btw.astype(psum_btw.dtype), NEG)
     max_bt1 = jnp.max(s_btw, axis=-1, keepdims=True)
@@ -177,7 +175,16 @@ def kl_rows(scores_btw, psum_btw, allowed_btw, with_grad: bool):
     z_bt1 = jnp.where(z_bt1 > 0, z_bt1, 1.0)
     log_q_btw = s_btw - max_bt1 - jnp.log(z_bt1)
     keep_btw = allowed_btw & (p_btw > 0)
-    kl_sum = jnp.sum(jnp.where(keep_btw, p_btw * (jnp.log(p_btw + EPS) - log_q_btw), 0.0))
+    return jnp.where(keep_btw, p_btw * (jnp.log(p_btw + EPS) - log_q_btw), 0.0), p_btw, exp_btw, z_bt1
+
+
+def kl_rows(scores_btw, psum_btw, allowed_btw, with_grad: bool):
+    """Sum of KL over the valid rows, number of valid rows, and d(sum KL)/d scores (or None).
+
+    Rows with nothing allowed are not valid: they add 0 to both sums and get a 0 gradient.
+    """
+    terms_btw, p_btw, exp_btw, z_bt1 = kl_terms(scores_btw, psum_btw, allowed_btw)
+    kl_sum = jnp.sum(terms_btw)
     n_valid = jnp.sum(jnp.any(allowed_btw, axis=-1), dtype=jnp.int32)
     if not with_grad:
         return kl_sum, n_valid, None

@@ -18,6 +18,8 @@ padding carries weight 0) and the live memory does not grow with B or T.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -72,57 +74,78 @@ def chunked_lm_loss(h_btm, head_mv, targets_bt, mask_bt, *, chunk: int):
     pad = -n % chunk
     mask_n = mask_bt.reshape(n).astype(dtype)
     weight_n = jax.lax.stop_gradient(mask_n / jnp.maximum(jnp.sum(mask_n), 1.0))
-    h_ncm = jnp.pad(h_btm.astype(dtype).reshape(n, m), ((0, pad), (0, 0))).reshape(-1, chunk, m)
+    # h and the head stay in their dtypes and the matmuls accumulate in `dtype` (a bfloat16 product
+    # is exact in float32), so no float32 copy of the head [M, V] is made where the backend
+    # multiplies bfloat16 itself (`_late`)
+    h_ncm = jnp.pad(h_btm.reshape(n, m), ((0, pad), (0, 0))).reshape(-1, chunk, m)
     targets_nc = jnp.pad(targets_bt.reshape(n).astype(jnp.int32), (0, pad)).reshape(-1, chunk)
     weight_nc = jnp.pad(weight_n, (0, pad)).reshape(-1, chunk)
-    return _weighted_nll(h_ncm, head_mv.astype(dtype), targets_nc, weight_nc)
+    return _weighted_nll(h_ncm, head_mv, targets_nc, weight_nc, (h_ncm.dtype, head_mv.dtype))
 
 
-def _chunk_stats(h_cm, head_mv, targets_c):
-    """(exp [C, V], its row sums [C], lse [C], target logit [C]) of one chunk.
+def _chunk_stats(h_cm, head_mv, targets_c, dtype):
+    """(exp [C, V], its row sums [C], lse [C], target logit [C]) of one chunk, in `dtype`.
 
     exp(logits - max) serves the log-sum-exp and the softmax alike; the target logits come from h
     and the targets' head columns, not gathered from the logits, so the logits are dead once the
     exponentials exist and those take their buffer (one [C, V] live, not two).
     """
-    logits_cv = jnp.einsum("cm,mv->cv", h_cm, head_mv)
+    logits_cv = jnp.einsum("cm,mv->cv", h_cm, head_mv, preferred_element_type=dtype)
     max_c = jnp.max(logits_cv, axis=-1)
     exp_cv = jnp.exp(logits_cv - max_c[:, None])
     sum_c = jnp.sum(exp_cv, axis=-1)
-    target_c = jnp.einsum("cm,mc->c", h_cm, jnp.asarray(head_mv)[:, targets_c])
+    target_c = jnp.einsum("cm,mc->c", h_cm, jnp.asarray(head_mv)[:, targets_c], preferred_element_type=dtype)
     return exp_cv, sum_c, max_c + jnp.log(sum_c), target_c
 
 
-@jax.custom_vjp
-def _weighted_nll(h_ncm, head_mv, targets_nc, weight_nc):
-    """sum over chunks and tokens of weight * (lse - target logit); see chunked_lm_loss."""
+def _late(head_mv, h_ncm):
+    """head_mv as a function of h_ncm too: equal to it unless h_ncm[0, 0, 0] is NaN (then NaN, and
+    the loss, which that NaN reaches anyway, stays NaN).
+
+    XLA:CPU multiplies bfloat16 by converting the operands to float32, and hoists the head's convert
+    out of the chunk loop; the scheduler may then convert the head [M, V] first thing, and its
+    float32 copy lives beside every activation of the forward. Made from h, the copy can only exist
+    once the final hidden states do (an optimization barrier would not do: XLA:CPU removes them first).
+    """
+    return jnp.where(jnp.isnan(h_ncm[0, 0, 0]), jnp.nan, head_mv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _weighted_nll(h_ncm, head_mv, targets_nc, weight_nc, dtypes):
+    """sum over chunks and tokens of weight * (lse - target logit), in weight's dtype; see chunked_lm_loss.
+    dtypes: (h's, the head's), the dtypes of their cotangents."""
+    dtype = weight_nc.dtype
+    head_mv = _late(head_mv, h_ncm)
+
     def body(total, xs):
         h_cm, targets_c, weight_c = xs
-        _, _, lse_c, target_c = _chunk_stats(h_cm, head_mv, targets_c)
+        _, _, lse_c, target_c = _chunk_stats(h_cm, head_mv, targets_c, dtype)
         return total + jnp.sum((lse_c - target_c) * weight_c), None
 
-    return jax.lax.scan(body, jnp.zeros((), h_ncm.dtype), (h_ncm, targets_nc, weight_nc))[0]
+    return jax.lax.scan(body, jnp.zeros((), dtype), (h_ncm, targets_nc, weight_nc))[0]
 
 
-def _weighted_nll_fwd(h_ncm, head_mv, targets_nc, weight_nc):
+def _weighted_nll_fwd(h_ncm, head_mv, targets_nc, weight_nc, dtypes):
+    dtype = weight_nc.dtype
+
     def body(carry, xs):
         total, dhead_mv = carry
         h_cm, targets_c, weight_c = xs
-        exp_cv, sum_c, lse_c, target_c = _chunk_stats(h_cm, head_mv, targets_c)
-        onehot_cv = jax.nn.one_hot(targets_c, head_mv.shape[-1], dtype=exp_cv.dtype)
+        exp_cv, sum_c, lse_c, target_c = _chunk_stats(h_cm, head_mv, targets_c, dtype)
+        onehot_cv = jax.nn.one_hot(targets_c, head_mv.shape[-1], dtype=dtype)
         dlogits_cv = exp_cv * (weight_c / sum_c)[:, None] - onehot_cv * weight_c[:, None]
-        dh_cm = jnp.einsum("cv,mv->cm", dlogits_cv, head_mv)
-        dhead_mv = dhead_mv + jnp.einsum("cm,cv->mv", h_cm, dlogits_cv)
+        dh_cm = jnp.einsum("cv,mv->cm", dlogits_cv, head_mv, preferred_element_type=dtype)
+        dhead_mv = dhead_mv + jnp.einsum("cm,cv->mv", h_cm, dlogits_cv, preferred_element_type=dtype)
         return (total + jnp.sum((lse_c - target_c) * weight_c), dhead_mv), dh_cm
 
-    init = (jnp.zeros((), h_ncm.dtype), jnp.zeros_like(head_mv))
+    init = (jnp.zeros((), dtype), jnp.zeros(head_mv.shape, dtype))
     (total, dhead_mv), dh_ncm = jax.lax.scan(body, init, (h_ncm, targets_nc, weight_nc))
     return total, (dh_ncm, dhead_mv)
 
 
-def _weighted_nll_bwd(res, g):
+def _weighted_nll_bwd(dtypes, res, g):  # scaled in float32, then rounded to the inputs' dtypes as a cast would
     dh_ncm, dhead_mv = res
-    return g * dh_ncm, g * dhead_mv, None, None
+    return (g * dh_ncm).astype(dtypes[0]), (g * dhead_mv).astype(dtypes[1]), None, None
 
 
 _weighted_nll.defvjp(_weighted_nll_fwd, _weighted_nll_bwd)

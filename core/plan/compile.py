@@ -51,16 +51,35 @@ def load(model: str, stage: str | None, overrides: Sequence[str], config_file: s
     return load_config(model, list(overrides), config_file=config_file, stage="warmup" if stage == EVAL else stage)
 
 
+def check_eval_batch(stage: str | None, overrides: Sequence[str], batch_rows: int | None) -> None:
+    """ConfigError for a batch size that does not apply: --batch-rows outside EVAL, per_device_batch_size in it."""
+    from core.config.schema import canonical_key
+    from core.config.values import parse_override
+
+    if stage != EVAL:
+        if batch_rows is not None:
+            raise ConfigError(f"--batch-rows sizes --stage {EVAL}'s batch: drop it, or plan --stage {EVAL} "
+                              "(a training stage takes per_device_batch_size=N).")
+        return
+    if any(canonical_key(parse_override(text)[0], f"override {text!r}") == "per_device_batch_size" for text in overrides):
+        raise ConfigError(f"--stage {EVAL} runs the evaluation's own rows, not the training batch: drop "
+                          "per_device_batch_size and give --batch-rows N (as dsv4 eval-indexer takes it).")
+    if batch_rows is not None and batch_rows < 1:
+        raise ConfigError(f"--batch-rows {batch_rows} must be at least 1 (or left out: one per batch shard).")
+
+
 class CompileTimeout(ConfigError):
     """A child compile that ran past its time limit (`plan(timeout_s=...)`)."""
 
 
 def plan(model: str, stage: str | None, target_name: str, overrides: Sequence[str] = (), *,
-         config_file: str | None = None, top: int = 10, analytic: bool = True,
+         config_file: str | None = None, top: int = 10, analytic: bool = True, batch_rows: int | None = None,
          timeout_s: float | None = None, on_start: Callable[[], None] | None = None) -> dict[str, Any]:
     """Compile `model`'s train step of `stage` for `target_name` in a child process and report.
 
     Args:
+      batch_rows: EVAL only: the evaluation's rows per step (`dsv4 eval-indexer --batch-rows`;
+        None: one per batch shard); the training batch (per_device_batch_size) plays no part there.
       top: how many of the largest temporaries to list; analytic: also count the step's FLOPs from
         its jaxpr (core.bench.train), a second trace of the step beside the compile.
       timeout_s: the child's time limit (None: none).
@@ -75,13 +94,14 @@ def plan(model: str, stage: str | None, target_name: str, overrides: Sequence[st
     from core.parallel.mesh import plan_mesh
 
     target = tg.parse_target(target_name)
+    check_eval_batch(stage, overrides, batch_rows)
     cfg = load(model, stage, overrides, config_file)
     plan_mesh(cfg, target.devices, target.granules)  # a mesh that does not divide fails before any compile
     tg.require_extra(target)
     if on_start is not None:
         on_start()
     args = {"model": model, "stage": stage, "overrides": list(overrides), "config_file": config_file,
-            "target": target_name, "top": top, "analytic": analytic}
+            "target": target_name, "top": top, "analytic": analytic, "batch_rows": batch_rows}
     with tempfile.TemporaryDirectory(prefix="dsv4-plan-") as dump:
         # The top temporaries come from the buffer assignment XLA dumps as it compiles; an executable
         # read back from JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR) dumps none.
@@ -154,14 +174,19 @@ def lower_plan(cfg, target: tg.Target):
     return lowered_step(cfg, device_mesh(cfg, tg.compile_devices(target)))
 
 
-def compile_eval_plan(cfg, target: tg.Target, *, top: int = 10, dump: str | None = None) -> dict[str, Any]:
+def compile_eval_plan(cfg, target: tg.Target, *, top: int = 10, dump: str | None = None,
+                      batch_rows: int | None = None) -> dict[str, Any]:
     """In the child: compile the evaluation's two programs (core.eval.evaluate.lowered_eval, at the
-    config's indexer_topk) for `target` and report the one with the larger total (they run one
-    after the other), with stage "eval" and each program's temporaries under "eval_programs"."""
+    config's indexer_topk, `batch_rows` rows per step as eval-indexer runs them) for `target` and
+    report the one with the larger total (they run one after the other), with stage "eval", each
+    program's temporaries under "eval_programs", and the rows per step as global_batch."""
     from core.eval.evaluate import lowered_eval
+    from core.eval.rows import EvalSet
     from core.plan import report
 
-    lowered, (_, state, batch, mesh) = lowered_eval(cfg, (cfg.indexer_topk,), device_mesh(cfg, tg.compile_devices(target)))
+    lowered, (_, state, batch, mesh) = lowered_eval(cfg, (cfg.indexer_topk,), device_mesh(cfg, tg.compile_devices(target)),
+                                                    EvalSet(batch_rows=batch_rows))
+    rows = batch["rows"].shape[0]
     state_info = report.state_bytes(cfg, state, batch)
     reports = {}
     for part, program in lowered.items():
@@ -171,21 +196,24 @@ def compile_eval_plan(cfg, target: tg.Target, *, top: int = 10, dump: str | None
             refusal = report.refusal(str(e))
             if refusal is None:
                 raise
-            return {**report.refused_report(cfg, target, mesh, state_info, refusal), "stage": EVAL, "eval_program": part}
+            return {**report.refused_report(cfg, target, mesh, state_info, refusal, global_batch=rows), "stage": EVAL,
+                    "eval_program": part}
         reports[part] = report.compiled_report(cfg, target, mesh, state_info, compiled, top=top, analytic=False,
-                                               buffer_text=read_buffer_assignment(dump, f"jit_step_{part}"))
+                                               buffer_text=read_buffer_assignment(dump, f"jit_step_{part}"),
+                                               global_batch=rows)
     part = max(reports, key=lambda p: reports[p]["per_device"]["total_bytes"])
     return {**reports[part], "stage": EVAL, "eval_program": part,
             "eval_programs": {p: r["per_device"]["temp_bytes"] for p, r in reports.items()}}
 
 
 def compile_plan(cfg, target: tg.Target, *, top: int = 10, analytic: bool = True,
-                 dump: str | None = None, stage: str | None = None) -> dict[str, Any]:
-    """In the child: compile the step for `target` and build the report (core/plan/report.py)."""
+                 dump: str | None = None, stage: str | None = None, batch_rows: int | None = None) -> dict[str, Any]:
+    """In the child: compile the step for `target` and build the report (core/plan/report.py);
+    batch_rows: EVAL's rows per step (`compile_eval_plan`)."""
     from core.plan import report
 
     if stage == EVAL:
-        return compile_eval_plan(cfg, target, top=top, dump=dump)
+        return compile_eval_plan(cfg, target, top=top, dump=dump, batch_rows=batch_rows)
     lowered, (_, state, batch, mesh) = lower_plan(cfg, target)
     state_info = report.state_bytes(cfg, state, batch)
     try:
@@ -213,7 +241,7 @@ def _child(args: dict[str, Any]) -> dict[str, Any]:
     try:
         cfg = load(args["model"], args["stage"], args["overrides"], args["config_file"])
         return compile_plan(cfg, tg.parse_target(args["target"]), top=args["top"], analytic=args["analytic"],
-                            dump=args.get("dump"), stage=args["stage"])
+                            dump=args.get("dump"), stage=args["stage"], batch_rows=args.get("batch_rows"))
     except DsvError as e:
         return {"error": str(e)}
 

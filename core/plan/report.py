@@ -99,17 +99,20 @@ def verdict(per_device: dict[str, int]) -> dict[str, Any]:
             "headroom_bytes": per_device["usable_bytes"] - per_device["total_bytes"]}
 
 
-def _header(cfg, target: Target, mesh) -> dict[str, Any]:
+def _header(cfg, target: Target, mesh, global_batch: int | None = None) -> dict[str, Any]:
+    """global_batch: the step's rows (default per_device_batch_size x devices; the evaluation's own
+    rows per step for --stage eval, then per_device_batch_size is their share per device)."""
     from core.config.stages import stage_of
 
+    rows = cfg.per_device_batch_size * target.devices if global_batch is None else global_batch
     return {"target": target.name, "platform": target.platform, "devices": target.devices,
             "mesh": {a: int(n) for a, n in mesh.shape.items()}, "model": cfg.model_name, "stage": stage_of(cfg).name,
-            "per_device_batch_size": cfg.per_device_batch_size, "max_target_length": cfg.max_target_length,
-            "global_batch": cfg.per_device_batch_size * target.devices, "approximate": target.approximate}
+            "per_device_batch_size": rows // target.devices if rows % target.devices == 0 else rows / target.devices,
+            "max_target_length": cfg.max_target_length, "global_batch": rows, "approximate": target.approximate}
 
 
 def compiled_report(cfg, target: Target, mesh, state_info: dict[str, int], compiled, *, top: int = 10,
-                    buffer_text: str = "", analytic: bool = True) -> dict[str, Any]:
+                    buffer_text: str = "", analytic: bool = True, global_batch: int | None = None) -> dict[str, Any]:
     """The report of a step that compiled (module docstring); `--json`'s fixed fields at top level."""
     from core.plan import hlo
     from core.train.run import compiled_memory
@@ -119,7 +122,7 @@ def compiled_report(cfg, target: Target, mesh, state_info: dict[str, int], compi
     per_device = {**state_info, **compiled_memory(compiled), "usable_bytes": usable}
     program = hlo.summary(text, mesh)
     cost = _cost(compiled)
-    out = {**_header(cfg, target, mesh), **verdict(per_device), "per_device": per_device, "usable_rule": rule,
+    out = {**_header(cfg, target, mesh, global_batch), **verdict(per_device), "per_device": per_device, "usable_rule": rule,
            "flops_per_step": program["matmul_flops"], "bytes_accessed": program["bytes_accessed"],
            "collective_bytes": program["collective_bytes"],
            **flop_figures(cfg, mesh, program, cost, analytic),
@@ -129,12 +132,13 @@ def compiled_report(cfg, target: Target, mesh, state_info: dict[str, int], compi
     return out
 
 
-def refused_report(cfg, target: Target, mesh, state_info: dict[str, int], refusal: dict[str, Any]) -> dict[str, Any]:
+def refused_report(cfg, target: Target, mesh, state_info: dict[str, int], refusal: dict[str, Any], *,
+                   global_batch: int | None = None) -> dict[str, Any]:
     """The report of a step the compiler refused for memory: its figures are the verdict's detail."""
     usable, rule = usable_memory(target, refusal.get("limit_bytes"))
     per_device = {**state_info, "argument_bytes": refusal.get("arguments_bytes"), "temp_bytes": refusal.get("temp_bytes"),
                   "code_bytes": None, "total_bytes": refusal.get("used_bytes"), "usable_bytes": usable}
-    return {**_header(cfg, target, mesh), "fits": False,
+    return {**_header(cfg, target, mesh, global_batch), "fits": False,
             "headroom_bytes": None if per_device["total_bytes"] is None else usable - per_device["total_bytes"],
             "per_device": per_device, "usable_rule": rule, "refused": refusal, "flops_per_step": None,
             "estimated_step_s": None, "estimated_tokens_per_s": None,

@@ -1,7 +1,8 @@
 """`dsv4 plan --stage eval`: the evaluation's programs (core.eval.evaluate.lowered_eval, the ones
 `dsv4 eval-indexer` jits) compiled for a target with the training plan's report and JSON fields:
-on cpu:1 (its temporaries equal the same programs compiled in-process; no optimizer state), on the
-compile-only v5p-8 through libtpu, and its bad input."""
+on cpu:1 (its temporaries equal the same programs compiled in-process; no optimizer state; its batch
+is --batch-rows rows, not the training batch), on the compile-only v5p-8 through libtpu, and its
+bad input."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import pytest
 from tests.plan import invoke_plan
 from tests.plan.test_plan_accelerators import SMALL
 
-EVAL_SMALL = (*SMALL, "indexer_topk=4")
+EVAL_SMALL = (*(o for o in SMALL if not o.startswith("per_device_batch_size=")), "indexer_topk=4")
+ROWS = 3  # rows per step: neither SMALL's training batch nor the config's
 
 
 @pytest.fixture(scope="module")
 def cpu1():
-    result = invoke_plan("--stage", "eval", "--target", "cpu:1", *EVAL_SMALL, "--top", "3", "--json")
+    result = invoke_plan("--stage", "eval", "--target", "cpu:1", *EVAL_SMALL, "--batch-rows", str(ROWS), "--top", "3",
+                         "--json")
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
 
@@ -27,8 +30,10 @@ def test_cpu1_reports_the_eval_programs_with_the_plan_fields(cpu1):
     from core.plan.compile import compile_plan, load
     from core.plan.targets import parse_target
 
-    train = compile_plan(load("deepseek4-tiny", "warmup", EVAL_SMALL), parse_target("cpu:1"), top=0, analytic=False)
+    train = compile_plan(load("deepseek4-tiny", "warmup", SMALL), parse_target("cpu:1"), top=0, analytic=False)
     assert set(train) - {"flops_rule"} <= set(cpu1)  # the training plan's fields, and more
+    assert train["global_batch"] != ROWS == cpu1["global_batch"] == cpu1["per_device_batch_size"]
+    assert cpu1["per_device"]["batch_bytes"] == ROWS * 4 * (5 * cpu1["max_target_length"] + 1)  # EVAL_KEYS, int32
     assert cpu1["stage"] == "eval" and set(cpu1["eval_programs"]) == {"dense", "topk"}
     assert cpu1["eval_program"] == max(cpu1["eval_programs"], key=cpu1["eval_programs"].get)
     d = cpu1["per_device"]
@@ -39,17 +44,21 @@ def test_cpu1_reports_the_eval_programs_with_the_plan_fields(cpu1):
 
 def test_cpu1_temporaries_are_the_in_process_programs(cpu1):
     from core.eval.evaluate import lowered_eval
+    from core.eval.rows import EvalSet
     from core.plan.compile import load
 
     cfg = load("deepseek4-tiny", "eval", EVAL_SMALL)
-    lowered, _ = lowered_eval(cfg, (cfg.indexer_topk,))
+    lowered, _ = lowered_eval(cfg, (cfg.indexer_topk,), eval_set=EvalSet(batch_rows=ROWS))
     temps = {part: program.compile().memory_analysis().temp_size_in_bytes for part, program in lowered.items()}
     assert temps == cpu1["eval_programs"]
 
 
-def test_eval_search_and_unknown_stage_are_one_line_exit_2():
+def test_eval_search_unknown_stage_and_batch_misuse_are_one_line_exit_2():
     for args, needle in ((("--stage", "eval", "--search"), "--search plans training steps"),
-                         (("--stage", "evaluate"), "eval")):
+                         (("--stage", "evaluate"), "eval"),
+                         (("--stage", "eval", "per_device_batch_size=2"), "give --batch-rows N"),
+                         (("--stage", "eval", "--batch-rows", "0"), "--batch-rows 0 must be at least 1"),
+                         (("--stage", "warmup", "--batch-rows", "2"), "--batch-rows sizes --stage eval")):
         result = invoke_plan(*args, "--target", "cpu:1", *EVAL_SMALL)
         assert result.exit_code == 2 and needle in result.stderr, result.output
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -109,6 +109,25 @@ def test_chunked_memory_is_linear_and_bounded_by_the_chunk():
     assert dense > 4096 * v * 4, dense  # the direct path does hold [T, V] logits: the test can tell
 
 
+def test_bfloat16_head_is_never_copied_beside_the_forward():
+    """A bfloat16 head enters the matmuls as it is: no float32 copy of it lives beside the forward's
+    activations (XLA:CPU upcasts bfloat16 dot operands and could otherwise convert the head first thing).
+
+    The "forward" here is one float32 [T, K] temporary, dead once h exists: the temp holds the larger
+    of it and the head's float32 copy, not both."""
+    t, k, m, v = 1024, 8192, 64, 16384
+
+    def step(x, p, w, targets, mask):
+        u_tk = jnp.tanh(x.astype(jnp.float32) * 3.0)
+        return chunked_lm_loss((u_tk @ p).astype(jnp.bfloat16)[None], w, targets, mask, chunk=128)
+
+    bf16, i32 = jnp.bfloat16, jnp.int32
+    temp = _temp_bytes(step, jax.ShapeDtypeStruct((t, k), bf16), jax.ShapeDtypeStruct((k, m), jnp.float32),
+                       jax.ShapeDtypeStruct((m, v), bf16), jax.ShapeDtypeStruct((1, t), i32),
+                       jax.ShapeDtypeStruct((1, t), i32))
+    assert temp < t * k * 4 + m * v * 4 // 2, (temp, t * k * 4, m * v * 4)
+
+
 # ----------------------------------------------------------------------------- through the model
 
 # An unrolled hash-routed layer, then a scanned pair of learned-routing layers (sliding window only:
