@@ -105,13 +105,14 @@ def eval_step(spec: StepSpec, program: str) -> Callable[..., Any]:
     interleaves them), two hold one forward's (docs/evaluation.md#memory). The random baseline
     draws from one key per row, `core.eval.rows.row_keys(spec.seed, batch["rows"])`.
     """
-    from core.loss.lm import chunked_lm_loss
+    from core.loss.lm import chunked_lm_loss, compute_head
 
     if program not in PROGRAMS:
         raise ValueError(f"program={program!r}: use one of {', '.join(PROGRAMS)}")
 
     def nll(model, h_btm, batch, weight):  # the chunked mean times the weight it divided by
-        mean = chunked_lm_loss(h_btm, model.head[...].astype(model.dtype), batch["targets"], batch["loss_mask"], chunk=spec.lm_chunk)
+        mean = chunked_lm_loss(h_btm, compute_head(model.head[...], model.dtype), batch["targets"], batch["loss_mask"],
+                               chunk=spec.lm_chunk)
         return mean * jnp.maximum(weight, 1.0)
 
     def step(model, batch):

@@ -45,6 +45,13 @@ def head_logits(h_btm, head_mv):
     return jnp.einsum("btm,mv->btv", h_btm.astype(dtype), head_mv.astype(dtype))
 
 
+def compute_head(head_mv, dtype):
+    """The head as a step of compute dtype `dtype` multiplies it: rounded to `dtype` where that is
+    narrower (as the training step casts it), else as stored: the matmuls accumulate in at least
+    float32, so widening it first would change no value, only copy it."""
+    return head_mv.astype(dtype) if jnp.promote_types(head_mv.dtype, dtype) == head_mv.dtype else head_mv
+
+
 def chunked_lm_loss(h_btm, head_mv, targets_bt, mask_bt, *, chunk: int):
     """`lm_loss(head_logits(h, head), targets, mask)` without the [B, T, V] logits.
 
@@ -98,15 +105,18 @@ def _chunk_stats(h_cm, head_mv, targets_c, dtype):
     return exp_cv, sum_c, max_c + jnp.log(sum_c), target_c
 
 
-def _late(head_mv, h_ncm):
-    """head_mv as a function of h_ncm too: equal to it unless h_ncm[0, 0, 0] is NaN (then NaN, and
-    the loss, which that NaN reaches anyway, stays NaN).
+def _late(head_mv, h_ncm, dtype):
+    """head_mv, made from h_ncm too when it is narrower than `dtype`: equal to it unless
+    h_ncm[0, 0, 0] is NaN (then NaN, and the loss, which that NaN reaches anyway, stays NaN).
 
     XLA:CPU multiplies bfloat16 by converting the operands to float32, and hoists the head's convert
     out of the chunk loop; the scheduler may then convert the head [M, V] first thing, and its
     float32 copy lives beside every activation of the forward. Made from h, the copy can only exist
-    once the final hidden states do (an optimization barrier would not do: XLA:CPU removes them first).
+    once the final hidden states do (an optimization barrier would not do: XLA:CPU removes them
+    first). A head already in `dtype` is used as it is (a select would copy it).
     """
+    if head_mv.dtype == dtype:
+        return head_mv
     return jnp.where(jnp.isnan(h_ncm[0, 0, 0]), jnp.nan, head_mv)
 
 
@@ -115,7 +125,7 @@ def _weighted_nll(h_ncm, head_mv, targets_nc, weight_nc, dtypes):
     """sum over chunks and tokens of weight * (lse - target logit), in weight's dtype; see chunked_lm_loss.
     dtypes: (h's, the head's), the dtypes of their cotangents."""
     dtype = weight_nc.dtype
-    head_mv = _late(head_mv, h_ncm)
+    head_mv = _late(head_mv, h_ncm, dtype)
 
     def body(total, xs):
         h_cm, targets_c, weight_c = xs
