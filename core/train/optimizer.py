@@ -4,7 +4,7 @@ DESIGN.md, "Training"; docs/precision.md. AdamW updates the trained parameters i
 storage dtype `weight_dtype` (float32: the master copy, which every use casts to `dtype`). The
 moments are stored in `mu_dtype` / `nu_dtype` (MaxText's name for the first); each step computes
 them and the update in float32 and rounds only what it stores. DeepSeek-V3 keeps both moments in
-bfloat16; a bfloat16 second moment needs adam_b2 <= 0.99 (core/config/validate.py).
+bfloat16; a bfloat16 second moment needs adam_b2 <= BF16_NU_MAX_B2 (core/config/validate.py).
 
 Frozen parameters get `optax.set_to_zero()` inside one `optax.multi_transform`: no state, no
 update. The state tree is optax.adamw's (chain of ScaleByAdamState, the weight decay's and the

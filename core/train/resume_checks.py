@@ -1,8 +1,10 @@
 """Resume checks (DESIGN.md, "Training, checkpoints, runs"): what a resumed run's config may change.
 
 `optimizer_mismatch` turns an optimizer-state mismatch that an optimizer setting caused into a
-message naming that setting; `schedule_notice` says when a resume changes the learning-rate
-schedule's length (`core.train.step.schedule_steps`).
+message naming that setting. `resume_notices` are the changes a resume makes and says: the
+learning-rate schedule's length (`core.train.step.schedule_steps`), and a stored dtype (the
+checkpoint's parameters and moments are converted to this command's dtypes as they are restored;
+docs/precision.md#resume).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from core.train.step import schedule_steps
 
 # Optimizer settings that change the optimizer state's tree (not only its values).
 OPTIMIZER_STRUCTURE_KEYS = ("gradient_clipping_threshold", "trainable_parameters_mask")
+# The state's storage dtypes (docs/precision.md#the-keys): a resume converts the checkpoint to them.
+STORAGE_DTYPE_KEYS = ("weight_dtype", "frozen_weight_dtype", "mu_dtype", "nu_dtype")
+_WIDTH = {"float32": 4, "bfloat16": 2}
 
 
 def _show(value: Any) -> str:
@@ -42,6 +47,24 @@ def optimizer_mismatch(error: CheckpointError, saved: Mapping[str, Any], cfg, ru
                 f"{key}={_show(new)}, which changes the optimizer state: keep {key}={_show(old)} to resume, or "
                 "start a new --output.")
     return error
+
+
+def resume_notices(saved: Mapping[str, Any], cfg) -> list[str]:
+    """The one-line notices of what this resume changes (empty when nothing)."""
+    return [n for n in (schedule_notice(saved, cfg), dtype_notice(saved, cfg)) if n]
+
+
+def dtype_notice(saved: Mapping[str, Any], cfg) -> str | None:
+    """One line when a resume changes a stored dtype, else None. The restore converts the saved
+    arrays: widening is exact, narrowing rounds each value once (the user asked for it by the key)."""
+    changed = [(k, saved[k], getattr(cfg, k)) for k in STORAGE_DTYPE_KEYS
+               if k in saved and saved[k] != getattr(cfg, k)]
+    if not changed:
+        return None
+    each = ", ".join(f"{k} {old} -> {new} ({'rounded' if _WIDTH[new] < _WIDTH[old] else 'exact'})"
+                     for k, old, new in changed)
+    keep = " ".join(f"{k}={old}" for k, old, _ in changed)
+    return f"the stored dtypes change on resume, the checkpoint's values converted: {each}; set {keep} to keep them."
 
 
 def schedule_notice(saved: Mapping[str, Any], cfg) -> str | None:

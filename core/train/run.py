@@ -176,8 +176,7 @@ class Trainer:
             # steps logged after the checkpoint the run resumes from are dropped (all of them when fresh)
             _write_metrics(self.run_dir, [r for r in logged if r.get("step", -1) < self.start_step])
         notices += metrics_notices
-        notice = resume_checks.schedule_notice(self.saved_config, cfg) if self.saved_config else None
-        notices += [notice] if notice else []
+        notices += resume_checks.resume_notices(self.saved_config, cfg) if self.saved_config else []
         self.events = EventWriter(self.run_dir, self.start_step) if cfg.enable_tensorboard else None
         self._step_fn = (ahead.step(self.graphdef, self.state, setup.mesh) if ahead is not None
                          else ahead_or_jitted_step(cfg, self.graphdef, self.state, setup.mesh))

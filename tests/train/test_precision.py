@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 
 import jax.numpy as jnp
@@ -136,8 +137,10 @@ def test_full_size_files_keep_float32_master_weights_in_every_stage():
 # ----------------------------------------------------------------------------- the master copy in runs
 
 
-def _invoke(*args):
-    return runner.invoke(app, [*args, *ONE_LAYER, *SMALL_LR, *FULL_SIZE, "checkpoint_period=4", "max_checkpoints=20"])
+def _invoke(command, *args):
+    """`dsv4 command` at the file's shape and the full-size keys; `args` come last, so their keys win."""
+    return runner.invoke(app, [command, *ONE_LAYER, *SMALL_LR, *FULL_SIZE, "checkpoint_period=4", "max_checkpoints=20",
+                               *args])
 
 
 def _params_of(run, step: int | None = None) -> dict[str, np.ndarray]:
@@ -224,6 +227,22 @@ def test_resumed_run_equals_the_straight_one_bitwise(chain, tmp_path, monkeypatc
     keys = ("total_loss", "lm_loss", "indexer_loss", "grad_norm")
     assert [[r[k] for k in keys] for r in run_files.read_metrics(sparse)[:4]] == \
         [[r[k] for k in keys] for r in run_files.read_metrics(run)]
+
+
+@pytest.mark.slow  # the chain fixture: two compiled steps
+def test_resume_converts_the_moments_to_the_commands_dtypes(chain, tmp_path):
+    """A resume that changes mu_dtype / nu_dtype (here float32 -> bfloat16, to fit a bigger model)
+    continues the run with the checkpoint's moments converted, and says so in one line naming the
+    keys that would keep them (core/train/resume_checks.py)."""
+    run = tmp_path / "narrowed"
+    shutil.copytree(chain[2], run)  # the float32-moment run, stopped at its last step
+    result = _invoke("sparse", "--steps", str(MOVE_STEPS + 1), "--output", str(run), "--init-from", str(chain[0]))
+    assert result.exit_code == 0 and f"resuming from checkpoint step {MOVE_STEPS - 1}" in result.output, result.output
+    notice = [line for line in result.output.splitlines() if "stored dtypes change on resume" in line]
+    assert len(notice) == 1 and "mu_dtype float32 -> bfloat16 (rounded)" in notice[0] and \
+        "set mu_dtype=float32 nu_dtype=float32 to keep them" in notice[0], result.output
+    moments = {p: d for p, (_, d) in ckpt.read_tree(run, item="optimizer").items() if "/mu/" in p or "/nu/" in p}
+    assert moments and set(moments.values()) == {"bfloat16"}, moments
 
 
 @pytest.mark.slow  # the chain fixture: two compiled steps
