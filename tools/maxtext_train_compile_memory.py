@@ -13,7 +13,7 @@ jax==0.10.2 jaxlib==0.10.2 libtpu==0.0.42.1`, MaxText's tpu-requirements pins), 
     DECOUPLE_GCLOUD=TRUE $MAXTEXT_VENV/bin/python DSV4_CHECKOUT/tools/maxtext_train_compile_memory.py \\
       src/maxtext/configs/base.yml model_name=deepseek4-284b compile_topology=v5p-128 \\
       compile_topology_num_slices=1 ici_fsdp_parallelism=64 per_device_batch_size=1 max_target_length=4096 \\
-      opt_type=adamw attention=flash use_tokamax_splash=True run_name=x base_output_directory=/tmp/x \\
+      opt_type=adamw attention=flash use_tokamax_splash=True run_name=x base_output_directory=OUT \\
       enable_checkpointing=False dataset_type=synthetic
 
 The figures beside dsv4's: docs/planning.md#beside-maxtext.
