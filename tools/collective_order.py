@@ -1,12 +1,9 @@
 """Collectives that XLA:CPU may start out of program order, read from a compiled step's HLO dump.
 
-XLA:CPU orders a device's collectives by scheduling edges only: a loop (`while`, or a conditional
-or call) whose body holds collectives counts as started once its body goes asynchronous, and the
-next collective may then start before the loop's remaining ones. A top-level collective that
-follows such a loop in the schedule and does not read its output (no data path from the loop) is
-at risk: devices can reach it and the loop's collectives in different orders, which hangs gloo
-across processes (docs/scaling.md#collective-order-on-the-cpu). This lists those (loop, collective)
-pairs; a step with none is safe from it.
+Prints the (loop, collective) pairs of `core.parallel.collective_order.at_risk_pairs`: a collective
+that follows a loop holding collectives without reading the loop's output, which XLA:CPU may start
+before the loop's own collectives (docs/scaling.md#collective-order-on-the-cpu). A step with none
+is safe from it.
 
 Usage (from the repository root), on a dump of the 8-device sparse step:
 
@@ -17,65 +14,18 @@ Usage (from the repository root), on a dump of the 8-device sparse step:
 
 from __future__ import annotations
 
-import re
 import sys
+from pathlib import Path
 
-_COLLECTIVE = re.compile(r"= [^=]*?\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
-_NAME = re.compile(r"(?:ROOT )?%?([\w.\-]+) = ")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def _computations(text: str) -> tuple[dict[str, list[str]], str]:
-    comps: dict[str, list[str]] = {}
-    cur, entry = None, ""
-    for line in text.splitlines():
-        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if head:
-            cur = head.group(2)
-            comps[cur] = []
-            entry = cur if head.group(1) else entry
-        elif cur and line.startswith("  ") and " = " in line:
-            comps[cur].append(line.strip())
-    return comps, entry
-
-
-def _called(instruction: str) -> list[str]:
-    names = re.findall(r"(?:body|condition|to_apply|calls)=%?([\w.\-]+)", instruction)
-    for group in re.findall(r"branch_computations=\{([^}]*)\}", instruction):
-        names += [n.strip().lstrip("%") for n in group.split(",")]
-    return names
-
-
-def at_risk_pairs(text: str) -> tuple[int, int, list[tuple[str, str]]]:
-    """(loops holding collectives, top-level collectives, at-risk (loop, collective) pairs) of the
-    ENTRY computation of an after-optimizations HLO text (its order is the schedule)."""
-    comps, entry = _computations(text)
-    memo: dict[str, bool] = {}
-
-    def holds(comp: str) -> bool:
-        if comp not in memo:
-            memo[comp] = False
-            memo[comp] = any(_COLLECTIVE.search(i) or any(c in comps and holds(c) for c in _called(i))
-                             for i in comps.get(comp, []))
-        return memo[comp]
-
-    ancestors: dict[str, set[str]] = {}
-    loops, pairs, n_coll = [], [], 0
-    for ins in comps[entry]:
-        name = _NAME.match(ins).group(1)
-        operands = set(re.findall(r"%([\w.\-]+)", ins.split(" = ", 1)[1].split("metadata=")[0]))
-        ancestors[name] = set().union(*(ancestors[o] | {o} for o in operands if o in ancestors))
-        if _COLLECTIVE.search(ins):
-            n_coll += 1
-            pairs += [(loop, name) for loop in loops if loop not in ancestors[name]]
-        elif re.search(r"\b(while|conditional|call)\(", ins) and any(holds(c) for c in _called(ins) if c in comps):
-            loops.append(name)
-    return len(loops), n_coll, pairs
+from core.parallel.collective_order import at_risk_pairs  # noqa: E402
 
 
 def main(path: str) -> None:
     with open(path) as f:
         n_loops, n_coll, pairs = at_risk_pairs(f.read())
-    print(f"loops holding collectives {n_loops}, top-level collectives {n_coll}, at-risk pairs {len(pairs)}, "
+    print(f"loops holding collectives {n_loops}, collectives {n_coll}, at-risk pairs {len(pairs)}, "
           f"collectives at risk {len({c for _, c in pairs})}")
     for loop, coll in pairs:
         print(f"  {loop} -> {coll}")

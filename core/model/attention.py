@@ -58,6 +58,7 @@ from core.model.indexer import Indexer, IndexerSpec, local_gradient_loss
 from core.model.layers import RMSNorm, dense_init, param, rms_normalize
 from core.ops.chunked_attention import Keys, RowQueries, chunked_attention, masked_attention
 from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
+from core.ops.order import einsum_after_cotangent
 from core.ops.rope import RopeSpec, apply_rope
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked
 
@@ -235,7 +236,8 @@ class Attention(nnx.Module):
         o = apply_rope(o_bthd, positions_bt, s.rope, inverse=True)
         b, t = o.shape[:2]
         o_btgf = o.reshape(b, t, s.o_groups, -1)
-        lat_btgr = jnp.einsum("btgf,gfr->btgr", o_btgf, self.wo_a[...].astype(dt))
+        # its weight gradient gathers o after the cotangent (docs/scaling.md#collective-order-on-the-cpu)
+        lat_btgr = einsum_after_cotangent("btgf,gfr->btgr", o_btgf, self.wo_a[...].astype(dt))
         return jnp.einsum("btr,rm->btm", lat_btgr.reshape(b, t, -1), self.wo_b[...].astype(dt))
 
     def _index(self, mode: Mode, x_btm, queries: RowQueries, keys: Keys, packing: Packing, flags: Flags):

@@ -55,6 +55,7 @@ from jax.ad_checkpoint import checkpoint_name
 from core.model.layers import dense_init, param, upcast
 from core.ops.expert_parallel import Exchange, expert_axis_size, expert_parallel_experts, token_rounds, token_shards
 from core.ops.moe_dispatch import Tiling, tiled_experts
+from core.ops.order import after, cotangent_after_value
 
 
 IMPLS = ("dense", "tiled", "ragged")  # expert computation (module docstring)
@@ -395,8 +396,11 @@ class MoE(nnx.Module):
         w1, w2, w3 = (w[...].astype(self.dtype) for w in (self.experts.w1, self.experts.w2, self.experts.w3))
         y_btm, dropped = routed_experts(spec, x_c, idx_btk, weights_btk, (w1, w2, w3),
                                         jax.sharding.get_abstract_mesh())
+        # The shared expert's collectives follow the routed loop's, forward and backward, and the backward
+        # waits for the loop's recompute (XLA:CPU's order, docs/scaling.md#collective-order-on-the-cpu).
         if self.shared_experts is not None:
-            y_btm = y_btm + self.shared_experts(x_c)
+            y_btm = y_btm + self.shared_experts(after(x_c, y_btm))
+        y_btm = cotangent_after_value(y_btm)
         aux = {"lb_loss": lb_loss, "dropped": jax.lax.stop_gradient(dropped),
                "load": jax.lax.stop_gradient(expert_load(idx_btk, valid_bt, spec.num_experts))}
         return y_btm.astype(x_btm.dtype), aux

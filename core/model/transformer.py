@@ -71,6 +71,7 @@ from core.model.mhc import HeadCollapse, HyperConnection, expand
 from core.model.moe import MoE, MoESpec, hash_table, update_router_bias
 from core.model.params import mask_matcher
 from core.model import quant
+from core.ops.order import backward_after_cotangent
 
 MODES = ("train", "eval", "eval_dense")
 COLLECT_KEYS = ("index_scores", "topk_idx", "topk_valid", "teacher_query", "compressed_kv", "visible", "indexer_x",
@@ -201,11 +202,13 @@ def run_segment(layer, x_btnm, args, flags, *, remat: bool, policy, scanned: boo
     segment `(x, [aux per unit position] with arrays [repeats, ...])`.
 
     The layer is split into (graphdef, variables) and its body runs under `jax.checkpoint`
-    (`remat`, with `policy`) and, when `scanned`, `jax.lax.scan` over the stacked variables'
-    leading axis. Variables go in as inputs only, never out (the forward changes none): nnx's own
-    scan and remat would also return every variable, and a scan then carries a stacked copy of each
-    one that is not differentiated, as large as the segment's weights (the frozen experts of the
-    warm-up: tests/model/test_remat.py pins the compiled temp). Inputs outside the differentiated
+    (`remat`, with `policy`), under core.ops.order's `backward_after_cotangent` (its backward reads
+    what it saved after its cotangent: docs/scaling.md#collective-order-on-the-cpu) and, when
+    `scanned`, `jax.lax.scan` over the stacked variables' leading axis. Variables go in as inputs
+    only, never out (the forward changes none): nnx's own scan and remat would also return every
+    variable, and a scan then carries a stacked copy of each one that is not differentiated, as
+    large as the segment's weights (the frozen experts of the warm-up: tests/model/test_remat.py
+    pins the compiled temp). Inputs outside the differentiated
     state (frozen parameters, router biases) get no tangent, so the backward builds no gradient
     for them.
 
@@ -225,6 +228,7 @@ def run_segment(layer, x_btnm, args, flags, *, remat: bool, policy, scanned: boo
 
     if remat:
         body = jax.checkpoint(body, policy=policy, prevent_cse=not scanned)
+    body = backward_after_cotangent(body)  # the backward follows the layers above (collective order on XLA:CPU)
     if not scanned:
         return body(x_btnm, state, args)
 

@@ -2,6 +2,7 @@
 
 Modules: masks (visibility from positions and segment ids), rope (partial RoPE with YaRN),
 chunked_attention (banded window, gathered top-k, chunked visible blocks), topk (indexer scores,
-top-k block selection), moe_dispatch (drop-free sorted, tiled expert dispatch).
+top-k block selection), moe_dispatch (drop-free sorted, tiled expert dispatch), order (data
+dependencies that fix the order of collectives on XLA:CPU).
 May import: core.config, core.errors, core.tree. No parameters, no nnx modules.
 """

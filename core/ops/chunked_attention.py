@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from core.ops.masks import (NEG, Packing, block_last_positions, block_segment_ids, compressed_visibility,
                             sliding_window_mask, visible_rows, window_rows)
+from core.ops.order import backward_after_cotangent
 
 
 def _given(q_bt_, params, positions_bt):
@@ -257,6 +258,7 @@ def chunked_attention(queries: RowQueries, keys: Keys, packing: Packing, selecti
     if gathered:
         xs += [to_chunks(selection.idx_btk, c, n), to_chunks(selection.valid_btk, c, n)]
 
+    @backward_after_cotangent  # its recompute follows its cotangent (docs/scaling.md#collective-order-on-the-cpu)
     @jax.checkpoint
     def body(q_in, pos_bc, seg_bc, t0, *sel):
         q = queries.of(q_in, pos_bc)

@@ -1,6 +1,7 @@
 """Device meshes and shardings: where arrays live, on one host or many.
 
 Modules: mesh (the (data, fsdp, tensor, expert) mesh, granules, multi-host start-up), sharding
-(logical-axis rules, sharded state and batches), peers (a lost process: watch and goodbye).
+(logical-axis rules, sharded state and batches), peers (a lost process: watch and goodbye),
+collective_order (the collectives XLA:CPU may start out of order, read from a compiled program's HLO).
 May import: core.model and below.
 """

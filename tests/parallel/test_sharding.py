@@ -309,6 +309,17 @@ def test_same_losses_on_every_mesh(runs):
 
 
 @pytest.mark.slow
+def test_collectives_read_the_loops_they_follow(runs):
+    """XLA:CPU may start a collective that follows a loop holding collectives before the loop's own
+    unless it reads the loop's output (docs/scaling.md#collective-order-on-the-cpu): the ties of
+    core/ops/order.py leave no such pair in a small program that has some without them, nor in the
+    trained steps on fsdp 4 x tensor 2."""
+    assert runs["eight"]["order"]["False"] > 0, "the untied program should have at-risk pairs"
+    assert runs["eight"]["order"]["True"] == 0, runs["eight"]["order"]
+    assert runs["eight"]["fsdp4_tensor2"]["at_risk"] == {"warmup": 0, "sparse": 0}, runs["eight"]["fsdp4_tensor2"]
+
+
+@pytest.mark.slow
 def test_parameters_and_moments_are_sharded_as_the_rules_say(runs):
     for name, params in EXPECTED.items():
         got = runs["eight"][name]["params"]
@@ -345,6 +356,7 @@ def test_two_processes_match_one(runs):
         assert res["main"] == (pid == 0) and res["rows"] == [4 * pid, 4 * pid + 4]
         assert res["process_local_equal"], "process-local and global batch feeding disagree"
         _assert_same(res["losses"], runs["one"]["warmup"], f"process {pid}")
+        _assert_same(res["sparse_losses"], runs["one"]["sparse"], f"process {pid} sparse")
     assert runs["multi_metrics_lines"] == STEPS, "only process 0 writes metrics"
     from core.train.stop import STOP_CHECK_EVERY
 
@@ -411,6 +423,8 @@ def _worker_meshes(root: str) -> dict:
         out[name] = {"losses": {}}
         for stage in stages:
             trainer, out[name]["losses"][stage] = _train(name, stage, root / name / stage)
+            if name == "fsdp4_tensor2":
+                out[name].setdefault("at_risk", {})[stage] = _at_risk(trainer)
         mesh = trainer.setup.mesh
         batch = sharding.shard_batch({"tokens": np.zeros((8, 4), np.int32)}, mesh)["tokens"]
         out[name].update(params=_param_report(trainer, name), describe=mesh_lib.describe_mesh(mesh),
@@ -426,7 +440,51 @@ def _worker_meshes(root: str) -> dict:
     same = all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(jax.tree.leaves(trainer.state), want))
     losses = [{k: r[k] for k in METRICS} for r in trainer.run()]
     out["from_1"] = {"losses": losses, "restored_as_rules": same}
+    out["order"] = _order_report()
     return out
+
+
+def _at_risk(trainer) -> int:
+    """At-risk (loop, collective) pairs of the trainer's compiled step (core/parallel/collective_order.py)."""
+    from core.parallel.collective_order import at_risk_pairs
+    from core.train import step as ts
+
+    compiled = ts.cached_compiled(ts.step_key(trainer.cfg, trainer.graphdef, trainer.setup.mesh))
+    return len(at_risk_pairs(compiled.as_text())[2]) if compiled is not None else -1
+
+
+def _order_report() -> dict:
+    """At-risk pairs of a small program on fsdp 4 x tensor 2, without and with core/ops/order.py's ties:
+    three checkpointed layers (tied as run_segment ties a layer), each a scan whose steps hold partial
+    sums over `tensor` beside a one-matmul MLP that does not read the scan (the MoE's routed and shared
+    experts)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from core.ops.order import after, backward_after_cotangent, cotangent_after_value
+    from core.parallel.collective_order import at_risk_pairs
+
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+    def program(tie: bool):
+        def layer(x, w_loop, w_in, w_out):
+            y, _ = jax.lax.scan(lambda y, w: (y + jnp.tanh(x @ w) @ w.T, None), jnp.zeros_like(x), w_loop)
+            out = y + jnp.tanh((after(x, y) if tie else x) @ w_in) @ w_out
+            return cotangent_after_value(out) if tie else out
+
+        def loss(params, x):
+            for p in params:
+                x = (backward_after_cotangent(jax.checkpoint(layer)) if tie else jax.checkpoint(layer))(x, *p)
+            return jnp.sum(x ** 2)
+        return jax.jit(jax.grad(loss))
+
+    x = put(jnp.ones((16, 32)), "fsdp", None)
+    params = [(put(jnp.ones((4, 32, 64)), None, "fsdp", "tensor"), put(jnp.ones((32, 64)), "fsdp", "tensor"),
+               put(jnp.ones((64, 32)), "tensor", "fsdp"))] * 3
+    return {str(tie): len(at_risk_pairs(program(tie).lower(params, x).compile().as_text())[2]) for tie in (False, True)}
 
 
 def _ctrl_c_on_process_1(pid: int, run_dir: Path) -> dict:
@@ -459,6 +517,8 @@ def _worker_multiprocess(pid: str, port: str, root: str) -> dict:
     run_dir = Path(root) / "multi"
     trainer, losses = _train("multi", "warmup", run_dir, mesh=MULTI)
     (run_dir / f"{READY}{pid}").touch()
+    # the sparse stage with a tensor axis: its step holds collectives inside loops (issue 38)
+    _, sparse_losses = _train("multi", "sparse", Path(root) / "multi_sparse", mesh=MULTI)
     stopped = _ctrl_c_on_process_1(int(pid), Path(root) / "multi_stop")
     mesh = trainer.setup.mesh
     rows = sharding.local_batch_slice(mesh, 8)
@@ -467,7 +527,7 @@ def _worker_multiprocess(pid: str, port: str, root: str) -> dict:
     b = sharding.shard_batch({"t": tokens[rows]}, mesh, process_local=True)["t"]
     equal = all(np.array_equal(x.data, y.data) and x.index == y.index
                 for x, y in zip(a.addressable_shards, b.addressable_shards))
-    return {"losses": losses, "stopped": stopped, "processes": jax.process_count(), "devices": jax.device_count(),
+    return {"losses": losses, "sparse_losses": sparse_losses, "stopped": stopped, "processes": jax.process_count(), "devices": jax.device_count(),
             "local_devices": jax.local_device_count(), "main": mesh_lib.is_main_process(),
             "describe": mesh_lib.describe_mesh(mesh), "rows": [rows.start, rows.stop],
             "process_local_equal": equal}
