@@ -23,6 +23,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from core.ops.order import after
+
 
 def lm_loss(logits_btv, targets_bt, mask_bt):
     """Mean next-token cross-entropy over the positions where mask_bt is nonzero.
@@ -106,18 +108,17 @@ def _chunk_stats(h_cm, head_mv, targets_c, dtype):
 
 
 def _late(head_mv, h_ncm, dtype):
-    """head_mv, made from h_ncm too when it is narrower than `dtype`: equal to it unless
-    h_ncm[0, 0, 0] is NaN (then NaN, and the loss, which that NaN reaches anyway, stays NaN).
+    """head_mv, read after h_ncm (core/ops/order.py `after`) when it is narrower than `dtype`.
 
     XLA:CPU multiplies bfloat16 by converting the operands to float32, and hoists the head's convert
     out of the chunk loop; the scheduler may then convert the head [M, V] first thing, and its
-    float32 copy lives beside every activation of the forward. Made from h, the copy can only exist
+    float32 copy lives beside every activation of the forward. Made after h, the copy can only exist
     once the final hidden states do (an optimization barrier would not do: XLA:CPU removes them
     first). A head already in `dtype` is used as it is (a select would copy it).
     """
     if head_mv.dtype == dtype:
         return head_mv
-    return jnp.where(jnp.isnan(h_ncm[0, 0, 0]), jnp.nan, head_mv)
+    return after(head_mv, h_ncm[0, 0, 0])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -15,13 +15,38 @@ Exactness: the result is `where(isnan(dep), nan, x)`: `x` bit for bit, no arithm
 to one flag first (on a mesh a small all-reduce, itself after `dep`). `dep`'s cotangent is -0 (NaN
 where the incoming cotangent is), which adds nothing to a cotangent but flushes a subnormal one to
 zero, as the arithmetic after it would.
+
+Only XLA:CPU needs them: the GPU and TPU compilers run a device's collectives in one scheduled
+order. `tied(platform)` (entered while a step is traced for a platform: core/train/program.py
+`with_mesh`) switches every helper to a plain pass-through for any platform but the CPU, so the
+programs planned and run on accelerators carry no flag; outside it the ties are on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import jax
 import jax.extend
 import jax.numpy as jnp
+
+_STATE = threading.local()  # .on: whether the trace in this thread ties (unset: yes)
+
+
+@contextlib.contextmanager
+def tied(platform: str):
+    """Within it, this thread's traces tie collectives only if `platform` is "cpu" (module docstring)."""
+    before = getattr(_STATE, "on", True)
+    _STATE.on = platform == "cpu"
+    try:
+        yield
+    finally:
+        _STATE.on = before
+
+
+def _on() -> bool:
+    return getattr(_STATE, "on", True)
 
 
 def _nan_in(ref, shape):
@@ -45,6 +70,8 @@ def after(x, dep):
     Returns:
       `x` (same shape, dtype, value); its gradient is the identity, `dep`'s an exact zero.
     """
+    if not _on():
+        return x
     shape, dtype = dep.shape, dep.dtype
 
     @jax.custom_vjp
@@ -62,9 +89,7 @@ def after(x, dep):
 
 
 @jax.custom_vjp
-def cotangent_after_value(y):
-    """`y` unchanged; its cotangent is read after `y` itself (exact, as `after`): under remat the
-    backward of everything that used `y` then waits for `y`'s recomputation."""
+def _cotangent_after_value(y):
     return y
 
 
@@ -76,13 +101,21 @@ def _cav_bwd(y, g):
     return (_read(g, _nan_in(y, g.shape)),)
 
 
-cotangent_after_value.defvjp(_cav_fwd, _cav_bwd)
+_cotangent_after_value.defvjp(_cav_fwd, _cav_bwd)
+
+
+def cotangent_after_value(y):
+    """`y` unchanged; its cotangent is read after `y` itself (exact, as `after`): under remat the
+    backward of everything that used `y` then waits for `y`'s recomputation."""
+    return _cotangent_after_value(y) if _on() else y
 
 
 def einsum_after_cotangent(subscripts: str, a, b):
     """`jnp.einsum(subscripts, a, b)` whose backward reads `a` and `b` after the cotangent of its
     result (exact, as `after`): the gathers of forward values that its gradients need run after
     what made the cotangent."""
+    if not _on():
+        return jnp.einsum(subscripts, a, b)
 
     @jax.custom_vjp
     def dot(a, b):
@@ -120,6 +153,8 @@ def backward_after_cotangent(f):
     Values and gradients are `f`'s."""
 
     def wrapped(*args):
+        if not _on():
+            return f(*args)
         leaves, tree = jax.tree.flatten(args)
         # every traced value `f` closes over (integer ones too) becomes an explicit input: a custom_vjp
         # may not close over one (jax.closure_convert hoists the floating ones alone)

@@ -47,3 +47,25 @@ def test_tied_functions_equal_the_plain_ones_in_value_and_gradient():
     for f, g in ((tied, plain), (wrapped, body)):
         want = jax.jit(jax.value_and_grad(g, argnums=(0, 1)))(a, w)
         assert _same(jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(a, w), want)
+
+
+def test_ties_are_traced_for_the_cpu_only():
+    """Traced for a GPU or TPU (whose compilers order a device's collectives themselves) every helper
+    is a plain pass-through: no NaN flag in the program; traced for the CPU, and by default, it ties."""
+    from core.ops.order import tied
+
+    def program(x, d):
+        y = cotangent_after_value(after(x, d))
+        z = einsum_after_cotangent("ij,jk->ik", y, y.T)
+        return backward_after_cotangent(lambda a: jnp.sin(a))(z)
+
+    def flags(platform=None):
+        def traced(x, d):
+            if platform is None:
+                return jax.grad(lambda x: jnp.sum(program(x, d)))(x)
+            with tied(platform):
+                return jax.grad(lambda x: jnp.sum(program(x, d)))(x)
+        return str(jax.make_jaxpr(traced)(X, X[0])).count(" = ne ")  # isnan(v) is `ne v v`
+
+    assert flags("tpu") == flags("gpu") == 0
+    assert flags("cpu") > 0 and flags() == flags("cpu")
