@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from core.ops.order import after
+from core.ops.order import read_after
 
 
 def lm_loss(logits_btv, targets_bt, mask_bt):
@@ -108,7 +108,7 @@ def _chunk_stats(h_cm, head_mv, targets_c, dtype):
 
 
 def _late(head_mv, h_ncm, dtype):
-    """head_mv, read after h_ncm (core/ops/order.py `after`) when it is narrower than `dtype`.
+    """head_mv, read after h_ncm (core/ops/order.py `read_after`) when it is narrower than `dtype`.
 
     XLA:CPU multiplies bfloat16 by converting the operands to float32, and hoists the head's convert
     out of the chunk loop; the scheduler may then convert the head [M, V] first thing, and its
@@ -118,7 +118,7 @@ def _late(head_mv, h_ncm, dtype):
     """
     if head_mv.dtype == dtype:
         return head_mv
-    return after(head_mv, h_ncm[0, 0, 0])
+    return read_after(head_mv, h_ncm[0, 0, 0])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -16,10 +16,12 @@ to one flag first (on a mesh a small all-reduce, itself after `dep`). `dep`'s co
 where the incoming cotangent is), which adds nothing to a cotangent but flushes a subnormal one to
 zero, as the arithmetic after it would.
 
-Only XLA:CPU needs them: the GPU and TPU compilers run a device's collectives in one scheduled
-order. `tied(platform)` (entered while a step is traced for a platform: core/train/program.py
-`with_mesh`) switches every helper to a plain pass-through for any platform but the CPU, so the
-programs planned and run on accelerators carry no flag; outside it the ties are on.
+Only a program with collectives on XLA:CPU needs them: the GPU and TPU compilers run a device's
+collectives in one scheduled order, and one device has none. So the helpers tie only inside
+`tied(True)`, which core/train/program.py `with_mesh` enters while it traces a step for a CPU mesh
+of several devices; elsewhere (accelerators, one device, outside a step) they pass their input
+through, and the program carries no flag. `read_after` is `after` without that switch, for an
+order that serves memory rather than collectives (core/loss/lm.py).
 """
 
 from __future__ import annotations
@@ -31,14 +33,14 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
-_STATE = threading.local()  # .on: whether the trace in this thread ties (unset: yes)
+_STATE = threading.local()  # .on: whether the trace in this thread ties (unset: no)
 
 
 @contextlib.contextmanager
-def tied(platform: str):
-    """Within it, this thread's traces tie collectives only if `platform` is "cpu" (module docstring)."""
-    before = getattr(_STATE, "on", True)
-    _STATE.on = platform == "cpu"
+def tied(on: bool):
+    """Within it, this thread's traces tie collectives if `on` (module docstring)."""
+    before = getattr(_STATE, "on", False)
+    _STATE.on = bool(on)
     try:
         yield
     finally:
@@ -46,7 +48,7 @@ def tied(platform: str):
 
 
 def _on() -> bool:
-    return getattr(_STATE, "on", True)
+    return getattr(_STATE, "on", False)
 
 
 def _nan_in(ref, shape):
@@ -70,8 +72,11 @@ def after(x, dep):
     Returns:
       `x` (same shape, dtype, value); its gradient is the identity, `dep`'s an exact zero.
     """
-    if not _on():
-        return x
+    return read_after(x, dep) if _on() else x
+
+
+def read_after(x, dep):
+    """`after`, whether or not this trace ties collectives (`tied`)."""
     shape, dtype = dep.shape, dep.dtype
 
     @jax.custom_vjp

@@ -85,8 +85,8 @@ def jit_step(fn: Callable, cfg, mesh, state_shardings: Any = None):
 def with_mesh(mesh, fn):
     """`fn` traced under `mesh`'s abstract mesh, so the model sees it (the MoE's expert-parallel
     exchange: core/ops/expert_parallel.py); `jax.set_mesh` cannot be entered under jit. The
-    collective-order ties (core/ops/order.py) are traced for the mesh's platform only where it needs
-    them."""
+    collective-order ties (core/ops/order.py) are traced where the mesh needs them: on the CPU, with
+    more than one device."""
     import jax
 
     from core.ops.order import tied
@@ -94,7 +94,7 @@ def with_mesh(mesh, fn):
 
     @functools.wraps(fn)  # keeps the step's name: core/plan reads the jit_step dumps
     def traced(*args):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), tied(mesh_platform(mesh)):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), tied(mesh_platform(mesh) == "cpu" and mesh.size > 1):
             return fn(*args)
     return traced
 

@@ -463,7 +463,7 @@ def _order_report() -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from core.ops.order import after, backward_after_cotangent, cotangent_after_value
+    from core.ops.order import after, backward_after_cotangent, cotangent_after_value, tied
     from core.parallel.collective_order import at_risk_pairs
 
     mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -484,7 +484,10 @@ def _order_report() -> dict:
     x = put(jnp.ones((16, 32)), "fsdp", None)
     params = [(put(jnp.ones((4, 32, 64)), None, "fsdp", "tensor"), put(jnp.ones((32, 64)), "fsdp", "tensor"),
                put(jnp.ones((64, 32)), "tensor", "fsdp"))] * 3
-    return {str(tie): len(at_risk_pairs(program(tie).lower(params, x).compile().as_text())[2]) for tie in (False, True)}
+    def pairs(tie: bool) -> int:
+        with tied(tie):  # as a step traced for this CPU mesh ties (core/train/program.py with_mesh)
+            return len(at_risk_pairs(program(tie).lower(params, x).compile().as_text())[2])
+    return {str(tie): pairs(tie) for tie in (False, True)}
 
 
 def _ctrl_c_on_process_1(pid: int, run_dir: Path) -> dict:
