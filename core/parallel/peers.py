@@ -51,13 +51,19 @@ class _State:
     stopped = threading.Event()   # set once this process leaves: the watch ends, nothing more is reported
     left: str | None = None
     report: Callable[[str], None] | None = None
-    progress: Callable[[], str] = staticmethod(lambda: "no checkpoint was written yet")
+    progress: Callable[[], str] = staticmethod(lambda: kept(None))
 
 
 def _client():
     from jax._src import distributed  # the client jax.distributed.initialize made (no public handle)
 
     return distributed.global_state.client
+
+
+def kept(last_saved: int | None) -> str:
+    """The last complete checkpoint, for a line that stops a multi-process run."""
+    return (f"checkpoint step {last_saved} is the last complete one" if last_saved is not None
+            else "no checkpoint was written yet")
 
 
 def set_progress(describe: Callable[[], str]) -> None:
@@ -157,7 +163,7 @@ def _disconnect() -> None:
         try:
             if me == 0:
                 while set(client.get_live_nodes(list(range(count)))) - {0}:
-                    pass
+                    time.sleep(WATCH_PERIOD_S / 20)
             jax.distributed.shutdown()
         except Exception:  # noqa: BLE001  (a peer or the service is gone already)
             pass

@@ -104,12 +104,6 @@ def _write_metrics(run_dir: Path, rows: list[dict[str, Any]]) -> None:
     (run_dir / run_files.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def _kept(last_saved: int | None) -> str:
-    """The last complete checkpoint, for a line that stops a multi-process run."""
-    return (f"checkpoint step {last_saved} is the last complete one" if last_saved is not None
-            else "no checkpoint was written yet")
-
-
 @dataclasses.dataclass
 class _InFlight:
     """A dispatched step: its metrics (device arrays), the data position after its batch, when it began."""
@@ -181,7 +175,7 @@ class Trainer:
         self._step_fn = (ahead.step(self.graphdef, self.state, setup.mesh) if ahead is not None
                          else ahead_or_jitted_step(cfg, self.graphdef, self.state, setup.mesh))
         self.last_saved = self.resumed_from
-        peers.set_progress(lambda: _kept(self.last_saved))  # what a lost-process line says
+        peers.set_progress(lambda: peers.kept(self.last_saved))  # what a lost-process line says
         self.info = self._describe(init_from, fresh_indexer, notices)
         # processes compile and restore at their own pace: start step 0's collectives together
         wait_for_peers("dsv4-step-compiled")
@@ -294,7 +288,7 @@ class Trainer:
             if jax.process_count() == 1 or device_memory_error(e) is not None:
                 raise
             peers.await_verdict()  # a peer that died: its loss is the line to show (core/parallel/peers.py)
-            kept = _kept(self.last_saved)
+            kept = peers.kept(self.last_saved)
             cpu = (" (on CPUs this can also be XLA:CPU's collective order, docs/scaling.md#collective-order-on-the-cpu)"
                    if "Gloo" in str(e) else "")
             raise ClusterError(f"step {step} failed on process {jax.process_index()} of {jax.process_count()}: a "
