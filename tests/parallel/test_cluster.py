@@ -300,25 +300,33 @@ def _checkpoints(run) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster_runs(tmp_path_factory):
-    """The reference and the kill -9 run start together; the Ctrl-C -> SIGTERM -> resumed chain starts once
-    the reference has compiled the step (the later runs read it from the compilation cache)."""
+    """The reference and the kill -9 run start together; the Ctrl-C -> SIGTERM -> resumed chain, and the run that
+    loses process 0, start once the step is compiled (the later runs read it from the compilation cache)."""
     import signal
     import threading
     import time
 
     root = tmp_path_factory.mktemp("cluster")
-    straight, lost, chain = root / "straight", root / "lost", root / "chain"
+    straight, lost, lost0, chain = root / "straight", root / "lost", root / "lost0", root / "chain"
     started = time.monotonic()
     reference, dying = _launch(straight, "straight"), _launch(lost, "lost", MULTI_HEARTBEAT_S)
     launched = [*reference, *dying]
+
+    def kill_and_time(procs, victim: int) -> list:  # kill -9 of procs[victim]; [when the other ended - when killed]
+        procs[victim].kill()
+        killed, ended = time.monotonic(), []
+        threading.Thread(target=lambda: ended.append(procs[1 - victim].wait() is not None and time.monotonic() - killed),
+                         daemon=True).start()
+        return ended
+
     try:
         _when_logged(lost, dying, 1)
-        dying[1].kill()  # kill -9 of process 1
-        killed, survivor_ended = time.monotonic(), []
-        threading.Thread(target=lambda: survivor_ended.append(dying[0].wait() is not None and time.monotonic()),
-                         daemon=True).start()
+        survivor_ended = kill_and_time(dying, 1)
+        launched += (leaderless := _launch(lost0, "lost0", MULTI_HEARTBEAT_S))  # kill -9 of process 0, the service's host
         _when_logged(straight, reference, 0)
         launched += (procs := _launch(chain, "ctrl_c"))  # Ctrl-C on process 1 alone
+        _when_logged(lost0, leaderless, 1)
+        process_1_ended = kill_and_time(leaderless, 0)
         _when_logged(chain, procs, 0)
         procs[1].send_signal(signal.SIGINT)
         out = {"ctrl_c": _ended(chain, "ctrl_c", procs)}
@@ -333,7 +341,9 @@ def cluster_runs(tmp_path_factory):
         out["resumed"] = _ended(chain, "resumed", procs)
         out["chain"] = _logged(chain)
         out["lost"] = _ended(lost, "lost", dying)
-        out["lost_after_s"] = survivor_ended[0] - killed
+        out["lost_after_s"] = survivor_ended[0]
+        out["lost0"] = _ended(lost0, "lost0", leaderless, timeout=120)
+        out["lost0_after_s"] = process_1_ended[0]
         out["straight"], out["reference"] = _ended(straight, "straight", reference), _logged(straight)
     finally:
         for p in launched:  # a failed fixture leaves nothing running
@@ -383,3 +393,15 @@ def test_a_killed_process_ends_the_others_with_one_line(cluster_runs):
     bound = MULTI_HEARTBEAT_S + 2 * peers.WATCH_PERIOD_S
     assert cluster_runs["lost_after_s"] < bound + 30, cluster_runs["lost_after_s"]  # slack for a loaded machine
     print(f"process 0 ended {cluster_runs['lost_after_s']:.1f} s after kill -9 (heartbeat {MULTI_HEARTBEAT_S} s)")
+
+
+@pytest.mark.slow
+def test_a_killed_process_0_ends_the_others_without_a_hang(cluster_runs):
+    """kill -9 of process 0 takes the coordination service with it: JAX's client on every other process
+    aborts at once with XLA's message naming the leader (no Python code runs in between, so not dsv4's one
+    line; docs/scaling.md#when-a-process-is-lost). The run must not hang, and its checkpoints stay."""
+    killed, survivor = cluster_runs["lost0"]
+    assert killed["rc"] == -9 and survivor["rc"] in (-6, 134), cluster_runs["lost0"]
+    assert "Failed to send RPC to coordination service" in survivor["err"], survivor["err"][-3000:]
+    assert cluster_runs["lost0_after_s"] < 60, cluster_runs["lost0_after_s"]
+    print(f"process 1 ended {cluster_runs['lost0_after_s']:.1f} s after kill -9 of process 0")
