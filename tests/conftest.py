@@ -36,12 +36,14 @@ _COMPILE_CACHE = os.path.join(_CACHE_HOME, "dsv4", "jax")
 os.makedirs(_COMPILE_CACHE, exist_ok=True)
 os.environ.update(JAX_COMPILATION_CACHE_DIR=_COMPILE_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-# The suite is compile-bound (dozens of small programs, each run for a few steps): XLA's CPU
-# backend at optimisation level 0 compiles them about twice as fast (test_sharding's subprocesses
-# have always run so). Set before any test imports jax; every program of the session, and the
-# subprocesses that inherit this environment, use the same flags.
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""),
-    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"]))
+# The suite is compile-bound (dozens of small programs, each run for a few steps). XLA's CPU
+# backend compiles them much faster at optimisation level 0 and with its older fusion emitters
+# (`xla_cpu_use_fusion_emitters=false`); the tests' programs run no slower so
+# (docs/development.md#tests). Set before any test imports jax; every program of the session, the
+# subprocesses that inherit this environment, and those given FAST_COMPILE use the same flags.
+FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                "--xla_cpu_use_fusion_emitters=false")
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), FAST_COMPILE]))
 
 # libtpu (the tpu extra) allows one process at a time unless told otherwise: tests on both xdist
 # workers (the planner's children, test_granules' compile-only topologies) may load it at once.

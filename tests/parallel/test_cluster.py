@@ -240,10 +240,11 @@ def _launch(run, name: str, heartbeat_s: int | None = None) -> list:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    from tests.conftest import FAST_COMPILE
+
     env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")])),
-               XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0 "
-                         "--xla_llvm_disable_expensive_passes=true")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}")
     if heartbeat_s is not None:
         from core.parallel import peers
 

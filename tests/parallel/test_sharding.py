@@ -90,12 +90,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# XLA's CPU backend at optimisation level 0 compiles these programs about twice as fast; the
-# numbers stay float32-exact to the tolerance below, and every run here uses the same flags.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-
-
 def _env(devices: int) -> dict[str, str]:
+    from tests.conftest import FAST_COMPILE  # the suite's compiler flags; every run here uses them
+
     env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS and k != "JAX_ENABLE_X64"}
     env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
