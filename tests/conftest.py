@@ -44,6 +44,11 @@ os.environ.update(JAX_COMPILATION_CACHE_DIR=_COMPILE_CACHE, JAX_PERSISTENT_CACHE
 FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
                 "--xla_cpu_use_fusion_emitters=false")
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), FAST_COMPILE]))
+# Compiler options (`jax.jit(..., compiler_options=)`, over XLA_FLAGS) that restore XLA:CPU's own
+# fusion emitters, as `dsv4` compiles with them: for the tests whose claim is that two programs
+# (the guard's two forms, held and dequantised weights) round bit for bit alike, which holds for
+# the fusions XLA:CPU makes by default and not for the older emitters' fusions.
+PRODUCT_FUSION = {"xla_cpu_use_fusion_emitters": True}
 
 # libtpu (the tpu extra) allows one process at a time unless told otherwise: tests on both xdist
 # workers (the planner's children, test_granules' compile-only topologies) may load it at once.

@@ -134,12 +134,20 @@ def test_keep_quantized_stores_the_files_codes_and_scales_bit_for_bit(work, runs
 
 @pytest.fixture(scope="module")
 def warmed(work, runs):
-    """The 5-step warm-ups from the kept and from the plain import, through the CLI."""
+    """The 5-step warm-ups from the kept and from the plain import, through the CLI, their steps
+    compiled with XLA:CPU's own fusions as `dsv4` compiles them (tests/conftest.py PRODUCT_FUSION)."""
+    from core.train import program
+    from tests.conftest import PRODUCT_FUSION
+
     root = work[0]
     out = {}
-    for name, run in zip(("kept", "plain"), runs[:2]):
-        result = _invoke("warmup", "--model", str(run / "config.yml"), "--init-from", str(run),
-                         "--output", str(root / f"warm-{name}"), *WARMUP)
+    options = program.step_compiler_options
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(program, "step_compiler_options", lambda *a, **k: {**options(*a, **k), **PRODUCT_FUSION})
+        results = {name: _invoke("warmup", "--model", str(run / "config.yml"), "--init-from", str(run),
+                                 "--output", str(root / f"warm-{name}"), *WARMUP)
+                   for name, run in zip(("kept", "plain"), runs[:2])}
+    for name, result in results.items():
         assert "indexer_init=teacher skipped" in result.output, result.output  # the release's indexer is kept
         out[name] = root / f"warm-{name}"
     return out

@@ -7,6 +7,7 @@ a warm-up on held weights equals, bitwise, one on their float32 dequantisation.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -25,7 +26,7 @@ from core.model import quant as mq
 from core.model.params import mask_matcher
 from core.model.transformer import Transformer
 from core.ops import quant as q
-from tests.conftest import init_model, tiny_config
+from tests.conftest import PRODUCT_FUSION, init_model, tiny_config
 
 LUT = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float64)
 
@@ -198,7 +199,8 @@ def test_warmup_on_held_weights_equals_its_float32_dequantisation_bitwise(held_t
         graphdef, state = nnx.split((model, nnx.Optimizer(model, train_step.make_optimizer(cfg), wrt=nnx.Param)))
         real_step, out = train_step.step_fn(cfg, graphdef), []
 
-        @jax.jit  # one program per model (each compile counts): the real step, and the indexer gradients at its input
+        # one program per model (each compile counts): the real step, and the indexer gradients at its input
+        @functools.partial(jax.jit, compiler_options=PRODUCT_FUSION)
         def step(state, batch):
             return real_step(state, batch), indexer_grads(nnx.merge(graphdef, state)[0], batch)
 

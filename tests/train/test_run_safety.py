@@ -166,9 +166,11 @@ def test_both_guard_forms_keep_a_diverged_state_and_apply_a_good_one_alike():
     graphdef, state = nnx.split((setup.model, setup.optimizer))
     batch = shard_batch(next(train_batches(cfg, setup.batch_size)), setup.mesh)
     bytes_of = lambda tree: [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]  # noqa: E731
+    from tests.conftest import PRODUCT_FUSION
+
     out = {}
     for platform in ("cpu", "gpu"):
-        step = jax.jit(step_fn(cfg, graphdef, platform))
+        step = jax.jit(step_fn(cfg, graphdef, platform), compiler_options=PRODUCT_FUSION)
         first, good = step(state, batch)
         last, bad = step(first, batch)
         out[platform] = (bytes_of(first), bytes_of(last),
