@@ -41,14 +41,25 @@ os.environ.update(JAX_COMPILATION_CACHE_DIR=_COMPILE_CACHE, JAX_PERSISTENT_CACHE
 # (`xla_cpu_use_fusion_emitters=false`); the tests' programs run no slower so
 # (docs/development.md#tests). Set before any test imports jax; every program of the session, the
 # subprocesses that inherit this environment, and those given FAST_COMPILE use the same flags.
-FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                "--xla_cpu_use_fusion_emitters=false")
+# XLA aborts on a flag it does not know, so the first process of the session asks a child whether
+# this jaxlib knows the emitters' flag, and every later one inherits the answer.
+_EMITTERS, _KNOWS_EMITTERS = "--xla_cpu_use_fusion_emitters=false", "DSV4_TEST_XLA_KNOWS_EMITTERS"
+if os.environ.get(_KNOWS_EMITTERS) is None:
+    import subprocess
+    import sys
+
+    _probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True,
+                            env={**os.environ, "XLA_FLAGS": _EMITTERS, "JAX_PLATFORMS": "cpu"})
+    os.environ[_KNOWS_EMITTERS] = "1" if _probe.returncode == 0 else "0"
+_OLDER_EMITTERS = os.environ[_KNOWS_EMITTERS] == "1"
+FAST_COMPILE = " ".join(["--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+                         *([_EMITTERS] if _OLDER_EMITTERS else [])])
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), FAST_COMPILE]))
 # Compiler options (`jax.jit(..., compiler_options=)`, over XLA_FLAGS) that restore XLA:CPU's own
 # fusion emitters, as `dsv4` compiles with them: for the tests whose claim is that two programs
 # (the guard's two forms, held and dequantised weights) round bit for bit alike, which holds for
 # the fusions XLA:CPU makes by default and not for the older emitters' fusions.
-PRODUCT_FUSION = {"xla_cpu_use_fusion_emitters": True}
+PRODUCT_FUSION = {"xla_cpu_use_fusion_emitters": True} if _OLDER_EMITTERS else {}
 
 # libtpu (the tpu extra) allows one process at a time unless told otherwise: tests on both xdist
 # workers (the planner's children, test_granules' compile-only topologies) may load it at once.
