@@ -197,14 +197,16 @@ def _segment(cfg, specs, start, unit, reps, rngs, kw):
     return group
 
 
-def run_segment(layer, x_btnm, args, flags, *, remat: bool, policy, scanned: bool):
+def run_segment(layer, x_btnm, args, flags, *, remat: bool, policy, scanned: bool, tie: bool = True):
     """One segment's forward as a pure function of its variables: `(x, aux)`, or for a scanned
     segment `(x, [aux per unit position] with arrays [repeats, ...])`.
 
     The layer is split into (graphdef, variables) and its body runs under `jax.checkpoint`
     (`remat`, with `policy`), under core.ops.order's `backward_after_cotangent` (its backward reads
     what it saved after its cotangent: docs/scaling.md#collective-order-on-the-cpu) and, when
-    `scanned`, `jax.lax.scan` over the stacked variables' leading axis. Variables go in as inputs
+    `scanned`, `jax.lax.scan` over the stacked variables' leading axis (`tie=False` leaves out the
+    `backward_after_cotangent`: where no gradient crosses the segment, its opaque backward would
+    recompute the whole segment that plain autodiff prunes). Variables go in as inputs
     only, never out (the forward changes none): nnx's own scan and remat would also return every
     variable, and a scan then carries a stacked copy of each one that is not differentiated, as
     large as the segment's weights (the frozen experts of the warm-up: tests/model/test_remat.py
@@ -228,7 +230,8 @@ def run_segment(layer, x_btnm, args, flags, *, remat: bool, policy, scanned: boo
 
     if remat:
         body = jax.checkpoint(body, policy=policy, prevent_cse=not scanned)
-    body = backward_after_cotangent(body)  # the backward follows the layers above (collective order on XLA:CPU)
+    if tie:
+        body = backward_after_cotangent(body)  # the backward follows the layers above (collective order on XLA:CPU)
     if not scanned:
         return body(x_btnm, state, args)
 
@@ -251,6 +254,8 @@ class Transformer(nnx.Module):
         self.csa_layers = cfg.csa_layers if cfg.use_indexer else ()
         self.stage = stage_of(cfg)  # what "train" switches on and off (core.config.stages)
         self.joint = cfg.indexer_teacher == "joint"
+        # a gradient crosses the layers unless only the indexer trains, from its local loss (the warm-up)
+        self.cross_layer_gradient = self.stage.trains_rest or cfg.indexer_gradient != "local"
         self.remat_policy = cfg.remat_policy
         specs = [BlockSpec.from_config(cfg, i) for i in range(cfg.num_layers)]
         self.segments = layer_plan(specs, cfg.scan_layers)
@@ -318,7 +323,7 @@ class Transformer(nnx.Module):
         auxes = []  # per segment: [aux per unit position], arrays [repeats, ...] when scanned
         for (_, _, reps), layer in zip(self.segments, self.layers):
             x, aux = run_segment(layer, x, args, flags, remat=self.remat_policy != "none", policy=policy,
-                                 scanned=reps > 1)
+                                 scanned=reps > 1, tie=self.cross_layer_gradient)
             auxes.append(aux if reps > 1 else [aux])
         h = self.norm(self.hc_head(x)) if run_head else None
         return h, self._aux(auxes, loss, collect, observe is not None)
