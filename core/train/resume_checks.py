@@ -19,7 +19,6 @@ from core.train.step import schedule_steps
 OPTIMIZER_STRUCTURE_KEYS = ("gradient_clipping_threshold", "trainable_parameters_mask")
 # The state's storage dtypes (docs/precision.md#the-keys): a resume converts the checkpoint to them.
 STORAGE_DTYPE_KEYS = ("weight_dtype", "frozen_weight_dtype", "mu_dtype", "nu_dtype")
-_WIDTH = {"float32": 4, "bfloat16": 2}
 
 
 def _show(value: Any) -> str:
@@ -61,7 +60,9 @@ def dtype_notice(saved: Mapping[str, Any], cfg) -> str | None:
                if k in saved and saved[k] != getattr(cfg, k)]
     if not changed:
         return None
-    each = ", ".join(f"{k} {old} -> {new} ({'rounded' if _WIDTH[new] < _WIDTH[old] else 'exact'})"
+    import jax.numpy as jnp
+
+    each = ", ".join(f"{k} {old} -> {new} ({'rounded' if jnp.dtype(new).itemsize < jnp.dtype(old).itemsize else 'exact'})"
                      for k, old, new in changed)
     keep = " ".join(f"{k}={old}" for k, old, _ in changed)
     return f"the stored dtypes change on resume, the checkpoint's values converted: {each}; set {keep} to keep them."
