@@ -467,6 +467,8 @@ def _order_report() -> dict:
     put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
 
     def program(tie: bool):
+        # a fresh `layer` per program: jax.checkpoint reuses the trace of a function it has seen, so a
+        # shared one traced untied would come back untied under `tied(True)`
         def layer(x, w_loop, w_in, w_out):
             y, _ = jax.lax.scan(lambda y, w: (y + jnp.tanh(x @ w) @ w.T, None), jnp.zeros_like(x), w_loop)
             out = y + jnp.tanh((after(x, y) if tie else x) @ w_in) @ w_out
