@@ -36,6 +36,7 @@ SMALL = (
     "compress_ratios=[4]", "base_num_decoder_layers=1", "first_num_hash_layers=0", "vocab_size=512",
     "max_target_length=64", "indexer_topk=4", "hc_sinkhorn_iters=2", "dataset_type=synthetic",
     f"steps={STEPS + 1}", f"checkpoint_period={STEPS}", "async_checkpointing=false",
+    f"learning_rate_schedule_steps={STEPS + 1}",  # fixed: the longer Ctrl-C run below reuses the warm-up's step
 )
 # name -> (mesh overrides, per_device_batch_size): 8 rows per step everywhere.
 MESHES = {

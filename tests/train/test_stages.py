@@ -1,7 +1,9 @@
 """DeepSeek-V4's three stages as commands, chained: `dsv4 pretrain`, `dsv4 warmup --init-from` it
 (and from a model without an indexer; other mismatches stay one-line errors), `dsv4 sparse
 --init-from` the warm-up (what it trains; an interrupted and resumed run against the straight one)
-and `dsv4 eval-indexer` on the result.
+and `dsv4 eval-indexer` on the result; `indexer_init: teacher` warm-ups from the chain's pre-training
+(core/train/indexer_init.py: deterministic, a step-0 KL below the random start's, run once and resumed
+bitwise).
 
 The chain runs once, in the `stage_chain` fixture, and every test that needs one of its runs or
 compiled steps lives in this file: under pytest-xdist's --dist loadfile one worker builds it,
@@ -25,8 +27,9 @@ from core import tree
 from core.checkpoint import run_files
 from core.train import run as train
 from core.train import step as train_step
-from core.errors import CheckpointError
+from core.errors import CheckpointError, ConfigError
 from core.train.handoff import is_indexer
+from core.train.indexer_init import teacher_init
 from dsv4cli import display
 from dsv4cli.main import app
 
@@ -209,3 +212,69 @@ def test_other_mismatches_stay_one_line_errors(tmp_path):
     assert result.exit_code == 2 and "shape" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     with pytest.raises(CheckpointError, match="shape"):
         train.Trainer(tiny_config("sparse"), stage="sparse", run_dir=tmp_path / "s", init_from=src)
+
+
+# ----------------------------------------------------------------------------- indexer_init: teacher
+
+def _teacher_warmup(run_dir, source, steps: int):
+    """A warm-up with indexer_init=teacher from `source`. The chain's warm-up schedule (WARMUP_STEPS long)
+    for every run length: A, B and B's resume compile the chain warm-up's program (read back from the
+    compilation cache), not one of their own."""
+    cfg = tiny_config("warmup", "indexer_init=teacher", "indexer_init_batches=2",
+                      f"learning_rate_schedule_steps={WARMUP_STEPS}", steps=steps, checkpoint_period=1)
+    trainer = train.Trainer(cfg, stage="warmup", run_dir=run_dir, init_from=source)
+    rows = list(trainer.run())
+    return trainer.info, rows
+
+
+@pytest.fixture(scope="module")
+def teacher_runs(stage_chain, tmp_path_factory):
+    """Three short teacher-initialised warm-ups from the chain's pre-training: A straight for two steps,
+    B for one step and then resumed to two. {"a" | "b1" | "b2": (run dir, trainer info, metric rows)}."""
+    root, pre = tmp_path_factory.mktemp("teacher-init"), stage_chain["pretrain"][0]
+    return {"a": (root / "a", *_teacher_warmup(root / "a", pre, 2)),
+            "b1": (root / "b", *_teacher_warmup(root / "b", pre, 1)),
+            "b2": (root / "b", *_teacher_warmup(root / "b", pre, 2))}
+
+
+def _state(run_dir, step):
+    model, _, _ = ckpt.restore_model(run_dir, step)
+    return _variables(model)
+
+
+def test_the_teacher_initialisation_runs_once_and_resumes_bitwise(teacher_runs):
+    """A and B initialised independently from the same source: the same step 0, bitwise; B's resume
+    says nothing of an initialisation and reaches A's step 1 bitwise."""
+    runs = teacher_runs
+    inits = [[n for n in runs[k][1]["notices"] if n.startswith("indexer_init=teacher:")] for k in ("a", "b1", "b2")]
+    assert [len(n) for n in inits] == [1, 1, 0], inits
+    assert runs["b2"][1]["resumed_from"] == 0
+    a0, b0 = _state(runs["a"][0], 0), _state(runs["b1"][0], 0)
+    assert all(np.array_equal(a0[k], b0[k]) for k in a0), "step 0 differs: the initialisation is not deterministic"
+    a1, b1 = _state(runs["a"][0], 1), _state(runs["b2"][0], 1)
+    diff = {k: float(np.max(np.abs(a1[k] - b1[k]))) for k in a1 if not np.array_equal(a1[k], b1[k])}
+    assert not diff, f"resumed != straight: {diff}"
+    assert [r["indexer_loss"] for r in runs["a"][2]][1] == runs["b2"][2][0]["indexer_loss"]
+
+
+def test_teacher_step0_kl_is_below_the_random_start_and_only_the_indexer_changes(stage_chain):
+    """On the pre-trained model's calibration rows, every layer's KL to its teacher after the initialisation
+    is below the warm-up preset's random start (weights_proj = 0: a uniform student, KL_uniform), and
+    nothing but the indexers' parameters moved."""
+    cfg = tiny_config("warmup", "indexer_init=teacher", "indexer_init_batches=2")
+    model, _, _ = ckpt.restore_model(stage_chain["pretrain"][0], None, cfg)
+    before = _variables(model)
+    assert all(not v.any() for k, v in before.items() if k.endswith("indexer/weights_proj"))  # the random start
+    report = teacher_init(model, cfg)
+    assert len(report.layers) == len(cfg.csa_layers) and all(0 < t for t in report.temperature)
+    assert all(k < u for k, u in zip(report.kl, report.kl_uniform)), (report.kl, report.kl_uniform)
+    assert report.kl_captured > 0.3, report
+    after = _variables(model)
+    changed = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert changed and all(is_indexer(k) for k in changed), sorted(changed)
+
+
+def test_teacher_init_belongs_to_the_warmup():
+    for stage in ("pretrain", "sparse"):
+        with pytest.raises(ConfigError, match="indexer_init=teacher in dsv4 " + stage):
+            tiny_config(stage, "indexer_init=teacher")
