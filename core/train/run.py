@@ -49,7 +49,8 @@ from core.parallel.sharding import local_batch_slice, shard_batch
 from core.train.stop import StopRequest
 from core.train.handoff import is_indexer, source_lacks_indexer, topk_warning
 from core.train.tensorboard import EventWriter
-from core.train.step import METRIC_KEYS, abstract_pure, build, check_masks, has_config, load_init_weights
+from core.train.step import (METRIC_KEYS, abstract_pure, build, check_masks, has_config, load_init_weights,
+                             new_optimizer, require_values)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -153,11 +154,18 @@ class Trainer:
                 # check them first, from shapes (a compile under way would hold the error's exit until it ends)
                 check_masks(cfg, self._abstract_model())
             ahead = StepPrecompile(cfg)
-        self.setup = setup = build(cfg)
+        # a state read from a checkpoint is built from shapes, not initialised first: one copy in memory
+        # (a fresh indexer beside loaded weights is the one case that initialises, then loads)
+        from_checkpoint = self.resumed_from is not None or (init_from is not None and not fresh_indexer)
+        self.setup = setup = build(cfg, abstract=from_checkpoint)
         if self.resumed_from is not None:
             self._resume(self.resumed_from)
+            require_values(self.ckpt.dir, setup.model, setup.optimizer)
         elif init_from is not None:
             self.init_step = load_init_weights(setup, init_from, fresh_indexer)
+            if from_checkpoint:  # the zero moments, of the loaded parameters
+                require_values(init_from, setup.model)
+                setup.optimizer = new_optimizer(cfg, setup.model, setup.mesh)
             if cfg.indexer_init == "teacher":  # once, before step 0: a resume takes the branch above
                 notices.append(self._teacher_init(init_from, fresh_indexer))
         self.init_from = None if self.resumed_from is not None else init_from

@@ -43,7 +43,7 @@ from core.checkpoint import store as ckpt
 from core import tree
 from core.config.stages import stage_of
 from core.train import optimizer, program, step_guard
-from core.errors import ConfigError
+from core.errors import CheckpointError, ConfigError
 from core.model.init_draws import bucketed_draws
 from core.loss.lm import lm_loss_from_hidden
 from core.model.transformer import Transformer
@@ -282,7 +282,7 @@ class Setup:
     params_trainable: int
 
 
-def build(cfg) -> Setup:
+def build(cfg, *, abstract: bool = False) -> Setup:
     """Model and optimizer on the config's mesh, with their rule-given shardings.
 
     On a single CPU process the model is built eagerly and then placed (`shard_state`): the CPU
@@ -290,23 +290,46 @@ def build(cfg) -> Setup:
     the parameters op by op. Its optimizer state (zeros) is the opposite: one small jitted program
     is cheaper than one per distinct parameter shape (docs/benchmarks.md#why-the-defaults).
     Elsewhere `create_sharded` builds both directly into their shards.
+
+    With `abstract` nothing is initialised or allocated: model and optimizer hold ShapeDtypeStructs
+    (`nnx.eval_shape`) for a checkpoint to fill, so a resumed or --init-from run never holds a
+    throwaway random state beside the one it reads (`new_optimizer` then makes the zero moments of
+    an --init-from; `require_values` checks that nothing was left unfilled).
     """
     mesh = make_mesh(cfg)
-    make_model = lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))  # noqa: E731
-    make_opt = lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param)  # noqa: E731
-    if jax.process_count() == 1 and jax.default_backend() == "cpu":
+    if abstract:
+        model, optimizer = abstract_model_and_optimizer(cfg)
+    elif jax.process_count() == 1 and jax.default_backend() == "cpu":
         with bucketed_draws():  # a few shared jax.random programs, the same values (core/model/init_draws.py)
-            model = shard_state(make_model(), mesh)
-        # then onto the rule shardings, which the compiled-ahead step (core/train/precompile.py) expects:
-        # the jit's own output shardings are only equivalent to them
-        optimizer = shard_state(create_sharded(make_opt, mesh, model), mesh)
+            model = shard_state(Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)), mesh)
+        optimizer = new_optimizer(cfg, model, mesh)
     else:
-        model = create_sharded(make_model, mesh)
-        optimizer = create_sharded(make_opt, mesh, model)
+        model = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)), mesh)
+        optimizer = new_optimizer(cfg, model, mesh)
     labels = check_masks(cfg, model)
     counts = count_parameters(tree.shapes(nnx.to_pure_dict(nnx.state(model))), lambda p: labels.get(p, False))
     return Setup(cfg, mesh, model, optimizer, cfg.per_device_batch_size * mesh.size,
                  counts["parameters"], counts["trainable"])
+
+
+def new_optimizer(cfg, model: Transformer, mesh) -> nnx.Optimizer:
+    """The optimizer of `model` (its concrete, placed parameters) with fresh state, its moments sharded
+    as their parameters."""
+    optimizer = create_sharded(lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param), mesh, model)
+    if jax.process_count() == 1 and jax.default_backend() == "cpu":
+        # onto the rule shardings, which the compiled-ahead step (core/train/precompile.py) expects: the
+        # jit's own output shardings are only equivalent to them
+        optimizer = shard_state(optimizer, mesh)
+    return optimizer
+
+
+def require_values(source: str | Path, *objs: nnx.Module) -> None:
+    """CheckpointError unless every variable of `objs` holds an array: `build(abstract=True)`'s model
+    (and optimizer) after `source` filled them."""
+    empty = [p for p, v in tree.flatten(nnx.to_pure_dict(nnx.state(objs))).items() if isinstance(v, jax.ShapeDtypeStruct)]
+    if empty:
+        raise CheckpointError(f"{str(source)!r} left {len(empty)} variables without a value (e.g. {empty[0]}): "
+                              "it is not a complete dsv4 checkpoint of this model; check the path.")
 
 
 def check_masks(cfg, model) -> dict[str, bool]:

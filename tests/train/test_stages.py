@@ -278,3 +278,50 @@ def test_teacher_init_belongs_to_the_warmup():
     for stage in ("pretrain", "sparse"):
         with pytest.raises(ConfigError, match="indexer_init=teacher in dsv4 " + stage):
             tiny_config(stage, "indexer_init=teacher")
+
+
+# ----------------------------------------------------------------------------- one copy of the state
+
+def _new_bytes(before: set[int]) -> int:
+    """Bytes of the live JAX arrays not among `before` (ids of arrays alive earlier)."""
+    import jax
+
+    return sum(a.nbytes for a in jax.live_arrays() if id(a) not in before)
+
+
+@pytest.mark.parametrize("how", ["resume", "init_from"])
+def test_a_state_read_from_a_checkpoint_is_not_initialised_first(stage_chain, tmp_path, monkeypatch, how):
+    """A resumed run and an --init-from build their model (and optimizer) from shapes and let the checkpoint
+    fill it: when the checkpoint is read, nothing of a random state is on the devices (at full size a
+    throwaway state beside the one read would double the state's memory), and the run goes on from it."""
+    import shutil
+
+    from core.train.write_errors import tree_bytes
+
+    at_read = []
+    if how == "resume":  # the chain's sparse run without its last checkpoint: resumed from the one before
+        run, stage, init = tmp_path / "sparse", "sparse", None
+        shutil.copytree(stage_chain["sparse"][0], run)
+        last = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+        shutil.rmtree(run / "checkpoints" / str(last))
+        restore = ckpt.RunCheckpointer.restore
+        monkeypatch.setattr(ckpt.RunCheckpointer, "restore",
+                            lambda *a, **k: at_read.append(_new_bytes(before)) or restore(*a, **k))
+    else:
+        run, stage, init = tmp_path / "warm", "warmup", stage_chain["pretrain"][0]
+        restore = ckpt.restore_model_state
+        monkeypatch.setattr(ckpt, "restore_model_state",
+                            lambda *a, **k: at_read.append(_new_bytes(before)) or restore(*a, **k))
+    cfg = tiny_config(stage, steps=CHAIN_STEPS[stage], checkpoint_period=4)  # the chain's compiled steps
+    import jax
+
+    before = {id(a) for a in jax.live_arrays()}
+    trainer = train.Trainer(cfg, stage=stage, run_dir=run, init_from=init)
+    state_bytes = tree_bytes(trainer.state)
+    assert len(at_read) == 1 and at_read[0] < 0.01 * state_bytes, (at_read, state_bytes)
+    rows = list(trainer.run())
+    assert rows and all(np.isfinite(r["total_loss"]) for r in rows)
+    if how == "resume":  # and goes on as the straight run did
+        straight = run_files.read_metrics(stage_chain["sparse"][0])
+        assert trainer.info["resumed_from"] < last and [r["step"] for r in rows] == list(range(trainer.start_step, last + 1))
+        assert [[r[k] for k in LOSS_KEYS] for r in rows] == [[r[k] for k in LOSS_KEYS] for r in straight[trainer.start_step:]]
