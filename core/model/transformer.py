@@ -57,6 +57,7 @@ loss. Logits are None when the head is not run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -382,8 +383,18 @@ class Transformer(nnx.Module):
 
 
 def abstract(cfg) -> Transformer:
-    """`cfg`'s decoder from `nnx.eval_shape`: every variable a ShapeDtypeStruct, nothing allocated."""
-    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)))
+    """`cfg`'s decoder from `nnx.eval_shape`: every variable a ShapeDtypeStruct, nothing allocated.
+
+    Traced once per config (and x64 mode) in a process: a command asks for the same config's shapes
+    several times (checks, restore targets, the HF names), and a full-size model takes seconds to
+    trace. Each call returns a new object, so a caller may fill its variables.
+    """
+    return nnx.merge(*_abstract_parts(cfg, jax.config.jax_enable_x64), copy=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_parts(cfg, x64: bool):
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))))
 
 
 def param_counts(cfg) -> dict[str, int]:

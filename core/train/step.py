@@ -30,6 +30,7 @@ so step 0 already trains.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -345,12 +346,18 @@ def check_masks(cfg, model) -> dict[str, bool]:
 
 def abstract_model_and_optimizer(cfg) -> tuple[Transformer, nnx.Optimizer]:
     """`cfg`'s (model, optimizer) from `nnx.eval_shape`: ShapeDtypeStructs, nothing allocated (the
-    objects of `program.abstract_inputs` for the train step)."""
+    objects of `program.abstract_inputs` for the train step, and of `build(abstract=True)`). Traced
+    once per config in a process, as `transformer.abstract`; each call returns new objects."""
+    return nnx.merge(*_abstract_pair(cfg, jax.config.jax_enable_x64), copy=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_pair(cfg, x64: bool):
     def make():
         model = Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))
         return model, nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
 
-    return nnx.eval_shape(make)
+    return nnx.split(nnx.eval_shape(make))
 
 
 def abstract_pure(obj, mesh):
