@@ -219,7 +219,9 @@ def test_the_most_severe_stop_reason_wins():
 
 # ----------------------------------------------------------------------------- several processes (localhost)
 
-# Two processes x 2 fake CPU devices, `dsv4 warmup` as a user runs it. One uninterrupted reference run
+# Two processes, one CPU device each, `dsv4 warmup` as a user runs it (the subject here is the processes: their
+# stops, signals and losses; two processes x 4 devices train in tests/parallel/test_sharding.py, and one device
+# per process starts and steps faster). One uninterrupted reference run
 # serves every comparison: the Ctrl-C run, resumed and then stopped by SIGTERM, resumed again to the
 # end, must log the reference's metrics bitwise. A third run loses a process to kill -9.
 MULTI_STEPS = 40  # JAX's preemption sync point comes a few steps after SIGTERM, later under load
@@ -244,7 +246,7 @@ def _launch(run, name: str, heartbeat_s: int | None = None) -> list:
 
     env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")])),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}")
     if heartbeat_s is not None:
         from core.parallel import peers
 
