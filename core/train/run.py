@@ -50,7 +50,7 @@ from core.train.stop import StopRequest
 from core.train.handoff import is_indexer, source_lacks_indexer, topk_warning
 from core.train.tensorboard import EventWriter
 from core.train.step import (METRIC_KEYS, abstract_pure, build, check_masks, has_config, load_init_weights,
-                             new_optimizer, require_values)
+                             new_optimizer)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -160,11 +160,9 @@ class Trainer:
         self.setup = setup = build(cfg, abstract=from_checkpoint)
         if self.resumed_from is not None:
             self._resume(self.resumed_from)
-            require_values(self.ckpt.dir, setup.model, setup.optimizer)
         elif init_from is not None:
             self.init_step = load_init_weights(setup, init_from, fresh_indexer)
             if from_checkpoint:  # the zero moments, of the loaded parameters
-                require_values(init_from, setup.model)
                 setup.optimizer = new_optimizer(cfg, setup.model, setup.mesh)
             if cfg.indexer_init == "teacher":  # once, before step 0: a resume takes the branch above
                 notices.append(self._teacher_init(init_from, fresh_indexer))

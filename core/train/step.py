@@ -30,7 +30,6 @@ so step 0 already trains.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -44,9 +43,10 @@ from core.checkpoint import store as ckpt
 from core import tree
 from core.config.stages import stage_of
 from core.train import optimizer, program, step_guard
-from core.errors import CheckpointError, ConfigError
+from core.errors import ConfigError
 from core.model.init_draws import bucketed_draws
 from core.loss.lm import lm_loss_from_hidden
+from core.model import transformer
 from core.model.transformer import Transformer
 from core.model.moe import RouterBias
 from core.model.params import count_parameters, mask_matcher
@@ -295,17 +295,18 @@ def build(cfg, *, abstract: bool = False) -> Setup:
     With `abstract` nothing is initialised or allocated: model and optimizer hold ShapeDtypeStructs
     (`nnx.eval_shape`) for a checkpoint to fill, so a resumed or --init-from run never holds a
     throwaway random state beside the one it reads (`new_optimizer` then makes the zero moments of
-    an --init-from; `require_values` checks that nothing was left unfilled).
+    an --init-from).
     """
     mesh = make_mesh(cfg)
+    make_model = lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))  # noqa: E731
     if abstract:
         model, optimizer = abstract_model_and_optimizer(cfg)
-    elif jax.process_count() == 1 and jax.default_backend() == "cpu":
+    elif _one_cpu_process():
         with bucketed_draws():  # a few shared jax.random programs, the same values (core/model/init_draws.py)
-            model = shard_state(Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)), mesh)
+            model = shard_state(make_model(), mesh)
         optimizer = new_optimizer(cfg, model, mesh)
     else:
-        model = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed)), mesh)
+        model = create_sharded(make_model, mesh)
         optimizer = new_optimizer(cfg, model, mesh)
     labels = check_masks(cfg, model)
     counts = count_parameters(tree.shapes(nnx.to_pure_dict(nnx.state(model))), lambda p: labels.get(p, False))
@@ -317,20 +318,13 @@ def new_optimizer(cfg, model: Transformer, mesh) -> nnx.Optimizer:
     """The optimizer of `model` (its concrete, placed parameters) with fresh state, its moments sharded
     as their parameters."""
     optimizer = create_sharded(lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param), mesh, model)
-    if jax.process_count() == 1 and jax.default_backend() == "cpu":
-        # onto the rule shardings, which the compiled-ahead step (core/train/precompile.py) expects: the
-        # jit's own output shardings are only equivalent to them
-        optimizer = shard_state(optimizer, mesh)
-    return optimizer
+    # on one CPU process, onto the rule shardings, which the compiled-ahead step (core/train/precompile.py)
+    # expects: the jit's own output shardings are only equivalent to them
+    return shard_state(optimizer, mesh) if _one_cpu_process() else optimizer
 
 
-def require_values(source: str | Path, *objs: nnx.Module) -> None:
-    """CheckpointError unless every variable of `objs` holds an array: `build(abstract=True)`'s model
-    (and optimizer) after `source` filled them."""
-    empty = [p for p, v in tree.flatten(nnx.to_pure_dict(nnx.state(objs))).items() if isinstance(v, jax.ShapeDtypeStruct)]
-    if empty:
-        raise CheckpointError(f"{str(source)!r} left {len(empty)} variables without a value (e.g. {empty[0]}): "
-                              "it is not a complete dsv4 checkpoint of this model; check the path.")
+def _one_cpu_process() -> bool:
+    return jax.process_count() == 1 and jax.default_backend() == "cpu"
 
 
 def check_masks(cfg, model) -> dict[str, bool]:
@@ -346,18 +340,10 @@ def check_masks(cfg, model) -> dict[str, bool]:
 
 def abstract_model_and_optimizer(cfg) -> tuple[Transformer, nnx.Optimizer]:
     """`cfg`'s (model, optimizer) from `nnx.eval_shape`: ShapeDtypeStructs, nothing allocated (the
-    objects of `program.abstract_inputs` for the train step, and of `build(abstract=True)`). Traced
-    once per config in a process, as `transformer.abstract`; each call returns new objects."""
-    return nnx.merge(*_abstract_pair(cfg, jax.config.jax_enable_x64), copy=True)
-
-
-@functools.lru_cache(maxsize=8)
-def _abstract_pair(cfg, x64: bool):
-    def make():
-        model = Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))
-        return model, nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
-
-    return nnx.split(nnx.eval_shape(make))
+    objects of `program.abstract_inputs` for the train step, and of `build(abstract=True)`); the
+    model is `transformer.abstract`'s, traced once per config."""
+    model = transformer.abstract(cfg)
+    return model, nnx.eval_shape(lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param), model)
 
 
 def abstract_pure(obj, mesh):

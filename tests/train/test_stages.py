@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -30,6 +32,7 @@ from core.train import step as train_step
 from core.errors import CheckpointError, ConfigError
 from core.train.handoff import is_indexer
 from core.train.indexer_init import teacher_init
+from core.train.write_errors import tree_bytes
 from dsv4cli import display
 from dsv4cli.main import app
 
@@ -284,8 +287,6 @@ def test_teacher_init_belongs_to_the_warmup():
 
 def _new_bytes(before: set[int]) -> int:
     """Bytes of the live JAX arrays not among `before` (ids of arrays alive earlier)."""
-    import jax
-
     return sum(a.nbytes for a in jax.live_arrays() if id(a) not in before)
 
 
@@ -294,10 +295,6 @@ def test_a_state_read_from_a_checkpoint_is_not_initialised_first(stage_chain, tm
     """A resumed run and an --init-from build their model (and optimizer) from shapes and let the checkpoint
     fill it: when the checkpoint is read, nothing of a random state is on the devices (at full size a
     throwaway state beside the one read would double the state's memory), and the run goes on from it."""
-    import shutil
-
-    from core.train.write_errors import tree_bytes
-
     at_read = []
     if how == "resume":  # the chain's sparse run without its last checkpoint: resumed from the one before
         run, stage, init = tmp_path / "sparse", "sparse", None
@@ -313,8 +310,6 @@ def test_a_state_read_from_a_checkpoint_is_not_initialised_first(stage_chain, tm
         monkeypatch.setattr(ckpt, "restore_model_state",
                             lambda *a, **k: at_read.append(_new_bytes(before)) or restore(*a, **k))
     cfg = tiny_config(stage, steps=CHAIN_STEPS[stage], checkpoint_period=4)  # the chain's compiled steps
-    import jax
-
     before = {id(a) for a in jax.live_arrays()}
     trainer = train.Trainer(cfg, stage=stage, run_dir=run, init_from=init)
     state_bytes = tree_bytes(trainer.state)
