@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from core.process import tune_garbage_collector
 from dsv4cli import __version__
 from dsv4cli.errors import DEBUG
 
@@ -70,6 +71,7 @@ def pin_cpu_without_accelerators() -> None:
 
 def main() -> None:
     pin_cpu_without_accelerators()
+    tune_garbage_collector()
     app()
 
 

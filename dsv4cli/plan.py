@@ -134,6 +134,9 @@ def _estimate(console, r: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":  # python -m dsv4cli.plan ... (the command before dsv4cli/main.py registers it)
+    from core.process import tune_garbage_collector
+
+    tune_garbage_collector()
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
     app.command(help=HELP, epilog=EPILOG)(command)
     app()

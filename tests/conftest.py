@@ -67,6 +67,12 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402  (after the environment above: JAX and XLA read it once)
 
+from core.process import tune_garbage_collector  # noqa: E402
+
+# The collector as `dsv4` tunes it in each of its processes: the test processes trace and lower
+# thousands of programs.
+tune_garbage_collector()
+
 # Also when jax was imported before this file (a plugin): the cache is on before the first compile.
 jax.config.update("jax_compilation_cache_dir", _COMPILE_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

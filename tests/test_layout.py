@@ -13,7 +13,7 @@ from pathlib import Path
 CORE = Path(__file__).resolve().parents[1] / "core"
 # Each package may import itself and those before it. Ranks that tie are siblings that must not
 # import each other (eval, hf, bench and plan all sit on top of train).
-ORDER = {"errors": 0, "tree": 0, "config": 1, "ops": 2, "loss": 3, "model": 4, "parallel": 5, "data": 6,
+ORDER = {"errors": 0, "tree": 0, "process": 0, "config": 1, "ops": 2, "loss": 3, "model": 4, "parallel": 5, "data": 6,
          "checkpoint": 7, "train": 8, "eval": 9, "hf": 9, "bench": 9, "plan": 10}
 
 

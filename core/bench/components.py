@@ -32,7 +32,7 @@ OWNERS = {
 HELPERS = {"model/layers", "model/init_draws", "model/quant", "ops/quant", "ops/rope", "ops/masks", "parallel/sharding", "parallel/mesh", "ops/order", "tree"}
 # wiring and drivers: no arithmetic of their own beyond what they call (their frames pass up too)
 GLUE = {
-    "errors", "model/transformer", "model/params", "parallel/peers", "parallel/collective_order",
+    "errors", "process", "model/transformer", "model/params", "parallel/peers", "parallel/collective_order",
     "config/schema", "config/files", "config/values", "config/validate", "config/stages", "config/key_table",
     "data/batches", "data/sources", "data/identity", "data/prefetch",
     "checkpoint/store", "checkpoint/run_files", "checkpoint/host_tree", "checkpoint/inspect",

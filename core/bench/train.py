@@ -35,6 +35,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from core.bench.components import COMPONENTS, component_of_files
+from core.process import tune_garbage_collector
 
 _SIZES = "__SIZES__"  # marker of the subprocess's one JSON line
 
@@ -293,6 +294,7 @@ def profile_step(stage: str = "sparse", seq: int = 256, batch: int = 1, *, steps
 
 
 if __name__ == "__main__":  # one point: python -m core.bench.train '[stage, seq, batch, steps, overrides, model, trace]'
+    tune_garbage_collector()
     _stage, _seq, _batch, _steps, _overrides, _model, _trace = json.loads(sys.argv[1])
     _out = measure_shape(sweep_config(_stage, _seq, _batch, _overrides, _model), _steps, _trace)
     print(_SIZES + json.dumps(_out), flush=True)

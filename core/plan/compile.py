@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 import core
 from core.errors import ConfigError
 from core.plan import targets as tg
+from core.process import tune_garbage_collector
 
 MARKER = "__PLAN__"
 
@@ -247,4 +248,5 @@ def _child(args: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":  # python -m core.plan.compile '{"model": ..., "target": ..., ...}'
+    tune_garbage_collector()
     print(MARKER + json.dumps(_child(json.loads(sys.argv[1]))), flush=True)

@@ -40,6 +40,7 @@ from core.parallel.mesh import MESH_AXES
 from core.plan import compile as plan_compile
 from core.plan import report
 from core.plan import targets as tg
+from core.process import tune_garbage_collector
 
 CACHE_LAYOUT = 1  # bump when a cache file's content changes meaning
 DEFAULT_CACHE = "runs/plan-cache"
@@ -361,4 +362,5 @@ def _note_too_big(too_big: dict[tuple, int], c: Candidate, rec: dict[str, Any]) 
 
 
 if __name__ == "__main__":  # python -m core.plan.search '{"model": ..., "candidates": [...]}'  (the state pass)
+    tune_garbage_collector()
     print(plan_compile.MARKER + json.dumps(_state_child(json.loads(sys.argv[1]))), flush=True)

@@ -456,6 +456,9 @@ def _training_and_eval():
 
 
 if __name__ == "__main__":
+    from core.process import tune_garbage_collector
+
+    tune_garbage_collector()  # as in every dsv4 process
     results = {f"{m}/{r}": _parity(m, r) for m, r in CASES}
     results["capacity"] = _capacity()
     results["rounds"] = _rounds()

@@ -539,6 +539,9 @@ def _worker_multiprocess(pid: str, port: str, root: str) -> dict:
 if __name__ == "__main__":
     import resource
 
+    from core.process import tune_garbage_collector
+
+    tune_garbage_collector()  # as in every dsv4 process
     case, *args = sys.argv[1:]
     result = globals()[f"_worker_{case}"](*args)
     usage = resource.getrusage(resource.RUSAGE_SELF)
