@@ -65,6 +65,16 @@ PRODUCT_FUSION = {"xla_cpu_use_fusion_emitters": True} if _OLDER_EMITTERS else {
 # workers (the planner's children, test_granules' compile-only topologies) may load it at once.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+from core.parallel.mesh import prepare_cpu_runtime  # noqa: E402  (imports jax; XLA reads XLA_FLAGS later, at its start)
+
+# The XLA flags every `dsv4` command adds before JAX starts (the CPU collectives' time-outs), set
+# here before this process's XLA starts. A command run in-process by a test (typer's CliRunner)
+# adds them to os.environ too late to reach this process's XLA, yet JAX's persistent cache keys on
+# XLA_FLAGS: without them here, every program compiled after a test's first in-process command
+# would miss the cache against the same program compiled before it and in the processes tests
+# start. PJRT_NPROC stays unset: it is per device count, and each child of another count sets its own.
+os.environ["XLA_FLAGS"] = prepare_cpu_runtime(dict(os.environ)).get("XLA_FLAGS", os.environ["XLA_FLAGS"])
+
 import jax  # noqa: E402  (after the environment above: JAX and XLA read it once)
 
 from core.process import tune_garbage_collector  # noqa: E402

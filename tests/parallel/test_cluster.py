@@ -37,6 +37,14 @@ def test_cpu_runtime_keeps_what_the_user_set():
     assert "terminate_timeout_seconds=900" not in env["XLA_FLAGS"]
 
 
+def test_the_suite_runs_with_the_commands_cpu_flags_from_its_start():
+    """tests/conftest.py sets the XLA flags a command adds, so an in-process command adds none and
+    leaves the persistent cache's keys (which include XLA_FLAGS) as they were."""
+    flags = os.environ["XLA_FLAGS"]
+    assert "XLA_FLAGS" not in mesh_lib.prepare_cpu_runtime(dict(os.environ))
+    assert f"--xla_cpu_collective_timeout_seconds={mesh_lib.CPU_COLLECTIVE_PEER_TIMEOUT_S}" in flags.split()
+
+
 def test_a_timed_out_gloo_collective_becomes_one_line(monkeypatch):
     """A gloo collective that waited `--xla_cpu_collective_timeout_seconds` for a peer raises a
     ValueError (message as measured with jaxlib's gloo); the run says so in one line, naming the step."""
