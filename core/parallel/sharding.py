@@ -142,8 +142,9 @@ def create_sharded(make: Callable[..., T], mesh: Mesh, *args: Any) -> T:
     """`make(*args)` built under jit directly into its shardings (no full copy on one device).
 
     Use it for the model (`create_sharded(lambda: Model(cfg, rngs=nnx.Rngs(seed)), mesh)`) and
-    for the optimizer (`create_sharded(lambda m: nnx.Optimizer(m, tx, wrt=...), mesh, model)`),
-    whose moments then follow their parameters. Random initialisation is identical on every
+    for the optimizer (core/train/step.py's `new_optimizer`), whose moments then follow their
+    parameters. An nnx object among `args` (a Module, or a State of Variables) comes back out as new
+    arrays, a copy of its state: pass plain arrays for what the program only reads. Random initialisation is identical on every
     mesh (JAX's threefry is partitionable), so a run starts from the same weights anywhere.
 
     Args:

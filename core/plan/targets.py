@@ -50,10 +50,11 @@ class Chip:
     link_bandwidth: float   # bytes/s per chip over ICI / NVLink, one direction
 
 
-# TPU generation -> (topology prefix, cores per chip (megacore), chip); HBM as the compiler reports it.
+# TPU generation -> (topology prefix, cores per chip (megacore), chip); HBM as the compiler reports it,
+# v5e's as a chip's allocator limits it (its memory_stats' bytes_limit: docs/planning.md#on-a-chip).
 TPU_CHIPS = {
     "v4": ("v4", 2, Chip(32 * GIB, 275e12, 1.2e12, 2.7e11)),
-    "v5e": ("v5e", 1, Chip(16 * GIB, 197e12, 8.19e11, 2.0e11)),
+    "v5e": ("v5e", 1, Chip(16_909_336_064, 197e12, 8.19e11, 2.0e11)),
     "v5p": ("v5", 2, Chip(int(95.74 * GIB), 459e12, 2.765e12, 6.0e11)),
     "v6e": ("v6e", 1, Chip(32 * GIB, 918e12, 1.64e12, 4.5e11)),
 }
