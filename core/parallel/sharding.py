@@ -142,24 +142,31 @@ def create_sharded(make: Callable[..., T], mesh: Mesh, *args: Any) -> T:
     """`make(*args)` built under jit directly into its shardings (no full copy on one device).
 
     Use it for the model (`create_sharded(lambda: Model(cfg, rngs=nnx.Rngs(seed)), mesh)`) and
-    for the optimizer (core/train/step.py's `new_optimizer`), whose moments then follow their
-    parameters. An nnx object among `args` (a Module, or a State of Variables) comes back out as new
-    arrays, a copy of its state: pass plain arrays for what the program only reads. Random initialisation is identical on every
+    for the optimizer (`create_sharded(lambda m: nnx.Optimizer(m, tx, wrt=...), mesh, model)`),
+    whose moments then follow their parameters. Random initialisation is identical on every
     mesh (JAX's threefry is partitionable), so a run starts from the same weights anywhere.
 
+    `args` are only read: their arrays enter the program as plain arrays and `make` gets copies of
+    them rebuilt inside it. Given to nnx.jit as nnx objects, they would come back out of it as new
+    arrays, a second copy of each beside the first (of every parameter, for the optimizer:
+    docs/planning.md#on-a-chip).
+
     Args:
-      make: builds an nnx object from `args` (nnx objects among them are passed through nnx.jit).
+      make: builds an nnx object from `args`.
       mesh: the device mesh.
     Returns:
       the object, every array a global jax.Array with its rule-given NamedSharding.
     """
+    graphdef, state = nnx.split(args)
+    arrays, treedef = jax.tree.flatten(state)
+
     @nnx.jit
-    def build(*inner):
-        obj = make(*inner)
+    def build(arrays):
+        obj = make(*nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays)))
         constrain(mesh, obj)
         return obj
 
-    return build(*args)
+    return build(arrays)
 
 
 def shard_state(obj: T, mesh: Mesh) -> T:

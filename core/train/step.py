@@ -316,19 +316,8 @@ def build(cfg, *, abstract: bool = False) -> Setup:
 
 def new_optimizer(cfg, model: Transformer, mesh) -> nnx.Optimizer:
     """The optimizer of `model` (its concrete, placed parameters) with fresh state, its moments sharded
-    as their parameters.
-
-    The program is given the model's arrays alone and returns the optimizer alone: given the model
-    (or its State, whose Variables are nnx objects too), nnx.jit would hand the model back as new
-    arrays, a second copy of every parameter beside the first at the build's peak
-    (tests/train/test_train.py)."""
-    graphdef, state = nnx.split(model)
-    arrays, treedef = jax.tree.flatten(state)
-
-    def make(arrays):
-        return nnx.Optimizer(nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays)), make_optimizer(cfg), wrt=nnx.Param)
-
-    optimizer = create_sharded(make, mesh, arrays)
+    as their parameters."""
+    optimizer = create_sharded(lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param), mesh, model)
     # on one CPU process, onto the rule shardings, which the compiled-ahead step (core/train/precompile.py)
     # expects: the jit's own output shardings are only equivalent to them
     return shard_state(optimizer, mesh) if _one_cpu_process() else optimizer

@@ -186,20 +186,20 @@ def test_live_table_keeps_the_compile_step():
 
 
 def test_the_optimizer_is_built_beside_the_parameters_not_over_a_copy():
-    """`new_optimizer` reads the placed model and allocates only the moments: the model keeps its very
-    arrays (a program that returned the model would have replaced each with a new array, a second
-    copy of every parameter at the build's peak: docs/planning.md#on-a-chip)."""
+    """`new_optimizer` (core/parallel/sharding.py's `create_sharded`) reads the placed model and
+    allocates only the moments: the model keeps its very arrays (a program that returned the model
+    would have replaced each with a new array, a second copy of every parameter at the build's peak:
+    docs/planning.md#on-a-chip)."""
     from core.parallel.mesh import make_mesh
     from core.parallel.sharding import shard_state
 
     cfg = tiny_config("sparse")
     mesh = make_mesh(cfg)
     model = shard_state(init_model(cfg, cfg.init_weights_seed), mesh)
-    before = {k: v for k, v in tree.flatten(nnx.to_pure_dict(nnx.state(model))).items()}
+    before = tree.flatten(nnx.to_pure_dict(nnx.state(model)))
     optimizer = train_step.new_optimizer(cfg, model, mesh)
     after = tree.flatten(nnx.to_pure_dict(nnx.state(model)))
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before), \
         [k for k in before if after[k] is not before[k]][:3]
     moments = jax.tree.leaves(nnx.state(optimizer))
     assert moments and all(not np.any(np.asarray(m)) for m in moments)  # zero moments, step 0
-
