@@ -9,8 +9,9 @@ directory, then prints one JSON object:
 - `compiled`: XLA's memory analysis of the step the run executed, compiled for this device
   (`core.train.run.compiled_memory`: the figures `dsv4 plan` reports, and the run's header line);
 - `allocator`: the device allocator's `memory_stats()` after the run: `peak_bytes_in_use` (the most
-  the run ever held at once: state, batches, the step's temporaries, checkpoint copies),
-  `bytes_in_use`, `bytes_limit`;
+  its buffers ever held at once: state, batches, checkpoint copies; whether an executable's
+  temporaries count depends on the runtime, and on a TPU v5e they do not), `bytes_in_use`,
+  `bytes_limit`;
 - `plan` (with `--plan`, the `--json` output of `dsv4 plan --target ...` for the same model, stage
   and keys, made on any machine beforehand): its per-device figures, beside the others;
 - `phases`: the allocator's peak and bytes in use after the build and compile, after each logged
@@ -70,7 +71,7 @@ def main() -> None:
         compiled = getattr(trainer._step_fn, "compiled", None)  # the executable compiled ahead (compile_ahead)
         if compiled is None:
             raise SystemExit("the run did not execute the step compiled ahead: run with compile_ahead=true")
-        stats = device.memory_stats() or {}
+        stats = device.memory_stats() or {}  # after the run: the limit and counts beside the phases' figures
         out = {
             "model": args.model, "stage": args.stage, "overrides": args.overrides, "steps": len(rows),
             "device": f"{device.platform} {device.device_kind}", "jax": jax.__version__,
