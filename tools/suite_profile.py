@@ -1,13 +1,14 @@
-"""A pytest plugin: where the suite's time goes, per test, in JAX's tracing, lowering and XLA compiles.
+"""A pytest plugin: where the suite's time goes, per test: its CPU seconds, JAX's tracing, lowering and XLA compiles.
 
     PYTHONPATH=$PWD:$PWD/tools SUITE_PROFILE_DIR=/tmp/prof pytest -p suite_profile --durations=0
-    python tools/suite_profile.py /tmp/prof            # the summary: per file, the largest compiles
+    python tools/suite_profile.py /tmp/prof            # the summary: per file by CPU seconds, the largest compiles
 
 Each pytest process (every xdist worker) appends JSON lines to SUITE_PROFILE_DIR/events.<worker>.jsonl:
 the durations JAX's monitoring reports (jaxpr tracing, MLIR lowering, XLA's backend compile) and the
 persistent compilation cache's hits and misses with their keys, each tagged with the running test.
-Subprocesses that tests start are not counted (their time shows in `--durations`). Developer tool:
-docs/development.md#tests.
+Each test's CPU seconds are recorded too (setup, call and teardown; with those of the subprocesses
+it started and waited for): the suite's wall time on N cores is bounded below by its CPU time / N.
+Developer tool: docs/development.md#tests.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import collections
 import json
 import logging
 import os
+import resource
 import sys
 import threading
 import time
+
+import pytest
 
 _DURATIONS = ("/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_trace_duration",
               "/jax/core/compile/jaxpr_to_mlir_module_duration")
@@ -60,15 +64,29 @@ def pytest_configure(config) -> None:
     logger.propagate = False  # the debug records stay out of the tests' captured output
 
 
+def _cpu_s() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    start, wall = _cpu_s(), time.time()
+    yield
+    _write({"ev": "test_cpu", "s": _cpu_s() - start, "wall": time.time() - wall, "nodeid": item.nodeid})
+
+
 def summary(directory: str, top: int = 25) -> None:
     events = [json.loads(line) for name in sorted(os.listdir(directory)) if name.startswith("events.")
               for line in open(os.path.join(directory, name))]
     per_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for e in events:
-        per_file[e["test"].split("::")[0]][e["ev"]] += e.get("s", 1)
-    print(f"{'file':56s} {'compile s':>10s} {'trace s':>8s} {'lower s':>8s} {'hits':>5s}")
-    for f, c in sorted(per_file.items(), key=lambda kv: -kv[1]["backend_compile_duration"])[:top]:
-        print(f"{f:56s} {c['backend_compile_duration']:10.1f} {c['jaxpr_trace_duration']:8.1f} "
+        per_file[e.get("nodeid", e["test"]).split("::")[0]][e["ev"]] += e.get("s", 1)
+    total = sum(c["test_cpu"] for c in per_file.values())
+    print(f"CPU seconds in tests (with their subprocesses): {total:.0f}")
+    print(f"{'file':56s} {'CPU s':>7s} {'compile s':>10s} {'trace s':>8s} {'lower s':>8s} {'hits':>5s}")
+    for f, c in sorted(per_file.items(), key=lambda kv: -kv[1]["test_cpu"])[:top]:
+        print(f"{f:56s} {c['test_cpu']:7.1f} {c['backend_compile_duration']:10.1f} {c['jaxpr_trace_duration']:8.1f} "
               f"{c['jaxpr_to_mlir_module_duration']:8.1f} {c['hit']:5d}")
     compiles = sorted((e for e in events if e["ev"] == "backend_compile_duration"), key=lambda e: -e["s"])
     print(f"\n{len(compiles)} compiles, {sum(e['s'] for e in compiles):.0f} s; the largest:")
