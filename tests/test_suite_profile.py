@@ -45,7 +45,7 @@ def test_a_tests_cpu_seconds_count_its_subprocesses_and_rank_the_summary(tmp_pat
     _profiled(plugin, "tests/a/test_child.py::test_one", lambda: subprocess.run([sys.executable, "-c", child], check=True))
     _profiled(plugin, "tests/b/test_own.py::test_two", lambda: _spin(0.2))
 
-    rows = [line for line in (tmp_path / "events.gw7.jsonl").read_text().splitlines()]
+    rows = (tmp_path / "events.gw7.jsonl").read_text().splitlines()
     assert len(rows) == 2 and all('"ev": "test_cpu"' in r for r in rows)
     plugin.summary(str(tmp_path))
     out = capsys.readouterr().out.splitlines()

@@ -31,8 +31,8 @@ _last_key: dict[int, tuple[str, str]] = {}
 
 
 def _write(record: dict) -> None:
-    record.update(test=os.environ.get("PYTEST_CURRENT_TEST", "?"), worker=os.environ.get("PYTEST_XDIST_WORKER", "main"),
-                  t=time.time())
+    record.setdefault("test", os.environ.get("PYTEST_CURRENT_TEST", "?"))  # the running test unless named
+    record.update(worker=os.environ.get("PYTEST_XDIST_WORKER", "main"), t=time.time())
     path = os.path.join(os.environ.get("SUITE_PROFILE_DIR", "."), f"events.{record['worker']}.jsonl")
     with _lock, open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -73,7 +73,7 @@ def _cpu_s() -> float:
 def pytest_runtest_protocol(item, nextitem):
     start, wall = _cpu_s(), time.time()
     yield
-    _write({"ev": "test_cpu", "s": _cpu_s() - start, "wall": time.time() - wall, "nodeid": item.nodeid})
+    _write({"ev": "test_cpu", "s": _cpu_s() - start, "wall": time.time() - wall, "test": item.nodeid})
 
 
 def summary(directory: str, top: int = 25) -> None:
@@ -81,7 +81,7 @@ def summary(directory: str, top: int = 25) -> None:
               for line in open(os.path.join(directory, name))]
     per_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for e in events:
-        per_file[e.get("nodeid", e["test"]).split("::")[0]][e["ev"]] += e.get("s", 1)
+        per_file[e["test"].split("::")[0]][e["ev"]] += e.get("s", 1)
     total = sum(c["test_cpu"] for c in per_file.values())
     print(f"CPU seconds in tests (with their subprocesses): {total:.0f}")
     print(f"{'file':56s} {'CPU s':>7s} {'compile s':>10s} {'trace s':>8s} {'lower s':>8s} {'hits':>5s}")
