@@ -22,7 +22,7 @@ OWNERS = {
     "model/compressor": "compressor",
     "model/indexer": "indexer", "ops/topk": "indexer", "loss/indexer_kl": "indexer",
     "loss/indexer_kl_rows": "indexer", "loss/indexer_kl_streamed": "indexer",
-    "model/moe": "MoE", "ops/moe_dispatch": "MoE", "ops/expert_parallel": "MoE",
+    "model/moe": "MoE", "ops/moe_dispatch": "MoE", "ops/grouped_matmul": "MoE", "ops/expert_parallel": "MoE",
     "model/mhc": "mHC",
     "loss/lm": "head",
     "model/indexer_init": "indexer",
@@ -33,7 +33,7 @@ HELPERS = {"model/layers", "model/init_draws", "model/quant", "ops/quant", "ops/
 # wiring and drivers: no arithmetic of their own beyond what they call (their frames pass up too)
 GLUE = {
     "errors", "process", "model/transformer", "model/params", "parallel/peers", "parallel/collective_order",
-    "config/schema", "config/files", "config/values", "config/validate", "config/stages", "config/key_table",
+    "config/schema", "config/platform", "config/files", "config/values", "config/validate", "config/stages", "config/key_table",
     "data/batches", "data/sources", "data/identity", "data/prefetch",
     "checkpoint/store", "checkpoint/run_files", "checkpoint/host_tree", "checkpoint/inspect",
     "train/step", "train/program", "train/run", "train/precompile", "train/compile_cache", "train/run_lock", "train/step_guard",

@@ -217,10 +217,14 @@ def peak_rss_bytes() -> int:
 
 def sweep_config(stage: str, seq: int, batch: int, overrides: Sequence[str] = (), model: str = "deepseek4-tiny"):
     """The config one sweep point runs: the stage preset, then T, B and synthetic data, then overrides."""
+    import jax
+
+    from core.config.platform import resolve
     from core.config.schema import load_config
 
-    return load_config(model, ["dataset_type=synthetic", f"max_target_length={seq}", f"per_device_batch_size={batch}",
-                               *overrides], stage=stage)
+    cfg = load_config(model, ["dataset_type=synthetic", f"max_target_length={seq}", f"per_device_batch_size={batch}",
+                              *overrides], stage=stage)
+    return resolve(cfg, jax.default_backend())
 
 
 def run_train_sweep(stages: Sequence[str], seqs: Sequence[int], batches: Sequence[int], *, steps: int = 3,

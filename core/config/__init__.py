@@ -1,6 +1,6 @@
 """Configuration: the frozen `Config` dataclass, the YAML files it is read from, value parsing, validation.
 
 Modules: schema (Config, load_config, dump/loads), stages (the stage table), files (configs/ directory, model files, stage
-presets), values (KEY=VALUE parsing, type coercion), validate (every rule).
+presets), values (KEY=VALUE parsing, type coercion), validate (every rule), platform (`auto` keys resolved per platform).
 May import: core.errors only. Every other package reads its settings from here.
 """

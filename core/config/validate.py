@@ -45,7 +45,7 @@ _CHOICES = {
     "mu_dtype": ("float32", "bfloat16"),
     "nu_dtype": ("float32", "bfloat16"),
     "remat_policy": ("none", "minimal", "full"),
-    "moe_impl": ("tiled", "dense", "ragged"),
+    "moe_impl": ("auto", "tiled", "dense", "ragged", "gmm"),
     "rope_type": ("default", "yarn"),
     "indexer_teacher": ("compressed", "joint"),
     "indexer_gradient": ("local", "backward"),

@@ -347,13 +347,15 @@ def prepare(path, *, step: int | None = None, overrides: Sequence[str] = (), eva
     """
     from core.checkpoint import store as ckpt
     from core.data.batches import data_fingerprint
-    from core.parallel.mesh import make_mesh
+    from core.config.platform import resolve
+    from core.parallel.mesh import make_mesh, mesh_platform
 
     _, ckpt_dir, step = ckpt.resolve_checkpoint(path, step)
     cfg = eval_config(with_overrides(ckpt.config_of(ckpt_dir, step), overrides), eval_set)
     check_indexer(cfg)
     ks = parse_ks(ks, cfg.indexer_topk, cfg.max_target_length // 4)
     mesh = make_mesh(cfg)  # a mesh that does not fit these devices: ConfigError naming the ici_* keys
+    cfg = resolve(cfg, mesh_platform(mesh))
     batch = batch_rows(eval_set, mesh)
     model, cfg, meta = ckpt.restore_model(ckpt_dir, step, cfg, mesh=mesh)
     context = {"checkpoint": str(ckpt_dir / str(step)), "step": step, "stage": meta.get("stage"),

@@ -52,13 +52,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from core.config.platform import platform_name, require_resolved
 from core.model.layers import dense_init, param, upcast
+from core.ops.grouped_matmul import GmmTiling, SlotOrder, gmm
 from core.ops.expert_parallel import Exchange, expert_axis_size, expert_parallel_experts, token_rounds, token_shards
 from core.ops.moe_dispatch import Tiling, tiled_experts
 from core.ops.order import after, cotangent_after_value
 
 
-IMPLS = ("dense", "tiled", "ragged")  # expert computation (module docstring)
+IMPLS = ("auto", "dense", "tiled", "ragged", "gmm")  # expert computation (module docstring); auto: resolved per platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +86,7 @@ class MoESpec:
     tile_size: int = 0              # moe_tile_size, rows per tile of "tiled" (0: auto_tile)
     tiles_per_step: int = 0         # moe_tiles_per_step, tiles per scan step of "tiled" (0: auto)
     capacity_factor: float = 0.0    # moe_capacity_factor, expert-parallel blocks (0: drop-free)
+    gmm_tiles: tuple = ()           # moe_gmm_tiles: (tm, tk, tn) of gmm's forward, input and weight gradients (): auto
 
     def __post_init__(self):
         for name, kind in (("hash_routed", bool), ("scaling", float), ("normalize", bool), ("use_bias", bool),
@@ -92,6 +95,9 @@ class MoESpec:
             object.__setattr__(self, name, kind(getattr(self, name)))  # equal specs for equal values
         if self.impl not in IMPLS:
             raise ValueError(f"MoE impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
+        if self.gmm_tiles and (len(self.gmm_tiles) != 9 or min(self.gmm_tiles) < 1):
+            raise ValueError(f"MoE gmm_tiles must be nine positive ints (tm, tk, tn of the forward, the input "
+                             f"gradient and the weight gradient), got {self.gmm_tiles}")
         if self.tile_size < 0 or self.tiles_per_step < 0 or self.capacity_factor < 0:
             raise ValueError(f"MoE tile_size, tiles_per_step and capacity_factor must be >= 0 (0 = auto / drop-free), "
                              f"got {self.tile_size}, {self.tiles_per_step}, {self.capacity_factor}")
@@ -106,7 +112,16 @@ class MoESpec:
             vocab_size=cfg.vocab_size, scaling=cfg.routed_scaling_factor, normalize=cfg.norm_topk_prob,
             use_bias=cfg.routed_bias, swiglu_limit=cfg.mlp_activations_limit,
             lb_weight=cfg.load_balance_loss_weight, impl=cfg.moe_impl, tile_size=cfg.moe_tile_size,
-            tiles_per_step=cfg.moe_tiles_per_step, capacity_factor=cfg.moe_capacity_factor)
+            tiles_per_step=cfg.moe_tiles_per_step, capacity_factor=cfg.moe_capacity_factor,
+            gmm_tiles=tuple(cfg.moe_gmm_tiles))
+
+    def gmm_tiling(self) -> GmmTiling:
+        """The megablox tiles of the three passes: `gmm_tiles` as given (nine ints: forward, input
+        gradient, weight gradient), else `auto_gmm_tiling` of the layer's widths."""
+        if self.gmm_tiles:
+            t = self.gmm_tiles
+            return GmmTiling(tuple(t[0:3]), tuple(t[3:6]), tuple(t[6:9]))
+        return auto_gmm_tiling(self.emb, self.mlp)
 
 
 class RouterBias(nnx.Variable):
@@ -258,23 +273,53 @@ def auto_tile(tokens: int, num_experts: int, k: int) -> int:
     return int(min(128, max(8, 1 << (half_mean - 1).bit_length())))
 
 
-def ragged_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: float):
-    """The same sum over the k chosen experts only, grouped by expert with `lax.ragged_dot`."""
+def grouped_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: float, matmul):
+    """The same sum over the k chosen experts only, one grouped matmul per weight over the slots.
+
+    Args:
+      matmul: (lhs [S, K], rhs [E, K, N], group_sizes [E]) -> [S, N] in float32: `lax.ragged_dot`
+        or core/ops/grouped_matmul.py's `gmm`.
+
+    Shapes:
+      1. slots = SlotOrder(idx)                     S = B*T*k slots, sorted by expert (a permutation)
+      2. x_sm = slots.sort(x)                       each token's k copies, in expert order
+      3. h_sf = swiglu(x_sm w1_e, x_sm w3_e);  y_sm = h_sf w2_e      (grouped by expert)
+      4. y_btm = sum_k weights * slots.unsort(y_sm)  (float32)
+    """
     b, t, m = x_btm.shape
     k = idx_btk.shape[-1]
-    num_experts = w1_emf.shape[0]
-    flat_idx = idx_btk.reshape(-1)
-    order = jnp.argsort(flat_idx, stable=True)            # slot order grouped by expert
-    token_of_slot = order // k
-    x_sm = x_btm.reshape(b * t, m)[token_of_slot]
-    group_sizes = jnp.bincount(flat_idx, length=num_experts).astype(jnp.int32)
-    gate_sf = jax.lax.ragged_dot(x_sm, w1_emf, group_sizes)
-    up_sf = jax.lax.ragged_dot(x_sm, w3_emf, group_sizes)
-    h_sf = swiglu_hidden(gate_sf, up_sf, limit) * weights_btk.reshape(-1)[order][:, None]
-    y_sm = jax.lax.ragged_dot(h_sf.astype(x_btm.dtype), w2_efm, group_sizes,
-                              preferred_element_type=_acc(x_btm))
-    y_tm = jax.ops.segment_sum(y_sm, token_of_slot, num_segments=b * t)
+    slots = SlotOrder(idx_btk.reshape(b * t, k), w1_emf.shape[0])
+    x_sm = slots.sort(x_btm.reshape(b * t, m))
+    gate_sf = matmul(x_sm, w1_emf, slots.group_sizes)
+    up_sf = matmul(x_sm, w3_emf, slots.group_sizes)
+    h_sf = swiglu_hidden(gate_sf, up_sf, limit).astype(x_btm.dtype)
+    y_ntm = slots.unsort(matmul(h_sf, w2_efm, slots.group_sizes))
+    y_tm = jnp.einsum("nkm,nk->nm", y_ntm, weights_btk.reshape(b * t, k).astype(y_ntm.dtype))
     return y_tm.reshape(b, t, m)
+
+
+def auto_gmm_tiling(emb: int, mlp: int) -> GmmTiling:
+    """Tiles of the megablox kernels for experts of width M -> F -> M: rows in tiles of 512 and the two
+    widths in tiles of up to 1024 in every pass (docs/benchmarks.md#why-the-defaults)."""
+    wide = lambda n: min(n, 1024)  # noqa: E731
+    tile = (512, wide(emb), wide(mlp))
+    return GmmTiling(tile, tile, tile)
+
+
+def ragged_dot(acc):
+    """`lax.ragged_dot` accumulating (and returning) `acc`."""
+    return lambda lhs, rhs, group_sizes: jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=acc)
+
+
+def megablox_gmm(acc, tiling: GmmTiling, platform: str):
+    """core/ops/grouped_matmul.py's `gmm` with `tiling`; the kernels interpret off a TPU."""
+    return lambda lhs, rhs, group_sizes: gmm(lhs, rhs, group_sizes, tiling, acc, platform != "tpu")
+
+
+def mesh_platform_of(mesh) -> str:
+    """The platform the trace is for: the abstract mesh's devices', else JAX's default backend."""
+    device = getattr(mesh, "abstract_device", None) if mesh is not None and not mesh.empty else None
+    return platform_name(device.platform) if device is not None else platform_name(jax.default_backend())
 
 
 def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):
@@ -289,6 +334,7 @@ def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):
     Returns:
       (y_btm in the accumulation dtype, dropped: float32 scalar, 0 but under a capacity factor).
     """
+    require_resolved(spec.impl, "moe_impl")
     w1, w2, w3 = experts
     hidden = functools.partial(swiglu_hidden, limit=spec.swiglu_limit)
     devices = expert_axis_size(mesh)
@@ -297,8 +343,10 @@ def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):
         combine_bte = jnp.einsum("btk,btke->bte", weights_btk,
                                  jax.nn.one_hot(idx_btk, spec.num_experts, dtype=jnp.float32))
         return dense_experts(x_btm, combine_bte, w1, w2, w3, spec.swiglu_limit), no_drops
-    if spec.impl == "ragged":
-        return ragged_experts(x_btm, idx_btk, weights_btk, w1, w2, w3, spec.swiglu_limit), no_drops
+    if spec.impl in ("ragged", "gmm"):
+        acc = _acc(x_btm)
+        matmul = ragged_dot(acc) if spec.impl == "ragged" else megablox_gmm(acc, spec.gmm_tiling(), mesh_platform_of(mesh))
+        return grouped_experts(x_btm, idx_btk, weights_btk, w1, w2, w3, spec.swiglu_limit, matmul), no_drops
     tokens = x_btm.shape[0] * x_btm.shape[1]
     if devices == 1:
         tiling = Tiling(spec.tile_size or auto_tile(tokens, spec.num_experts, spec.k), spec.tiles_per_step)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import core
+from core.config.platform import resolve
 from core.errors import ConfigError
 from core.plan import targets as tg
 from core.process import tune_garbage_collector
@@ -240,8 +241,9 @@ def _child(args: dict[str, Any]) -> dict[str, Any]:
     from core.errors import DsvError
 
     try:
-        cfg = load(args["model"], args["stage"], args["overrides"], args["config_file"])
-        return compile_plan(cfg, tg.parse_target(args["target"]), top=args["top"], analytic=args["analytic"],
+        target = tg.parse_target(args["target"])
+        cfg = resolve(load(args["model"], args["stage"], args["overrides"], args["config_file"]), target.platform)
+        return compile_plan(cfg, target, top=args["top"], analytic=args["analytic"],
                             dump=args.get("dump"), stage=args["stage"], batch_rows=args.get("batch_rows"))
     except DsvError as e:
         return {"error": str(e)}

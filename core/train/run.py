@@ -31,6 +31,7 @@ import jax
 from flax import nnx
 
 from core.checkpoint import store as ckpt
+from core.config.platform import resolve
 from core.config.stages import stage_of
 from core import tree
 from core.checkpoint import run_files
@@ -125,6 +126,7 @@ class Trainer:
 
     @releases_lock_on_error
     def __init__(self, cfg, *, stage: str, run_dir: str | Path, init_from: str | Path | None = None):
+        cfg = resolve(cfg, jax.devices()[0].platform)  # every `auto` key, before anything reads it
         self.cfg, self.stage, self.run_dir = cfg, stage, Path(run_dir)
         self.lock = RunLock(self.run_dir, f"dsv4 {stage}")
         if jax.process_index() == 0:  # one writer per run directory; other hosts write only their shards

@@ -219,7 +219,7 @@ def test_moe_module_matches_reference_f64(x64, hash_routed, impl):
     assert aux["load"].shape == (8,)
 
 
-@pytest.mark.parametrize("impl", ["dense", "ragged", "tiled"])
+@pytest.mark.parametrize("impl", ["dense", "ragged", "tiled", "gmm"])
 def test_moe_module_matches_reference_f32(impl):
     m = _moe(False, impl=impl, shared=2)
     x, tokens, valid = _inputs(jnp.float32)
@@ -316,7 +316,8 @@ def test_param_axes_annotated():
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_ragged_equals_dense_and_tiled_in_value_and_gradient(k):
-    """float32: the ragged path's loss and gradients equal the dense and the default (tiled) path's,
+    """float32: the ragged path's loss and gradients equal the dense, the tiled and the megablox (gmm, Pallas
+    interpret mode here) path's,
     with one expert that every token chooses and experts that no token chooses (exactly zero
     gradient there); its output equals the float64 reference."""
     rng = np.random.default_rng(k)
@@ -324,7 +325,7 @@ def test_ragged_equals_dense_and_tiled_in_value_and_gradient(k):
         table = np.full((50, 1), 3)                          # every token to expert 3 alone
     else:                                                    # expert 1 for every token, never expert 0
         table = np.stack([np.concatenate([[1], rng.permutation(np.arange(2, 8))[:2]]) for _ in range(50)])
-    models = {impl: _moe(True, impl=impl, k=k, shared=0) for impl in ("ragged", "dense", "tiled")}
+    models = {impl: _moe(True, impl=impl, k=k, shared=0) for impl in ("ragged", "dense", "tiled", "gmm")}
     for m in models.values():
         m.gate.tid2eid[...] = jnp.asarray(table, jnp.int32)
     x, tokens, _ = _inputs(jnp.float32)
@@ -335,7 +336,7 @@ def test_ragged_equals_dense_and_tiled_in_value_and_gradient(k):
     _close(y, expected, 1e-4 * max(1.0, float(np.max(np.abs(expected)))), "ragged vs reference")
     v_r, (gm_r, gx_r) = _grads(models["ragged"], x, tokens, valid, cot)
     flat_r = _flat(gm_r)
-    for impl in ("dense", "tiled"):
+    for impl in ("dense", "tiled", "gmm"):
         v, (gm, gx) = _grads(models[impl], x, tokens, valid, cot)
         _close_f32(v_r, v, f"loss ragged vs {impl}")
         _close_f32(gx_r, gx, f"d x ragged vs {impl}")

@@ -1,0 +1,153 @@
+"""Grouped matmuls for the MoE experts: slots sorted by expert, one matmul per expert's rows.
+
+Two ways to run `out[rows of group g] = lhs[rows of group g] @ rhs[g]`:
+
+- `lax.ragged_dot` (XLA's own grouped matmul; its gradient is XLA's too);
+- `gmm`: the Pallas megablox kernels that JAX ships (`jax.experimental.pallas.ops.tpu.megablox`:
+  `gmm` for the forward and the input gradient, `tgmm` for the weight gradient) under a custom VJP
+  that gives each of the three passes its own tiles (`GmmTiling`), as MaxText tunes them. On a
+  machine without a TPU the kernels run in Pallas' interpret mode (`interpret=True`): the tests'
+  way to check them against `ragged_dot` on the CPU.
+
+The slots reach the matmul through `sort_slots` / `unsort_slots`: permutations whose gradients are
+the inverse permutations (gathers both ways), never the scatter-add that autodiff of a gather
+gives. A token's k slots are its k copies, so no slot is ever dropped and the combine is a sum
+over k (`combine_slots`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmTiling:
+    """(rows, contracted, output columns) tiles of each pass of `gmm`.
+
+    fwd:  out [S, N] = lhs [S, K] @ rhs[g] [K, N]
+    dlhs: dlhs [S, K] = dout [S, N] @ rhs[g]^T      (tiles of S, N, K)
+    drhs: drhs[g] [K, N] = lhs_g^T @ dout_g          (tiles of S, K, N: `tgmm`)
+    """
+
+    fwd: tuple[int, int, int] = (512, 1024, 1024)
+    dlhs: tuple[int, int, int] = (512, 1024, 1024)
+    drhs: tuple[int, int, int] = (512, 1024, 1024)
+
+
+def _fit(tile: tuple[int, int, int], m: int, k: int, n: int) -> tuple[int, int, int]:
+    """A tile no larger than its dimension (the kernel reads whole tiles; rows are padded to tm)."""
+    return (min(tile[0], _ceil_to(m, 8)), min(tile[1], k), min(tile[2], n))
+
+
+def _ceil_to(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _megablox():
+    import importlib
+
+    # the module, not the package's custom-VJP `gmm` of the same name
+    return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+def _padded(x, rows: int):
+    return x if x.shape[0] == rows else jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+
+
+def _gmm_call(lhs, rhs, group_sizes, tile, out_dtype, interpret, transpose_rhs=False):
+    """megablox gmm with S padded to a multiple of the row tile; rows outside every group are 0."""
+    m = lhs.shape[0]
+    k, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
+    tm, tk, tn = _fit(tile, m, k, n)
+    rows = _ceil_to(m, tm)
+    out = _megablox().gmm(_padded(lhs, rows), rhs, group_sizes, out_dtype, (tm, tk, tn),
+                          transpose_rhs=transpose_rhs, interpret=interpret)[:m]
+    # rows past sum(group_sizes) are never written by the kernel
+    live = jnp.arange(m) < jnp.sum(group_sizes)
+    return jnp.where(live[:, None], out, jnp.zeros((), out.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def gmm(lhs_sk, rhs_gkn, group_sizes_g, tiling: GmmTiling, out_dtype, interpret: bool):
+    """out [S, N]: rows of group g (consecutive, in order of g) times rhs[g], by the megablox kernels.
+
+    Args:
+      lhs_sk: [S, K] rows sorted by group; rows past sum(group_sizes) give 0.
+      rhs_gkn: [G, K, N].
+      group_sizes_g: int32 [G].
+      tiling: the tiles of the three passes (`GmmTiling`).
+      out_dtype: the output's dtype (the kernel accumulates in float32).
+      interpret: run the kernels in Pallas' interpret mode (any backend).
+    """
+    return _gmm_call(lhs_sk, rhs_gkn, group_sizes_g, tiling.fwd, out_dtype, interpret)
+
+
+def _gmm_fwd(lhs_sk, rhs_gkn, group_sizes_g, tiling, out_dtype, interpret):
+    return gmm(lhs_sk, rhs_gkn, group_sizes_g, tiling, out_dtype, interpret), (lhs_sk, rhs_gkn, group_sizes_g)
+
+
+def _gmm_bwd(tiling, out_dtype, interpret, residual, dout_sn):
+    lhs_sk, rhs_gkn, group_sizes_g = residual
+    dout_sn = dout_sn.astype(lhs_sk.dtype)
+    dlhs = _gmm_call(dout_sn, rhs_gkn, group_sizes_g, tiling.dlhs, lhs_sk.dtype, interpret, transpose_rhs=True)
+    m, k = lhs_sk.shape
+    n = dout_sn.shape[1]
+    tm, tk, tn = _fit(tiling.drhs, m, k, n)
+    rows = _ceil_to(m, tm)
+    drhs = _megablox().tgmm(_padded(lhs_sk, rows).swapaxes(0, 1), _padded(dout_sn, rows), group_sizes_g,
+                            rhs_gkn.dtype, (tm, tk, tn), interpret=interpret)
+    return dlhs, drhs, None
+
+
+gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+# ----------------------------------------------------------------------------- slots
+
+
+@jax.custom_vjp
+def permute_rows(x_s_, order_s, inverse_s):
+    """x[order]: a permutation of rows whose gradient is the inverse permutation (a gather, not a scatter)."""
+    return x_s_[order_s]
+
+
+def _permute_fwd(x_s_, order_s, inverse_s):
+    return x_s_[order_s], (order_s, inverse_s)
+
+
+def _permute_bwd(residual, d_s_):
+    order_s, inverse_s = residual
+    return d_s_[inverse_s], None, None
+
+
+permute_rows.defvjp(_permute_fwd, _permute_bwd)
+
+
+class SlotOrder:
+    """The S = N*k (token, expert) slots in order of expert: the permutation and the group sizes.
+
+    Built from idx [N, k] (stable: slots of one expert stay in token order); ids >= num_groups
+    (empty slots) sort last and belong to no group.
+    """
+
+    def __init__(self, idx_nk, num_groups: int):
+        flat = idx_nk.reshape(-1).astype(jnp.int32)
+        self.k = idx_nk.shape[-1]
+        self.order = jnp.argsort(flat, stable=True)                   # sorted position -> slot
+        self.inverse = jnp.argsort(self.order)                        # slot -> sorted position
+        self.group_sizes = jnp.bincount(flat, length=num_groups).astype(jnp.int32)
+
+    def sort(self, x_nm):
+        """[N, M] tokens -> [S, M] their slots' copies in expert order."""
+        n, m = x_nm.shape
+        slots_sm = jnp.broadcast_to(x_nm[:, None], (n, self.k, m)).reshape(n * self.k, m)
+        return permute_rows(slots_sm, self.order, self.inverse)
+
+    def unsort(self, y_sm):
+        """[S, M] in expert order -> [N, k, M] back in slot order."""
+        s, m = y_sm.shape
+        return permute_rows(y_sm, self.inverse, self.order).reshape(s // self.k, self.k, m)
