@@ -1,7 +1,7 @@
 """Per-platform choices: the keys whose value `auto` is decided by the platform a step runs on.
 
 A config is read before JAX knows its devices, so a key that is fastest one way on a CPU and
-another on a TPU says `auto`, and `resolve(cfg, platform)` turns every `auto` into the platform's
+another on a TPU says `auto` (-1 for an integer key), and `resolve(cfg, platform)` turns every `auto` into the platform's
 choice once the mesh is known, before anything is built or traced: the training run's preflight,
 the planner (for its target's platform), the benchmarks and the evaluation. An explicit value
 always wins. Why each choice: docs/benchmarks.md#why-the-defaults.
@@ -13,13 +13,27 @@ from __future__ import annotations
 
 from typing import Any
 
-AUTO = "auto"
+AUTO = "auto"      # the value of an `auto` string key
+AUTO_INT = -1      # the value of an `auto` integer key (as xla_backend_optimization_level's -1)
 PLATFORMS = ("cpu", "gpu", "tpu")
 
-# key -> platform -> the value `auto` becomes there
-PLATFORM_CHOICES: dict[str, dict[str, Any]] = {
+
+def _topk_attention(cfg, platform: str) -> str:
+    """CSA's top-k as a mask over every compressed key on an accelerator while the W = T/4 blocks are at
+    most twice the k selected ones (dense matmuls beat a gather there); gathered keys beyond, and on CPU."""
+    if platform == "cpu" or cfg.max_target_length // 4 > 2 * cfg.indexer_topk:
+        return "gather"
+    return "mask"
+
+
+# key -> (its auto value, platform -> choice, or a function (cfg, platform) -> choice)
+PLATFORM_CHOICES: dict[str, tuple[Any, Any]] = {
     # tiles of plain einsums on XLA:CPU (which lowers ragged_dot densely); a grouped matmul elsewhere
-    "moe_impl": {"cpu": "tiled", "gpu": "ragged", "tpu": "ragged"},
+    "moe_impl": (AUTO, {"cpu": "tiled", "gpu": "ragged", "tpu": "gmm"}),
+    "csa_topk_attention": (AUTO, _topk_attention),
+    # larger chunks on an accelerator: fewer scan steps, each accumulating the projections' weight gradients
+    "attention_query_chunk_size": (AUTO_INT, {"cpu": 128, "gpu": 512, "tpu": 512}),
+    "lm_loss_chunk_size": (AUTO_INT, {"cpu": 256, "gpu": 1024, "tpu": 1024}),
 }
 
 
@@ -39,8 +53,19 @@ def resolve(cfg, platform: str):
     platform = platform_name(platform)
     if platform not in PLATFORMS:
         raise ValueError(f"unknown platform {platform!r}: one of {', '.join(PLATFORMS)}")
-    changes = {key: choices[platform] for key, choices in PLATFORM_CHOICES.items() if getattr(cfg, key) == AUTO}
+    changes = {key: choice(cfg, platform) if callable(choice) else choice[platform]
+               for key, (auto, choice) in PLATFORM_CHOICES.items() if getattr(cfg, key) == auto}
     return cfg.replace(**changes) if changes else cfg
+
+
+def resolve_here(cfg):
+    """`resolve` for JAX's default backend: the fallback of code that builds a model from a config
+    no entry point resolved (tests, tools); a no-op on a resolved config."""
+    if all(getattr(cfg, key) != auto for key, (auto, _) in PLATFORM_CHOICES.items()):
+        return cfg
+    import jax
+
+    return resolve(cfg, jax.default_backend())
 
 
 def require_resolved(value: Any, key: str) -> None:

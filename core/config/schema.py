@@ -56,7 +56,7 @@ class Config:
     frozen_weights: str               # param_dtype | released (frozen linear weights as FP8/FP4 codes + scales)
     scan_layers: bool
     remat_policy: str                 # none | minimal | full (what a layer saves for the backward)
-    lm_loss_chunk_size: int           # tokens per LM-loss chunk, 0 = direct [B, T, V] logits
+    lm_loss_chunk_size: int           # tokens per LM-loss chunk, 0 = direct [B, T, V] logits, -1 = per platform
     # rotary position embedding
     rope_type: str
     rope_max_timescale: float
@@ -82,7 +82,8 @@ class Config:
     csa_qk_head_chunk_size: int       # heads per scan step, 0 = off
     csa_query_chunk_size: int         # query positions per scan step, 0 = off
     attention: str                    # chunked (banded window, gathered top-k) | masked (dense reference)
-    attention_query_chunk_size: int   # query positions per chunk of the chunked attention and top-k
+    attention_query_chunk_size: int   # query positions per chunk of the chunked attention and top-k; -1 = per platform
+    csa_topk_attention: str           # auto | gather | mask (CSA's top-k keys gathered, or all keys masked)
     jax_cache_dir: str                # persistent compilation cache: "" off, "default" = ~/.cache/dsv4/jax, or a path
     compile_ahead: bool               # training runs compile the step from abstract state while the model builds
     xla_backend_optimization_level: int  # LLVM level of the train step's compile: 0-3, -1 = 1 on CPU, XLA's default elsewhere

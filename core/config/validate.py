@@ -23,14 +23,14 @@ _POSITIVE = {
     "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_num_decoder_layers",
     "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "vocab_size", "sliding_window_size",
     "indexer_n_heads", "indexer_head_dim", "indexer_init_batches", "indexer_topk", "num_experts", "num_experts_per_tok",
-    "base_moe_mlp_dim", "attention_query_chunk_size", "mhc_expansion_rate", "hc_sinkhorn_iters", "steps",
+    "base_moe_mlp_dim", "mhc_expansion_rate", "hc_sinkhorn_iters", "steps",
     "per_device_batch_size", "max_target_length", "checkpoint_period", "max_checkpoints",
     "max_position_embeddings", "original_max_position_embeddings",
     "normalization_layer_epsilon", "hc_eps", "rope_max_timescale",
     "compressed_rope_max_timescale", "rope_factor", "adam_eps",
 }
 _NON_NEGATIVE = {
-    "lm_loss_chunk_size", "moe_tile_size",
+    "moe_tile_size",
     "qk_rope_head_dim", "indexer_loss_scaling_factor", "csa_qk_head_chunk_size",
     "csa_query_chunk_size", "shared_experts", "mlp_activations_limit", "routed_scaling_factor",
     "routed_bias_update_rate", "first_num_hash_layers", "load_balance_loss_weight",
@@ -38,6 +38,7 @@ _NON_NEGATIVE = {
     "adam_weight_decay", "gradient_clipping_threshold", "init_weights_seed", "data_shuffle_seed",
     "eval_holdout_fraction",
 }
+_AUTO_INTS = {"attention_query_chunk_size": 1, "lm_loss_chunk_size": 0}  # key -> least explicit value
 _CHOICES = {
     "dtype": ("float32", "bfloat16"),
     "weight_dtype": ("float32", "bfloat16"),
@@ -53,6 +54,7 @@ _CHOICES = {
     "indexer_weights_init": ("fan_in", "zeros"),
     "indexer_init": ("random", "teacher"),
     "attention": ("chunked", "masked"),
+    "csa_topk_attention": ("auto", "gather", "mask"),
     "routed_score_func": ("sqrtsoftplus",),
     "dataset_type": ("hf", "synthetic"),
 }
@@ -90,6 +92,9 @@ def _check_ranges(cfg) -> None:
     for key in _NON_NEGATIVE:
         v = getattr(cfg, key)
         _check(v >= 0, f"{key}={v} must not be negative: give a value >= 0.")
+    for key, least in _AUTO_INTS.items():  # -1: the platform's choice (core/config/platform.py)
+        v = getattr(cfg, key)
+        _check(v == -1 or v >= least, f"{key}={v} must be >= {least}, or -1 for the platform's choice.")
     for key, choices in _CHOICES.items():
         v = getattr(cfg, key)
         _check(v in choices, f"{key}={v!r} is not supported: use one of {', '.join(choices)}.")

@@ -23,7 +23,7 @@ from core.loss.indexer_kl_rows import (Spec, Teacher, check_teacher, compute_dty
                                        resolve_chunk, scan_blocks, slice_t, teacher_input, teacher_rows)
 from core.ops.chunked_attention import RowQueries
 from core.ops.masks import Packing, block_last_positions, block_segment_ids, visible_rows, window_rows
-from core.ops.topk import IndexerInputs, indexer_scores, select_topk, selection_mask
+from core.ops.topk import IndexerInputs, indexer_scores, topk_mask
 
 
 def _indexer_vjp(q_btid, k_bwd, w_bti, visible_btw, grad_btw, head_chunk: int):
@@ -59,7 +59,7 @@ def _stream_block(spec: Spec, t0, inputs, block_masks, with_grad: bool):
     """
     (queries_i, k_idx, w_idx), (query, kv, raw_kv, sink), positions, segment_ids = inputs
     seg_bw, last_bw = block_masks
-    qc, num_blocks = spec.query_chunk, k_idx.shape[1]
+    qc = spec.query_chunk
     pos_bt, seg_bt = slice_t(positions, t0, qc), slice_t(segment_ids, t0, qc)
     w_blk = slice_t(w_idx, t0, qc)
     fn = lambda per_token, params: queries_i.fn(per_token, params, pos_bt)
@@ -73,8 +73,7 @@ def _stream_block(spec: Spec, t0, inputs, block_masks, with_grad: bool):
         scores_btw = indexer_scores(q_blk, k_idx, w_blk, visible_btw, head_chunk=spec.index_chunk)
     allowed_btw = visible_btw
     if spec.topk is not None:
-        idx_btk, valid_btk = select_topk(scores_btw, visible_btw, spec.topk)
-        allowed_btw = visible_btw & selection_mask(idx_btk, valid_btk, num_blocks)
+        allowed_btw = topk_mask(scores_btw, visible_btw, spec.topk)  # visible only
     window_bts = None
     if spec.joint:
         window_bts = window_rows(pos_bt, seg_bt, positions, segment_ids, spec.window)

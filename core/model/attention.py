@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from core.config.platform import resolve_here
 from core.loss.indexer_kl import csa_indexer_loss
 from core.loss.indexer_kl_rows import Teacher
 from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed
@@ -94,10 +95,12 @@ class AttentionSpec:
     query_chunk: int = 0
     attention: str = "chunked"  # "chunked" (core.ops.chunked_attention) | "masked" (dense reference)
     attention_chunk: int = 128  # query positions per chunk of the chunked path
+    topk_attention: str = "gather"  # chunked CSA top-k: "gather" (the selected keys) | "mask" (all keys, masked)
     indexer_gradient: str = "local"  # "local": the streamed loss's gradient taken in the forward | "backward"
 
     @classmethod
     def from_config(cls, cfg, layer: int) -> "AttentionSpec":
+        cfg = resolve_here(cfg)
         ratio = cfg.compress_ratios[layer]
         indexed = ratio == 4 and cfg.use_indexer
         return cls(
@@ -111,6 +114,7 @@ class AttentionSpec:
             indexer_weights_init=cfg.indexer_weights_init,
             head_chunk=cfg.csa_qk_head_chunk_size, query_chunk=cfg.csa_query_chunk_size,
             attention=cfg.attention, attention_chunk=cfg.attention_query_chunk_size,
+            topk_attention=cfg.csa_topk_attention,
             indexer_gradient=cfg.indexer_gradient)
 
     def indexer_spec(self) -> IndexerSpec:
@@ -160,7 +164,7 @@ def mode_of(s: AttentionSpec, t: int) -> Mode:
     if s.attention == "masked":
         return Mode(attend=masked_attention, select=None, loss_rows=s.query_chunk)
     select = functools.partial(select_topk_chunked, ratio=s.ratio, k=s.indexer_topk, chunk=s.attention_chunk,
-                               head_chunk=s.head_chunk)
+                               head_chunk=s.head_chunk, as_mask=s.topk_attention == "mask")
     rows = streamable_rows(s, t) if s.indexer_heads else 0
     return Mode(attend=functools.partial(chunked_attention, chunk=s.attention_chunk), select=select,
                 loss_rows=rows)

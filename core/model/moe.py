@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from core.config.platform import platform_name, require_resolved
+from core.config.platform import platform_name, require_resolved, resolve_here
 from core.model.layers import dense_init, param, upcast
 from core.ops.grouped_matmul import GmmTiling, SlotOrder, gmm
 from core.ops.expert_parallel import Exchange, expert_axis_size, expert_parallel_experts, token_rounds, token_shards
@@ -106,6 +106,7 @@ class MoESpec:
 
     @classmethod
     def from_config(cls, cfg, layer: int) -> "MoESpec":
+        cfg = resolve_here(cfg)
         return cls(
             emb=cfg.emb, mlp=cfg.moe_mlp_dim, num_experts=cfg.num_experts, k=cfg.num_experts_per_tok,
             shared=cfg.shared_experts, hash_routed=layer < cfg.first_num_hash_layers,

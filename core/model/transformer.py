@@ -80,7 +80,7 @@ COLLECT_KEYS = ("index_scores", "topk_idx", "topk_valid", "teacher_query", "comp
 JOINT_KEYS = ("raw_kv", "window", "sink")
 # Small named values every remat policy keeps (module docstring): what the backward would
 # otherwise recompute at a high op count for a few bytes per token (checkpoint_name at the source).
-SAVED_NAMES = ("topk_idx", "topk_valid", "indexer_loss_grads", "indexer_local_grads", "moe_routing")
+SAVED_NAMES = ("topk_idx", "topk_valid", "topk_mask", "indexer_loss_grads", "indexer_local_grads", "moe_routing")
 _SAVE_NAMES = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
 REMAT_POLICIES = {  # name -> jax.checkpoint policy; "none" = no remat (module docstring)
     "none": None,

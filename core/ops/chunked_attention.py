@@ -11,8 +11,11 @@ nothing of chunk size between steps. Per chunk, at once:
 
   window   its C queries meet only keys [t0 - (S - 1), t0 + C): logits [B, H, C, C + S - 1]
            (the keys are front-padded with invisible padding, so chunk 0 needs no special case)
-  CSA      top-k: the k selected blocks' keys gathered per query, [B, C, k, D] and logits
-           [B, H, C, k];  every visible block (pre-training, warm-up, no indexer): [B, H, C, W]
+  CSA      top-k as indices (`Selection`): the k selected blocks' keys gathered per query,
+           [B, C, k, D] and logits [B, H, C, k]; top-k as a mask (`SelectionMask`): every block,
+           logits [B, H, C, W] masked to the selected ones (no gather: dense work O(W) per query,
+           the better trade while W is a few times k); every visible block (pre-training, warm-up,
+           no indexer): [B, H, C, W]
   HCA      every block, [B, H, C, W] (W = T / 128)
   sink     [H]
 
@@ -131,23 +134,30 @@ def block_keys(positions_bt, segment_ids_bt, ratio: int):
 def merged_softmax(q_bchd, sink_h, parts):
     """One softmax over several key sets and the sink, merged by log-sum-exp.
 
+    The products take the queries and keys in their own (compute) dtype and accumulate in float32
+    (at least); logits, the softmax and the output are float32; the probabilities meet the values
+    in the values' dtype, as flash attention feeds its second matmul.
+
     Args:
-      q_bchd: queries [B, C, H, D] in the accumulation dtype.
-      sink_h: per-head sink logit [H].
+      q_bchd: queries [B, C, H, D] (compute dtype).
+      sink_h: per-head sink logit [H] (float32).
       parts: (keys, mask) pairs: keys [B, U, D] shared by the chunk's queries with mask
         bool [B, C, U], or keys [B, C, U, D] per query (gathered blocks) with mask bool [B, C, U].
 
     Returns:
-      o_bchd [B, C, H, D]: sum over parts of p * v (a row with nothing allowed gives 0).
+      o_bchd [B, C, H, D] in the accumulation dtype: sum over parts of p * v (a row with nothing
+      allowed gives 0).
     """
     def einsums(keys):
         return ("bchd,bud->bhcu", "bhcu,bud->bchd") if keys.ndim == 3 else \
                ("bchd,bcud->bhcu", "bhcu,bcud->bchd")
 
+    acc = jnp.promote_types(q_bchd.dtype, jnp.float32)
     parts = [(k, mask) for k, mask in parts if mask.shape[-1]]  # no block complete yet: no part
-    logits = [jnp.where(mask[:, None], jnp.einsum(einsums(k)[0], q_bchd, k), NEG) for k, mask in parts]
+    logits = [jnp.where(mask[:, None], jnp.einsum(einsums(k)[0], q_bchd, k, preferred_element_type=acc), NEG)
+              for k, mask in parts]
     b, c, h, _ = q_bchd.shape
-    sink_bhc = jnp.broadcast_to(sink_h[None, :, None], (b, h, c))
+    sink_bhc = jnp.broadcast_to(sink_h.astype(acc)[None, :, None], (b, h, c))
     mx_bhc = sink_bhc
     for l_bhcu in logits:
         mx_bhc = jnp.maximum(mx_bhc, jnp.max(l_bhcu, axis=-1))
@@ -155,8 +165,8 @@ def merged_softmax(q_bchd, sink_h, parts):
     exps = [jnp.where(mask[:, None], jnp.exp(l - mx_bhc[..., None]), 0.0)
             for l, (_, mask) in zip(logits, parts)]
     denom_bhc = jnp.exp(sink_bhc - mx_bhc) + sum(jnp.sum(e, axis=-1) for e in exps)
-    o_bchd = sum((jnp.einsum(einsums(k)[1], e, k) for e, (k, _) in zip(exps, parts)),
-                 jnp.zeros_like(q_bchd))
+    o_bchd = sum((jnp.einsum(einsums(k)[1], e.astype(k.dtype), k, preferred_element_type=acc)
+                  for e, (k, _) in zip(exps, parts)), jnp.zeros(q_bchd.shape, acc))
     return o_bchd / jnp.transpose(denom_bhc, (0, 2, 1))[..., None]
 
 
@@ -202,8 +212,8 @@ def masked_attention(queries: RowQueries, keys: Keys, packing: Packing, selectio
       queries: the layer's queries (built whole here).
       keys: raw keys, sink, compressed entries and their visibility rules.
       packing: positions and segment ids [B, T].
-      selection: a `core.ops.topk.Selection` of blocks per query (CSA top-k), or None for every
-        visible block.
+      selection: a `core.ops.topk.Selection` or `SelectionMask` of blocks per query (CSA top-k), or
+        None for every visible block.
       out_fn: (o [B, T, H, D], positions [B, T]) -> per-token output; None keeps o.
 
     Returns:
@@ -252,27 +262,29 @@ def chunked_attention(queries: RowQueries, keys: Keys, packing: Packing, selecti
     sink_h = keys.sink_h.astype(jnp.promote_types(keys.sink_h.dtype, jnp.float32))
     if ckv_bwd is not None:
         seg_bw, last_bw = block_keys(positions_bt, segment_ids_bt, keys.ratio)
-    gathered = selection is not None
+    gathered = hasattr(selection, "idx_btk")  # a core.ops.topk.Selection (topk imports this module)
     xs = [to_chunks(queries.inputs, c, n), to_chunks(positions_bt, c, n), to_chunks(segment_ids_bt, c, n),
           jnp.arange(n) * c]
     if gathered:
         xs += [to_chunks(selection.idx_btk, c, n), to_chunks(selection.valid_btk, c, n)]
+    elif selection is not None:  # a SelectionMask: every block, masked to the selected ones
+        xs += [to_chunks(selection.mask_btw, c, n)]
 
     @backward_after_cotangent  # its recompute follows its cotangent (docs/scaling.md#collective-order-on-the-cpu)
     @jax.checkpoint
     def body(q_in, pos_bc, seg_bc, t0, *sel):
         q = queries.of(q_in, pos_bc)
-        acc = jnp.promote_types(q.dtype, jnp.float32)
         sl = lambda x: jax.lax.dynamic_slice_in_dim(x, t0, c + band, axis=1)
-        parts = [(sl(kv_pad).astype(acc), window_rows(pos_bc, seg_bc, sl(pos_pad), sl(seg_pad), window))]
+        parts = [(sl(kv_pad).astype(q.dtype), window_rows(pos_bc, seg_bc, sl(pos_pad), sl(seg_pad), window))]
         if ckv_bwd is not None:
-            ckv = ckv_bwd.astype(acc)
+            ckv = ckv_bwd.astype(q.dtype)
             if gathered:
                 idx_bck, valid_bck = sel
                 parts.append((jax.vmap(lambda kv_wd, i_ck: kv_wd[i_ck])(ckv, idx_bck), valid_bck))
             else:
-                parts.append((ckv, visible_rows(pos_bc, seg_bc, seg_bw, last_bw)))
-        o = merged_softmax(q.astype(acc), sink_h.astype(acc), parts).astype(q.dtype)
+                visible_bcw = visible_rows(pos_bc, seg_bc, seg_bw, last_bw)
+                parts.append((ckv, visible_bcw & sel[0] if sel else visible_bcw))
+        o = merged_softmax(q, sink_h, parts).astype(q.dtype)
         return out_fn(o, pos_bc)
 
     if n == 1:

@@ -100,9 +100,42 @@ def select_topk(scores_btw, visible_btw, k: int):
     """
     k = min(k, scores_btw.shape[-1])
     ranked_btw = jnp.where(visible_btw, scores_btw.astype(jnp.float32), -jnp.inf)
-    _, idx_btk = jax.lax.top_k(ranked_btw, k)  # lax.top_k puts the lower index first on ties
-    valid_btk = jnp.take_along_axis(visible_btw, idx_btk, axis=-1)
-    return Selection(idx_btk.astype(jnp.int32), valid_btk)
+    top_btk, idx_btk = jax.lax.top_k(ranked_btw, k)  # lax.top_k puts the lower index first on ties
+    # a selected slot is valid iff its block is visible, i.e. ranked above -inf: no gather of the mask
+    return Selection(idx_btk.astype(jnp.int32), top_btk > -jnp.inf)
+
+
+class SelectionMask(NamedTuple):
+    """The top-k blocks of each query as a mask bool [B, T, W] (`topk_mask`): the form attention takes
+    when it runs over every compressed key with the selection as a mask (no gather of keys)."""
+
+    mask_btw: Any
+
+    def mask(self, num_blocks: int):
+        del num_blocks
+        return self.mask_btw
+
+
+def topk_mask(scores_btw, visible_btw, k: int):
+    """bool [B, T, W]: exactly `selection_mask(*select_topk(scores, visible, k), W)`, without a scatter.
+
+    The k-th largest ranked score is the threshold; every visible block above it is selected, and of
+    the blocks equal to it the lowest-indexed ones until k are taken (lax.top_k's ties to the lower
+    index). With fewer than k visible blocks the threshold is -inf and every visible block is taken.
+
+    Shapes:
+      1. ranked_btw = scores where visible, else -inf;  thr_bt = k-th largest ranked value
+      2. above_btw = ranked > thr;  tied_btw = visible & ranked == thr
+      3. mask = above | (tied & cumsum_w(tied) <= k - #above)
+    """
+    k = min(k, scores_btw.shape[-1])
+    ranked_btw = jnp.where(visible_btw, scores_btw.astype(jnp.float32), -jnp.inf)
+    top_btk, _ = jax.lax.top_k(ranked_btw, k)
+    thr_bt1 = top_btk[..., k - 1:]
+    above_btw = ranked_btw > thr_bt1
+    tied_btw = visible_btw & (ranked_btw == thr_bt1)
+    need_bt1 = k - jnp.sum(above_btw, axis=-1, keepdims=True, dtype=jnp.int32)
+    return above_btw | (tied_btw & (jnp.cumsum(tied_btw, axis=-1, dtype=jnp.int32) <= need_bt1))
 
 
 def selection_mask(idx_btk, valid_btk, num_blocks: int):
@@ -117,7 +150,7 @@ def selection_mask(idx_btk, valid_btk, num_blocks: int):
 
 
 def select_topk_chunked(index: IndexerInputs, packing: Packing, *, ratio: int, k: int, chunk: int,
-                        head_chunk: int = 0):
+                        head_chunk: int = 0, as_mask: bool = False):
     """`select_topk(indexer_scores(...), visible, k)` one query chunk at a time.
 
     Never holds [B, T, W, HI] nor [B, T, W]: each chunk of C queries builds its own indexer
@@ -132,10 +165,12 @@ def select_topk_chunked(index: IndexerInputs, packing: Packing, *, ratio: int, k
       k: blocks to select (static, clipped to W).
       chunk: query positions per scan step C (static; T need not be a multiple).
       head_chunk: indexer heads per scoring step, as in `indexer_scores`.
+      as_mask: return the selection as a `SelectionMask` [B, T, W] (`topk_mask`) instead of indices.
 
     Returns:
       Selection(idx_btk int32 [B, T, min(k, W)], valid_btk bool [B, T, min(k, W)]), equal to
-      `select_topk` of the dense scores (ties to the lower index).
+      `select_topk` of the dense scores (ties to the lower index); with `as_mask` the same blocks as
+      SelectionMask(mask_btw bool [B, T, W]).
 
     Shapes (per chunk of c queries):
       1. q_bcid = the chunk's indexer queries; visible_bcw from positions / segment ids  [B, c, W]
@@ -152,13 +187,17 @@ def select_topk_chunked(index: IndexerInputs, packing: Packing, *, ratio: int, k
         q_in, w_c, pos_c, seg_c = xs
         visible_bcw = visible_rows(pos_c, seg_c, seg_bw, last_bw)
         scores_bcw = indexer_scores(queries.of(q_in, pos_c), k_bwd, w_c, visible_bcw, head_chunk=head_chunk)
+        if as_mask:
+            return None, (topk_mask(scores_bcw, visible_bcw, k),)
         return None, tuple(select_topk(scores_bcw, visible_bcw, k))
 
     xs = tuple(to_chunks(x, c, n) for x in (queries.inputs, weights_bti, positions_bt, segment_ids_bt))
     if n == 1:
-        idx, valid = body(None, tuple(x[0] for x in xs))[1]
-        idx, valid = idx[None], valid[None]
+        out = tuple(o[None] for o in body(None, tuple(x[0] for x in xs))[1])
     else:
-        _, (idx, valid) = jax.lax.scan(body, None, xs)
+        _, out = jax.lax.scan(body, None, xs)
+    if as_mask:
+        return SelectionMask(checkpoint_name(from_chunks(out[0], t), "topk_mask"))
+    idx, valid = out
     return Selection(checkpoint_name(from_chunks(idx, t), "topk_idx"),
                      checkpoint_name(from_chunks(valid, t), "topk_valid"))

@@ -41,6 +41,7 @@ from flax import nnx
 
 from core.checkpoint import store as ckpt
 from core import tree
+from core.config.platform import resolve
 from core.config.stages import stage_of
 from core.train import optimizer, program, step_guard
 from core.errors import ConfigError
@@ -217,6 +218,7 @@ def step_fn(cfg, graphdef, platform: str | None = None):
     """The train step `(state, batch) -> (state, metrics)` (module docstring), traced for `platform`'s
     compiler (the mesh's devices; default `jax.default_backend()`), which picks how the non-finite
     guard keeps the state (core/train/step_guard.py `apply_if_ok`)."""
+    cfg = resolve(cfg, platform or jax.default_backend())  # a no-op when the entry point resolved it
     trainable = config_matcher(cfg)
     lm_loss = stage_of(cfg).lm_loss  # False in the warm-up: the model returns no hidden states for the head
     grad_filter = nnx.All(nnx.Param, lambda path, _: trainable(path))

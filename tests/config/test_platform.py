@@ -12,16 +12,26 @@ from core.model import moe
 @pytest.mark.parametrize("platform, expected", [("cpu", "cpu"), ("tpu", "tpu"), ("cuda", "gpu"), ("gpu", "gpu")])
 def test_auto_keys_take_the_platforms_choice(platform, expected):
     cfg = load_config("deepseek4-tiny")
-    assert all(getattr(cfg, key) == "auto" for key in PLATFORM_CHOICES)
+    assert all(getattr(cfg, key) == auto for key, (auto, _) in PLATFORM_CHOICES.items())
     resolved = resolve(cfg, platform)
-    for key, choices in PLATFORM_CHOICES.items():
-        assert getattr(resolved, key) == choices[expected], key
+    for key, (_, choice) in PLATFORM_CHOICES.items():
+        want = choice(cfg, expected) if callable(choice) else choice[expected]
+        assert getattr(resolved, key) == want != getattr(cfg, key), key
     assert resolve(resolved, platform) is resolved  # nothing left to resolve
 
 
+@pytest.mark.parametrize("length, topk, platform, expected", [
+    (4096, 512, "tpu", "mask"), (8192, 512, "tpu", "gather"), (4096, 512, "cpu", "gather"), (4096, 256, "gpu", "gather")])
+def test_topk_attention_is_a_mask_on_accelerators_while_the_blocks_are_at_most_twice_k(length, topk, platform, expected):
+    cfg = load_config("deepseek4-tiny", [f"max_target_length={length}", f"indexer_topk={topk}"])
+    assert resolve(cfg, platform).csa_topk_attention == expected
+
+
 def test_an_explicit_value_wins_on_every_platform():
-    cfg = load_config("deepseek4-tiny", ["moe_impl=dense"])
-    assert {resolve(cfg, p).moe_impl for p in ("cpu", "gpu", "tpu")} == {"dense"}
+    cfg = load_config("deepseek4-tiny", ["moe_impl=dense", "attention_query_chunk_size=64", "lm_loss_chunk_size=0"])
+    for platform in ("cpu", "gpu", "tpu"):
+        resolved = resolve(cfg, platform)
+        assert (resolved.moe_impl, resolved.attention_query_chunk_size, resolved.lm_loss_chunk_size) == ("dense", 64, 0)
 
 
 def test_unknown_platform_and_unresolved_auto_are_refused():

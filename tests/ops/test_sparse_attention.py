@@ -13,7 +13,8 @@ from flax import nnx
 from core.model.attention import Attention
 from core.ops.chunked_attention import Keys, RowQueries, chunked_attention, softmax_attention
 from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
-from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked, selection_mask
+from core.ops.topk import (IndexerInputs, SelectionMask, indexer_scores, select_topk, select_topk_chunked,
+                           selection_mask, topk_mask)
 from tests.attention_memory import layer_train_temp_bytes
 from tests.model.test_attention import make_layer, packed, spec
 
@@ -43,8 +44,9 @@ def _selection(pos, seg, ratio, k, seed):
     return vis, select_topk(scores, vis, k)
 
 
-def _both(case, dtype, seed=0):
-    """(chunked, dense) loss functions of (q, kv, ckv, sink) and the inputs."""
+def _both(case, dtype, seed=0, as_mask=False):
+    """(chunked, dense) loss functions of (q, kv, ckv, sink) and the inputs; `as_mask` hands the chunked
+    path the top-k as a SelectionMask (every block, masked) instead of indices (gathered blocks)."""
     _, rows, t, window, chunk, ratio, k = case
     pos, seg, q, kv, ckv, sink, cot = _inputs(rows, t, ratio, dtype, seed)
     win = sliding_window_mask(pos, seg, window)
@@ -54,6 +56,7 @@ def _both(case, dtype, seed=0):
         if k:
             _, sel = _selection(pos, seg, ratio, k, seed)
             allowed = allowed & selection_mask(*sel, allowed.shape[-1])
+            sel = SelectionMask(allowed) if as_mask else sel
 
     def chunked(q, kv, ckv, sink):
         o = chunked_attention(RowQueries.given(q), Keys(kv, sink, window, ckv, ratio), Packing(pos, seg), sel,
@@ -67,8 +70,8 @@ def _both(case, dtype, seed=0):
     return chunked, dense, (q, kv, ckv, sink)
 
 
-def _compare(case, dtype, tol):
-    chunked, dense, args = _both(case, dtype)
+def _compare(case, dtype, tol, as_mask=False):
+    chunked, dense, args = _both(case, dtype, as_mask=as_mask)
     grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(*args)
     (_, o_c), g_c = grad(chunked)
     (_, o_d), g_d = grad(dense)
@@ -92,6 +95,25 @@ def test_chunked_attention_equals_dense_float64(x64, case):
     _compare(case, jnp.float64, 1e-12)
 
 
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=[CASES[1][0], CASES[3][0]])
+def test_chunked_attention_over_a_topk_mask_equals_dense(case):
+    """The top-k as a mask over every block (no gather) gives the gathered path's value and gradient."""
+    _compare(case, jnp.float32, 1e-5, as_mask=True)
+
+
+def test_topk_mask_is_the_scattered_selection_with_ties_and_short_rows():
+    """`topk_mask` equals selection_mask(select_topk(...)) exactly: integer scores tie often; rows with
+    fewer visible blocks than k take them all; rows with none take nothing."""
+    rng = np.random.default_rng(3)
+    for t, k in ((22, 3), (40, 1), (40, 8)):
+        pos, seg = (jnp.asarray(a) for a in packed([[t - 9, 6], [t]], t))
+        vis = compressed_visibility(pos, seg, 4)
+        scores = jnp.asarray(rng.integers(-2, 3, vis.shape), jnp.float32)
+        want = selection_mask(*select_topk(scores, vis, k), vis.shape[-1])
+        np.testing.assert_array_equal(jax.jit(topk_mask, static_argnums=2)(scores, vis, k), want)
+        assert np.any(np.asarray(jnp.sum(vis, -1)) < k) and np.any(np.asarray(jnp.sum(vis, -1)) > k)
+
+
 @pytest.mark.parametrize("t,chunk", [(22, 4), (24, 24), (9, 5)])
 def test_select_topk_chunked_equals_dense(t, chunk):
     """Same indices and validity as select_topk of the dense scores, ties to the lower index.
@@ -112,6 +134,12 @@ def test_select_topk_chunked_equals_dense(t, chunk):
     np.testing.assert_array_equal(got_valid, want_valid)
     np.testing.assert_array_equal(jnp.where(got_valid, got_idx, -1), jnp.where(want_valid, want_idx, -1))
     np.testing.assert_array_equal(got_idx, want_idx)  # invalid slots agree too (same top_k order)
+    as_mask = lambda q, k, wt, pos, seg: select_topk_chunked(  # noqa: E731
+        IndexerInputs(RowQueries.given(q), k, wt), Packing(pos, seg), ratio=4, k=3, chunk=chunk, head_chunk=1,
+        as_mask=True)
+    got_mask = jax.jit(as_mask)(q, k, wt, pos, seg)
+    assert isinstance(got_mask, SelectionMask)
+    np.testing.assert_array_equal(got_mask.mask_btw, selection_mask(want_idx, want_valid, w))
 
 
 def _layer_pair(ratio, seed, **kw):
@@ -126,6 +154,7 @@ def _layer_pair(ratio, seed, **kw):
 LAYER_CASES = [  # (ratio, dense, indexer_loss, extra spec fields); SWA and HCA: CASES
     (4, False, True, dict(loss_scale=0.1)),  # csa_query_chunk_size=0: streams in blocks of 4 (24 % 5)
     (4, True, True, dict(loss_scale=0.1, query_chunk=8, teacher="joint")),
+    (4, False, True, dict(loss_scale=0.1, topk_attention="mask")),  # the top-k as a mask over every block
 ]
 
 
