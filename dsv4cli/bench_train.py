@@ -47,18 +47,26 @@ def render_sweep(console, r: dict[str, Any]) -> None:
 
     console.print(f"[bold]{r['model']} training step[/bold]  ·  one subprocess per shape  ·  median of {r['steps']} "
                   "steps after the first  ·  XLA temp: compiled memory analysis  ·  peak RSS: that process's max RSS")
+    metric = {key: fmt for key, _, fmt in display.METRIC_COLUMNS}
+    titles = ("stage", "B x T", "tokens/s", "step", "TFLOP/s/dev", "MFU", "compile", "first step", "XLA temp",
+              "peak RSS", "lm_loss")
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for title in ("stage", "B x T", "tokens/s", "step", "compile", "first step", "XLA temp", "peak RSS", "lm_loss"):
+    for title in titles:
         table.add_column(title, justify="left" if title == "stage" else "right")
     for row in r["rows"]:
         shape = f"{row['batch']} x {row['seq']}"
         if "error" in row:
-            table.add_row(row["stage"], shape, row["error"], *[""] * 6)
+            table.add_row(row["stage"], shape, row["error"], *[""] * (len(titles) - 3))
             continue
         table.add_row(row["stage"], shape, f"{row['tokens_per_s']:.1f}", f"{row['step_time_s']:.3f}s",
+                      metric["tflops_per_device"].format(row["tflops_per_device"]), metric["mfu"].format(row["mfu"]),
                       f"{row['compile_s']:.1f}s", f"{row['first_step_s']:.2f}s", display.fmt_bytes(row["temp_bytes"]),
                       f"{row['peak_rss_bytes'] / display.GIB:.2f} GiB", display.fmt_value(row["last"].get("lm_loss"), ".3f"))
     console.print(table)
+    peaks = {(row["peak_source"], row["peak_flops"]) for row in r["rows"] if "peak_source" in row}
+    if peaks:
+        console.print("TFLOP/s/dev: the step's model FLOPs (docs/benchmarks.md#how-mfu-is-counted) per second and device; "
+                      "MFU: that over the peak, " + "; ".join(f"{peak / 1e12:.3g} TFLOP/s ({source})" for source, peak in sorted(peaks)))
 
 
 def render_profile(console, r: dict[str, Any]) -> None:
@@ -69,14 +77,15 @@ def render_profile(console, r: dict[str, Any]) -> None:
     console.print(f"[bold]{r['model']} {r['stage']} step, {r['batch']} x {r['seq']}: FLOPs per component[/bold]  "
                   f"(counted from the step's jaxpr, backward and remat included)")
     table = Table(box=None, pad_edge=False, header_style="bold")
-    titles = ("component", "matmul GFLOP", "other GFLOP", "share", "MFLOP/token", "at ceiling")
+    titles = ("component", "matmul GFLOP", "other GFLOP", "share", "MFLOP/token", "at ceiling", "model GFLOP")
     for title in titles + (("time", "time share", "GFLOP/s") if timed else ()):
         table.add_column(title, justify="left" if title == "component" else "right")
     for name, c in r["components"].items():
         flops = c["matmul_flops"] + c["other_flops"]
         cells = [name, f"{c['matmul_flops'] / 1e9:.3f}", f"{c['other_flops'] / 1e9:.3f}",
                  f"{100 * flops / total:.1f}%", f"{flops / r['tokens_per_step'] / 1e6:.1f}",
-                 display.fmt_value(None if not ceiling else c["matmul_flops"] / ceiling / 1e9, ".3f") + ("s" if ceiling else "")]
+                 display.fmt_value(None if not ceiling else c["matmul_flops"] / ceiling / 1e9, ".3f") + ("s" if ceiling else ""),
+                 display.fmt_value(None if name not in r["model_flops"] else r["model_flops"][name] / 1e9, ".3f")]
         if timed:
             seconds = timed["components"][name]
             cells += [f"{seconds:.3f}s", f"{100 * seconds / max(timed['op_s'], 1e-12):.1f}%",
@@ -89,6 +98,9 @@ def render_profile(console, r: dict[str, Any]) -> None:
                       f"traced wall time ({timed['unmatched_s']:.3f}s of ops without a source frame, in other)")
     console.print(f"total {total / 1e9:.2f} GFLOP ({total / r['tokens_per_step'] / 1e6:.1f} MFLOP/token); XLA cost "
                   f"analysis of the compiled step: {r['xla_flops'] / 1e9:.2f} GFLOP; XLA temp {display.fmt_bytes(r['temp_bytes'])}")
+    model = r["model_flops"]
+    console.print(f"model FLOPs (analytic, docs/benchmarks.md#how-mfu-is-counted: matmuls of the model, attended area, "
+                  f"no remat): {model['total'] / 1e9:.2f} GFLOP ({model['total'] / model['tokens'] / 1e6:.1f} MFLOP/token)")
     if "error" in measured:
         console.print(f"measured step: {measured['error']}")
     elif measured:
@@ -96,3 +108,6 @@ def render_profile(console, r: dict[str, Any]) -> None:
         console.print(f"measured step {measured['step_time_s']:.3f}s ({measured['tokens_per_s']:.1f} tokens/s, "
                       f"{total / measured['step_time_s'] / 1e9:.1f} GFLOP/s); f32 matmul ceiling {ceiling:.1f} GFLOP/s: "
                       f"the matmuls alone would take {matmul / ceiling / 1e9:.3f}s")
+        mfu = r["mfu"]
+        console.print(f"MFU: model {mfu['model']:.1%}, compiled {mfu['compiled']:.1%} (the matmul GFLOP above: remat and "
+                      f"recomputation included) of {mfu['peak_flops'] / 1e12:.3g} TFLOP/s per device ({mfu['peak_source']})")

@@ -29,6 +29,12 @@ COLUMNS = (  # (key, title, format)
     ("step_time_s", "step time", "{:.2f}s"),
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
 )
+# shown after COLUMNS when a row has the key: model TFLOP/s per device and MFU (core/model/flops.py over
+# core/parallel/chips.py's peak)
+METRIC_COLUMNS = (
+    ("tflops_per_device", "TFLOP/s/dev", "{:.3g}"),
+    ("mfu", "MFU", "{:.1%}"),
+)
 RECENT_ROWS = 15
 
 
@@ -120,10 +126,16 @@ class ProgressBar:
         self.advance(completed - self.done, **kwargs)
 
 
-def _cells(row: Mapping[str, Any]) -> list[str]:
-    cells = [fmt.format(row[key]) for key, _, fmt in COLUMNS]
+def columns(rows) -> tuple[tuple[str, str, str], ...]:
+    """COLUMNS, then the METRIC_COLUMNS that one of `rows` has."""
+    return COLUMNS + tuple(c for c in METRIC_COLUMNS if any(c[0] in row for row in rows))
+
+
+def _cells(row: Mapping[str, Any], shown) -> list[str]:
+    """One row's cells under the `shown` columns ("-" where the row lacks a metric column's key)."""
+    cells = [fmt.format(row[key]) if key in row else "-" for key, _, fmt in shown]
     if row.get("compile"):
-        cells[5] += " (compile)"
+        cells[[key for key, _, _ in shown].index("step_time_s")] += " (compile)"
     return cells
 
 
@@ -167,13 +179,14 @@ class TrainDisplay:
 
     def _table(self) -> Table:
         table = Table(box=None, pad_edge=False, header_style="bold")
-        for _, title, _ in COLUMNS:
-            table.add_column(title, justify="right")
         rows = ([self.first] if self.first and self.first not in self.recent else []) + self.recent
+        shown = columns(rows)
+        for _, title, _ in shown:
+            table.add_column(title, justify="right")
         for i, row in enumerate(rows):
             if i == 1 and rows[0] is self.first and row["step"] > self.first["step"] + 1:
-                table.add_row(*["⋮"] + [""] * (len(COLUMNS) - 1))
-            table.add_row(*_cells(row))
+                table.add_row(*["⋮"] + [""] * (len(shown) - 1))
+            table.add_row(*_cells(row, shown))
         return table
 
     @contextlib.contextmanager
@@ -196,7 +209,8 @@ class TrainDisplay:
         if self.bar is not None:
             self.bar.advance(rate=row.get("tokens_per_s"), print_plain=False)
         if not self.live_mode:
-            line = "  ".join(f"{title} {cell}" for (_, title, _), cell in zip(COLUMNS, _cells(row)))
+            shown = columns([row])
+            line = "  ".join(f"{title} {cell}" for (_, title, _), cell in zip(shown, _cells(row, shown)))
             self.console.print(line + (f"  {self.bar.plain_text()}" if self.bar is not None else ""))
             return
         self.recent = (self.recent + [row])[-RECENT_ROWS:]

@@ -34,7 +34,8 @@ FIGURE = re.compile(
 # A link to the docs (or the web) may name anything: its anchor is where the figure lives.
 _LINK = re.compile(r"(?:\.\./)*docs/[\w./-]+\.md(?:#[\w-]+)?|https?://\S+")
 # Figures that are a library's documented constant, not a measurement of ours.
-UPSTREAM = {("core/checkpoint/host_tree.py", "2 GiB")}  # Orbax's default ocdbt_target_data_file_size
+UPSTREAM = {("core/checkpoint/host_tree.py", "2 GiB"),  # Orbax's default ocdbt_target_data_file_size
+            ("core/parallel/chips.py", "80GB")}  # the H100 SXM's device_kind, as CUDA names it
 
 
 def _figures(text: str) -> list[str]:

@@ -11,6 +11,7 @@ three tables (tests/bench/test_bench.py checks it), so a new module cannot land 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Sequence
 
@@ -32,7 +33,7 @@ OWNERS = {
 HELPERS = {"model/layers", "model/init_draws", "model/quant", "ops/quant", "ops/rope", "ops/masks", "parallel/sharding", "parallel/mesh", "ops/order", "tree"}
 # wiring and drivers: no arithmetic of their own beyond what they call (their frames pass up too)
 GLUE = {
-    "errors", "process", "model/transformer", "model/params", "parallel/peers", "parallel/collective_order",
+    "errors", "process", "model/transformer", "model/params", "model/flops", "parallel/chips", "parallel/peers", "parallel/collective_order",
     "config/schema", "config/platform", "config/files", "config/values", "config/validate", "config/stages", "config/key_table",
     "data/batches", "data/sources", "data/identity", "data/prefetch",
     "checkpoint/store", "checkpoint/run_files", "checkpoint/host_tree", "checkpoint/inspect",
@@ -47,8 +48,10 @@ GLUE = {
 CORE = Path(__file__).resolve().parents[1]
 
 
+@functools.lru_cache(maxsize=4096)
 def core_module(file_name: str) -> str | None:
-    """'model/attention' for .../core/model/attention.py; None outside core/."""
+    """'model/attention' for .../core/model/attention.py; None outside core/ (cached: a jaxpr names the
+    same few files on thousands of frames)."""
     path = Path(file_name)
     try:
         rel = path.resolve().relative_to(CORE) if path.is_absolute() else None

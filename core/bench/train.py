@@ -8,8 +8,10 @@ core/train/program.py) on the real build or on program.py's `abstract_inputs`.
   analysis (temp bytes) and cost analysis.
 - `run_train_sweep(stages, seqs, batches)`: for each (stage, T, B) one fresh subprocess builds
   the model, compiles the step, runs it and reports tokens/s, step time, compile time, the
-  compiled temp memory and the process's peak RSS (`resource.getrusage` max RSS of that
-  subprocess, so each shape's peak is its own, not the running maximum of one process).
+  compiled temp memory, the process's peak RSS (`resource.getrusage` max RSS of that
+  subprocess, so each shape's peak is its own, not the running maximum of one process), and the
+  model TFLOP/s per device and MFU (core/model/flops.py's model FLOPs over the device's peak,
+  core/parallel/chips.py).
 - `component_flops(cfg)`: FLOPs of one step attributed to attention, compressor, indexer, MoE,
   mHC, head, optimizer and the rest, counted from the jaxpr of `step_fn` on the abstract inputs
   (traced outside the mesh's abstract mesh: the model's maths on the global batch, without expert
@@ -19,7 +21,9 @@ core/train/program.py) on the real build or on program.py's `abstract_inputs`.
   other arithmetic. An equation belongs to the innermost project module on its traceback
   (transposed and recomputed equations keep their forward equation's traceback), helpers
   (core/bench/components.py) to whoever called them. XLA's own total (`cost_analysis`) is
-  reported beside it as a cross-check.
+  reported beside it as a cross-check. `profile_step` puts the analytic model FLOPs per component
+  beside it and, timed, both MFUs: the model's and the compiled one (these matmul FLOPs: remat's
+  recomputation and the implementation's own counted).
 Nothing here prints: results are plain dicts.
 """
 
@@ -77,13 +81,24 @@ def _component(traceback) -> str:
 
 
 def _eqn_flops(eqn) -> tuple[float, float]:
-    """(matmul FLOPs, other FLOPs) of one equation without sub-jaxprs."""
+    """(matmul FLOPs, other FLOPs) of one equation without sub-jaxprs (a Pallas call: its kernel's
+    own cost estimate, the megablox grouped matmuls', as matmul FLOPs)."""
     outs = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape")]
     if eqn.primitive.name == "dot_general":
         (contract, _), _ = eqn.params["dimension_numbers"]
         lhs = eqn.invars[0].aval.shape
         k = math.prod(lhs[d] for d in contract)
         return 2.0 * math.prod(outs[0].shape) * k, 0.0
+    if eqn.primitive.name == "ragged_dot_general":  # each lhs row meets one group: 2 x lhs x rhs's free dims
+        numbers = eqn.params["ragged_dot_dimension_numbers"]
+        (_, contract), (_, batch) = numbers.dot_dimension_numbers
+        rhs = eqn.invars[1].aval.shape
+        bound = set(contract) | set(batch) | set(numbers.rhs_group_dimensions)
+        free = math.prod(n for i, n in enumerate(rhs) if i not in bound)
+        return 2.0 * math.prod(eqn.invars[0].aval.shape) * free, 0.0
+    if eqn.primitive.name == "pallas_call":
+        estimate = eqn.params.get("cost_estimate")
+        return (float(estimate.flops), 0.0) if estimate is not None else (0.0, 0.0)
     if eqn.primitive.name in ("reshape", "broadcast_in_dim", "squeeze", "transpose", "convert_element_type",
                               "slice", "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "gather",
                               "scatter", "select_n", "iota", "copy", "copy_p", "device_put", "stop_gradient"):
@@ -111,7 +126,7 @@ def _walk(jaxpr, mult: float, totals: dict[str, list[float]]) -> None:
                 totals[c][0] += mm
                 totals[c][1] += other
             continue
-        if subs:
+        if subs and eqn.primitive.name != "pallas_call":  # a kernel counts by its estimate, not its body
             inner = mult * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
             for sub in subs:
                 _walk(sub, inner, totals)
@@ -120,6 +135,13 @@ def _walk(jaxpr, mult: float, totals: dict[str, list[float]]) -> None:
         c = _component(eqn.source_info.traceback)
         totals[c][0] += mm * mult
         totals[c][1] += other * mult
+
+
+def jaxpr_flops(closed) -> dict[str, dict[str, float]]:
+    """FLOPs of a closed jaxpr per component (module docstring): {name: {"matmul_flops", "other_flops"}}."""
+    totals = {c: [0.0, 0.0] for c in COMPONENTS}
+    _walk(closed.jaxpr, 1.0, totals)
+    return {c: {"matmul_flops": mm, "other_flops": other} for c, (mm, other) in totals.items()}
 
 
 def component_flops(cfg, mesh=None, *, compile: bool = True) -> dict[str, Any]:
@@ -138,14 +160,11 @@ def component_flops(cfg, mesh=None, *, compile: bool = True) -> dict[str, Any]:
     from core.train.step import abstract_model_and_optimizer, step_fn
 
     graphdef, state, batch, mesh = program.abstract_inputs(cfg, abstract_model_and_optimizer(cfg), mesh)
-    closed = jax.make_jaxpr(step_fn(cfg, graphdef, mesh_platform(mesh)))(state, batch)
-    totals = {c: [0.0, 0.0] for c in COMPONENTS}
-    _walk(closed.jaxpr, 1.0, totals)
+    components = jaxpr_flops(jax.make_jaxpr(step_fn(cfg, graphdef, mesh_platform(mesh)))(state, batch))
     compiled = compile_train_step(cfg, mesh) if compile else {"xla_flops": None, "temp_bytes": None}
     tokens = batch["tokens"].shape[0] * batch["tokens"].shape[1]
-    return {"components": {c: {"matmul_flops": mm, "other_flops": other} for c, (mm, other) in totals.items()},
-            "total_flops": sum(mm + other for mm, other in totals.values()), "xla_flops": compiled["xla_flops"],
-            "temp_bytes": compiled["temp_bytes"], "tokens_per_step": tokens}
+    return {"components": components, "total_flops": sum(sum(c.values()) for c in components.values()),
+            "xla_flops": compiled["xla_flops"], "temp_bytes": compiled["temp_bytes"], "tokens_per_step": tokens}
 
 
 # ----------------------------------------------------------------------------- speed over shapes
@@ -157,7 +176,8 @@ def compiled_shape(cfg, batches: int) -> dict[str, Any]:
 
     Returns:
       {"step" (jax.stages.Compiled, `make_train_step`'s), "state", "batches", "tokens_per_step",
-       "compile_s" (lower + compile), "temp_bytes" (XLA's memory analysis)}.
+       "batch_rows" (the global batch), "devices" (the mesh's), "compile_s" (lower + compile),
+       "temp_bytes" (XLA's memory analysis)}.
     """
     from flax import nnx
 
@@ -172,7 +192,8 @@ def compiled_shape(cfg, batches: int) -> dict[str, Any]:
     start = time.perf_counter()
     step = make_train_step(cfg, graphdef, state, setup.mesh).lower(state, drawn[0]).compile()
     return {"step": step, "state": state, "batches": drawn, "tokens_per_step": setup.batch_size * cfg.max_target_length,
-            "compile_s": time.perf_counter() - start, "temp_bytes": int(step.memory_analysis().temp_size_in_bytes)}
+            "batch_rows": setup.batch_size, "devices": setup.mesh.size, "compile_s": time.perf_counter() - start,
+            "temp_bytes": int(step.memory_analysis().temp_size_in_bytes)}
 
 
 def measure_shape(cfg, steps: int, trace_steps: int = 0) -> dict[str, Any]:
@@ -183,7 +204,9 @@ def measure_shape(cfg, steps: int, trace_steps: int = 0) -> dict[str, Any]:
     Returns:
       {"compile_s" (lower + compile), "first_step_s", "step_time_s" (median of the timed steps),
        "tokens_per_step", "tokens_per_s", "temp_bytes", "peak_rss_bytes" (this process's max RSS),
-       "last": the last step's metrics, and with trace_steps "time": core.bench.trace.trace_step's dict}.
+       "devices", "model_flops" (one step's, core/model/flops.py), "peak_flops" and "peak_source" (a
+       device's, core/parallel/chips.py), "tflops_per_device", "mfu", "last": the last step's
+       metrics, and with trace_steps "time": core.bench.trace.trace_step's dict}.
     """
     import jax
     import numpy as np
@@ -206,7 +229,21 @@ def measure_shape(cfg, steps: int, trace_steps: int = 0) -> dict[str, Any]:
         state, extra["time"] = trace_step(step_fn, state, traced)
     return {**extra, "compile_s": shape["compile_s"], "first_step_s": times[0], "step_time_s": step_time,
             "tokens_per_step": tokens, "tokens_per_s": tokens / step_time, "temp_bytes": shape["temp_bytes"],
-            "peak_rss_bytes": peak_rss_bytes(), "last": {k: float(v) for k, v in metrics.items()}}
+            "peak_rss_bytes": peak_rss_bytes(), **_utilization(cfg, shape, step_time),
+            "last": {k: float(v) for k, v in metrics.items()}}
+
+
+def _utilization(cfg, shape, step_time: float) -> dict[str, Any]:
+    """The step's model FLOPs, a device's peak (measured after the timed steps on a CPU) and both ratios."""
+    import jax
+
+    from core.model.flops import model_flops_per_step
+    from core.parallel.chips import peak_flops, utilization
+
+    flops = model_flops_per_step(cfg, shape["batch_rows"])["total"]
+    peak, source = peak_flops(jax.local_devices()[0], cfg.dtype)
+    return {"devices": shape["devices"], "model_flops": flops, "peak_flops": peak, "peak_source": source,
+            **utilization(flops, step_time, shape["devices"], peak)}
 
 
 def peak_rss_bytes() -> int:
@@ -265,35 +302,35 @@ def _run_point(stage, seq, batch, steps, overrides, model, timeout_s, trace_step
     return {"error": f"exit code {proc.returncode}: {tail}"[:300]}
 
 
-def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
-    """Median GFLOP/s of a float32 [size, size] matmul on the default device (the ceiling)."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-    matmul = jax.jit(lambda x: x @ x)
-    jax.block_until_ready(matmul(a))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(matmul(a))
-        times.append(time.perf_counter() - start)
-    return 2.0 * size**3 / sorted(times)[len(times) // 2] / 1e9
-
-
 def profile_step(stage: str = "sparse", seq: int = 256, batch: int = 1, *, steps: int = 3, timed: bool = True,
                  overrides: Sequence[str] = (), model: str = "deepseek4-tiny") -> dict[str, Any]:
-    """`component_flops` of one sweep point and, with `timed`, its measured step and the matmul ceiling.
+    """`component_flops` of one sweep point beside its model FLOPs and, with `timed`, its measured step,
+    the matmul ceiling and both MFUs.
 
     Returns:
-      component_flops's dict plus {"model", "stage", "seq", "batch"} and, when timed, "measured"
-      (measure_shape's dict from a subprocess, or {"error"}) and "matmul_gflops".
+      component_flops's dict plus {"model", "stage", "seq", "batch", "model_flops" (core.model.flops.
+      model_flops_per_step's dict for the step's batch)} and, when timed, "measured" (measure_shape's
+      dict from a subprocess, or {"error"}), "matmul_gflops" (float32, this process) and, when the step
+      ran, "mfu": {"model", "compiled" (the jaxpr's matmul FLOPs over the same peak), "peak_flops",
+      "peak_source"}.
     """
-    out = component_flops(sweep_config(stage, seq, batch, overrides, model))
-    out.update(model=model, stage=stage, seq=seq, batch=batch)
+    from core.model.flops import model_flops_per_step
+    from core.parallel.chips import matmul_ceiling, utilization
+
+    cfg = sweep_config(stage, seq, batch, overrides, model)
+    out = component_flops(cfg)
+    out.update(model=model, stage=stage, seq=seq, batch=batch,
+               model_flops=model_flops_per_step(cfg, out["tokens_per_step"] // seq))
     if timed:
-        out["measured"] = _run_point(stage, seq, batch, steps, overrides, model, None, trace_steps=steps)
-        out["matmul_gflops"] = matmul_gflops()
+        measured = out["measured"] = _run_point(stage, seq, batch, steps, overrides, model, None, trace_steps=steps)
+        out["matmul_gflops"] = matmul_ceiling() / 1e9
+        if "error" not in measured:
+            def mfu(flops: float) -> float:
+                return utilization(flops, measured["step_time_s"], measured["devices"], measured["peak_flops"])["mfu"]
+
+            compiled = sum(c["matmul_flops"] for c in out["components"].values())
+            out["mfu"] = {"model": mfu(out["model_flops"]["total"]), "compiled": mfu(compiled),
+                          "peak_flops": measured["peak_flops"], "peak_source": measured["peak_source"]}
     return out
 
 

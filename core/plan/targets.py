@@ -17,8 +17,8 @@ there (JAX_PLATFORMS=cpu: compile-only TPU and GPU devices need no attached acce
 installed extra neither probes for hardware nor prints in any other command. `compile_devices`
 runs in that process and returns the target's compile-only devices.
 
-Peak FLOP/s and HBM bandwidth are the vendors' published dense bf16 figures per chip; they feed
-the roofline estimate only.
+Peak FLOP/s (core/parallel/chips.py, which MFU reads too) and HBM bandwidth are the vendors' published
+figures per chip, dense bf16; they feed the roofline estimate only.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import re
 from pathlib import Path
 
 from core.errors import ConfigError, DsvError
+from core.parallel.chips import PEAK_BF16_FLOPS
 
 GIB = 1 << 30
 SPECS = Path(__file__).resolve().parent / "specs"
@@ -53,10 +54,10 @@ class Chip:
 # TPU generation -> (topology prefix, cores per chip (megacore), chip); HBM as the compiler reports it,
 # v5e's as a chip's allocator limits it (its memory_stats' bytes_limit: docs/planning.md#on-a-chip).
 TPU_CHIPS = {
-    "v4": ("v4", 2, Chip(32 * GIB, 275e12, 1.2e12, 2.7e11)),
-    "v5e": ("v5e", 1, Chip(16_909_336_064, 197e12, 8.19e11, 2.0e11)),
-    "v5p": ("v5", 2, Chip(int(95.74 * GIB), 459e12, 2.765e12, 6.0e11)),
-    "v6e": ("v6e", 1, Chip(32 * GIB, 918e12, 1.64e12, 4.5e11)),
+    "v4": ("v4", 2, Chip(32 * GIB, PEAK_BF16_FLOPS["v4"], 1.2e12, 2.7e11)),
+    "v5e": ("v5e", 1, Chip(16_909_336_064, PEAK_BF16_FLOPS["v5e"], 8.19e11, 2.0e11)),
+    "v5p": ("v5", 2, Chip(int(95.74 * GIB), PEAK_BF16_FLOPS["v5p"], 2.765e12, 6.0e11)),
+    "v6e": ("v6e", 1, Chip(32 * GIB, PEAK_BF16_FLOPS["v6e"], 1.64e12, 4.5e11)),
 }
 # chips -> topology of the slice (MaxText's accelerator_to_spec_map); 3-D for v4/v5p, 2-D for v5e/v6e
 TPU_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 192: "4x4x12",
@@ -64,7 +65,8 @@ TPU_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4
           4096: "16x16x16"}
 TPU_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 # GPU name -> (spec file in specs/, dense bf16 FLOP/s, NVLink bytes/s one direction)
-GPUS = {"h100": ("h100_sxm", 989e12, 4.5e11), "h200": ("h200", 989e12, 4.5e11), "b200": ("b200", 2250e12, 9.0e11)}
+GPUS = {"h100": ("h100_sxm", PEAK_BF16_FLOPS["h100"], 4.5e11), "h200": ("h200", PEAK_BF16_FLOPS["h200"], 4.5e11),
+        "b200": ("b200", PEAK_BF16_FLOPS["b200"], 9.0e11)}
 JAX_PREALLOCATE_FRACTION = 0.75  # XLA_PYTHON_CLIENT_MEM_FRACTION's default: what a JAX process may use
 
 

@@ -69,9 +69,21 @@ def test_cli_train_sweep_json():
     out = json.loads(result.stdout)
     (row,) = out["rows"]
     assert (row["stage"], row["seq"], row["batch"]) == ("sparse", 32, 2), row
-    for key in ("compile_s", "first_step_s", "step_time_s", "tokens_per_s", "temp_bytes", "peak_rss_bytes"):
+    for key in ("compile_s", "first_step_s", "step_time_s", "tokens_per_s", "temp_bytes", "peak_rss_bytes",
+                "model_flops", "tflops_per_device", "mfu", "peak_flops"):
         assert row[key] > 0, (key, row)
     assert row["tokens_per_step"] == 2 * 32 and row["last"]["lm_loss"] > 0
+    assert row["peak_source"] == "CPU: measured f32 matmul ceiling" and row["devices"] == 1, row
+    assert row["mfu"] == pytest.approx(row["model_flops"] / row["step_time_s"] / row["peak_flops"], rel=1e-12)
+    assert row["tflops_per_device"] == pytest.approx(row["model_flops"] / row["step_time_s"] / 1e12, rel=1e-12)
+    from rich.console import Console
+
+    from dsv4cli.bench_train import render_sweep
+
+    console = Console(record=True, width=250)
+    render_sweep(console, out)
+    text = console.export_text()
+    assert "TFLOP/s/dev" in text and f"{row['mfu']:.1%}" in text and "CPU: measured f32 matmul ceiling" in text, text
 
 
 @pytest.fixture(scope="module")
@@ -150,9 +162,13 @@ def test_profile_times_every_component_from_a_trace(timed_profile):
     assert timed["components"]["indexer"] == timed["components"]["compressor"] == 0  # no CSA/HCA layer
     assert 0 <= timed["unmatched_s"] <= timed["components"]["other"] and timed["traced_step_s"] > 0
     assert all(row[1] in COMPONENTS and row[2] > 0 for row in timed["top_ops"]), timed["top_ops"]
+    model, mfu = out["model_flops"], out["mfu"]
+    assert model["tokens"] == 64 and 0 < model["total"] < out["total_flops"], model  # no remat, no implementation recompute
+    assert 0 < mfu["model"] < mfu["compiled"] and mfu["peak_source"] == "CPU: measured f32 matmul ceiling", mfu
     console = Console(record=True, width=250)
     render_profile(console, out)
-    assert "time share" in console.export_text()
+    text = console.export_text()
+    assert "time share" in text and "model GFLOP" in text and "MFU: model" in text, text
 
 
 def test_hlo_stack_frames_name_the_component():
@@ -186,3 +202,23 @@ def test_every_core_module_has_a_component_or_is_named_glue():
     assert components.component_of_files([str(components.CORE / "loss" / "indexer_kl_rows.py")]) == "indexer"
     assert components.component_of_files([str(components.CORE / "ops" / "rope.py"),
                                            str(components.CORE / "model" / "attention.py")]) == "attention"
+
+
+@pytest.mark.parametrize("impl", ["ragged", "gmm"])
+def test_grouped_matmuls_count_each_row_once(impl):
+    """The MoE's grouped matmuls in the jaxpr count: lax.ragged_dot's forward, input and weight gradients, and
+    the megablox kernels by their own cost estimates (interpret mode here): 3 x 2·S·K·N, as the model's.
+    (The megablox forward's equation carries no core frame, only its jit's: it lands in "other".)"""
+    import jax
+    import jax.numpy as jnp
+
+    from core.bench.train import jaxpr_flops
+    from core.model import moe
+
+    s, e, k, n = 64, 4, 128, 256
+    matmul = moe.ragged_dot(jnp.float32) if impl == "ragged" else moe.megablox_gmm(jnp.float32, moe.auto_gmm_tiling(k, n), "cpu")
+    sizes = jnp.full((e,), s // e, jnp.int32)
+    loss = lambda lhs, rhs: jnp.sum(matmul(lhs, rhs, sizes))  # noqa: E731
+    closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(jnp.ones((s, k)), jnp.ones((e, k, n)))
+    counted = sum(c["matmul_flops"] for c in jaxpr_flops(closed).values())
+    assert counted == 3 * 2 * s * k * n, counted

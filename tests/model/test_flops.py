@@ -1,0 +1,115 @@
+"""core/model/flops.py: the analytic model FLOPs against an independent count of the same step.
+
+Two checks that together pin every term. (1) The attended area: `causal_area`'s closed forms equal
+the sums of the very masks the model uses (core/ops/masks.py) over a document's positions. (2) The
+matmuls: `step_matmuls`, given the dense reference's full [T, T] / [T, W] area, equals per
+component the dot_generals of the training step's own jaxpr (core/bench/train.py's `jaxpr_flops`,
+forward and backward, remat off, attention=masked, the direct indexer and LM losses,
+moe_impl=ragged) up to two named differences of the implementation: the masked path builds the
+teacher's queries a second time, and the MoE's load statistics are contractions that are not the
+model's. A dropped or wrong term, a wrong pass count or a wrong attribution fails (2).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core.bench.train import component_flops, sweep_config
+from core.config.schema import load_config
+from core.config.stages import stage_of
+from core.model.flops import COMPONENTS, Area, causal_area, model_flops_per_step, step_matmuls
+from core.ops.masks import compressed_visibility, sliding_window_mask
+
+# Every layer kind (hash-routed CSA, HCA, SWA), the dense reference paths, no remat.
+TINY = ["base_num_decoder_layers=3", "compress_ratios=[4,128,0]", "first_num_hash_layers=1", "vocab_size=256",
+        "hc_sinkhorn_iters=2", "remat_policy=none", "attention=masked", "lm_loss_chunk_size=0", "csa_query_chunk_size=0",
+        "moe_impl=ragged"]
+SEQ, ROWS = 512, 2
+
+
+@pytest.mark.parametrize("seq, window, topk, ratios", [
+    (384, 32, 16, [0, 4, 128]),   # the window and the top-k fill up well before T
+    (36, 64, 3, [0, 4]),          # a window longer than the sequence
+    (256, 128, 64, [4, 128]),     # the top-k binds only at the last query
+    (768, 16, 2, [128, 4]),       # HCA sees more blocks than the top-k, which is CSA's alone
+])
+@pytest.mark.parametrize("stage", ["warmup", "sparse"])
+def test_causal_area_is_the_sum_of_the_masks(seq, window, topk, ratios, stage):
+    cfg = load_config("deepseek4-tiny", [f"max_target_length={seq}", f"sliding_window_size={window}",
+                                         f"indexer_topk={topk}", f"compress_ratios={ratios}",
+                                         f"base_num_decoder_layers={len(ratios)}", "first_num_hash_layers=0"],
+                      stage=stage)
+    positions = np.arange(seq)[None]
+    segments = np.ones_like(positions)
+    window_keys = int(np.sum(sliding_window_mask(positions, segments, window)))
+    for layer, ratio in enumerate(ratios):
+        area = causal_area(cfg, layer)
+        assert area.window == window_keys, (area, window_keys)
+        if not ratio:
+            assert area[1:] == (0, 0, 0), area
+            continue
+        per_query = np.sum(compressed_visibility(positions, segments, ratio), axis=-1)
+        visible, selected = int(per_query.sum()), int(np.minimum(per_query, topk).sum())
+        topk_stage = stage == "sparse" and ratio == 4
+        assert area == Area(window_keys, selected if topk_stage else visible, visible,
+                            selected if topk_stage else visible), (ratio, area, visible, selected)
+
+
+def _full_area(cfg, layer: int) -> Area:
+    """The masked reference's area: every query against every raw key and every block."""
+    t, ratio = cfg.max_target_length, cfg.compress_ratios[layer]
+    blocks = t * (t // ratio) if ratio else 0
+    return Area(t * t, blocks, blocks, blocks)
+
+
+def _implementation_extras(cfg, rows: int) -> dict[str, float]:
+    """The step's contractions that are not the model's matmuls: the masked path's second build of
+    the teacher's queries (c_q W_qb, detached: forward only) in each CSA layer whose indexer runs,
+    and the MoE's load statistics (one-hot choice counts, the one-hot summed over the k slots
+    first, in every layer; the load-balance loss's mean router probability in learned-routing
+    layers, with its gradient where the router trains)."""
+    stage, n = stage_of(cfg), rows * cfg.max_target_length
+    extras = dict.fromkeys(COMPONENTS, 0.0)
+    for layer, ratio in enumerate(cfg.compress_ratios):
+        if ratio == 4 and (stage.csa_topk or stage.indexer_loss != "off"):
+            extras["attention"] += 2 * n * cfg.q_lora_rank * cfg.num_heads * cfg.head_dim
+        extras["MoE"] += 2 * n * cfg.num_experts
+        if layer >= cfg.first_num_hash_layers:
+            extras["MoE"] += 2 * n * cfg.num_experts * (1 + (2 if stage.trains_rest else 1))
+    return extras
+
+
+@pytest.mark.parametrize("stage, overrides", [
+    ("pretrain", []),
+    ("warmup", ["indexer_teacher=joint"]),
+    ("sparse", []),
+    ("sparse", ["indexer_loss_scaling_factor=0"]),  # the no-indexer-loss row: the indexer selects, learns nothing
+])
+def test_step_matmuls_equal_the_steps_own_jaxpr(stage, overrides):
+    cfg = sweep_config(stage, SEQ, ROWS, [*TINY, *overrides])
+    counted = component_flops(cfg, compile=False)["components"]
+    expected = _implementation_extras(cfg, ROWS)
+    for mm in step_matmuls(cfg, ROWS, area=_full_area):
+        assert mm.component in COMPONENTS and mm.flops > 0 and 1 <= mm.passes <= 3, mm
+        expected[mm.component] += mm.step_flops
+    for name in counted:
+        want = expected.get(name, 0.0)  # the optimizer and "other" do no matmul
+        assert counted[name]["matmul_flops"] == want, (stage_of(cfg).name, name, counted[name]["matmul_flops"], want)
+
+
+def test_model_flops_add_up_and_scale_with_the_rows():
+    cfg = sweep_config("sparse", SEQ, ROWS, TINY)
+    one, four = model_flops_per_step(cfg, 1), model_flops_per_step(cfg, 4)
+    assert one["tokens"] == SEQ and four["tokens"] == 4 * SEQ
+    assert one["total"] == sum(one[c] for c in COMPONENTS) and four["total"] == pytest.approx(4 * one["total"], rel=1e-12)
+    assert model_flops_per_step(cfg) == model_flops_per_step(cfg, cfg.per_device_batch_size)
+
+
+def test_the_warm_up_counts_the_frozen_model_once_and_the_indexer_three_times():
+    cfg = sweep_config("warmup", SEQ, ROWS, TINY)
+    passes = {mm.name: mm.passes for mm in step_matmuls(cfg, ROWS)}
+    assert {passes[n] for n in ("wq_a", "window logits", "block logits", "routed experts", "mHC pre")} == {1}
+    assert passes["indexer wq_b"] == passes["indexer compressor wkv"] == 2  # detached inputs: weight gradients only
+    assert passes["indexer scores"] == passes["indexer head sum"] == 3 and passes["teacher logits"] == 1
+    assert "head" not in passes  # the warm-up bypasses the head
