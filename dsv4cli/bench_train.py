@@ -92,10 +92,6 @@ def render_profile(console, r: dict[str, Any]) -> None:
                       display.fmt_value(flops / seconds / 1e9 if seconds > 0 else None, ".1f")]
         table.add_row(*cells)
     console.print(table)
-    if timed:
-        console.print(f"time: exclusive time of the step's XLA ops per component from a jax.profiler trace of "
-                      f"{timed['steps']} steps, {timed['op_s']:.3f}s of ops per step against {timed['traced_step_s']:.3f}s "
-                      f"traced wall time ({timed['unmatched_s']:.3f}s of ops without a source frame, in other)")
     console.print(f"total {total / 1e9:.2f} GFLOP ({total / r['tokens_per_step'] / 1e6:.1f} MFLOP/token); XLA cost "
                   f"analysis of the compiled step: {r['xla_flops'] / 1e9:.2f} GFLOP; XLA temp {display.fmt_bytes(r['temp_bytes'])}")
     model = r["model_flops"]
@@ -111,3 +107,29 @@ def render_profile(console, r: dict[str, Any]) -> None:
         mfu = r["mfu"]
         console.print(f"MFU: model {mfu['model']:.1%}, compiled {mfu['compiled']:.1%} (the matmul GFLOP above: remat and "
                       f"recomputation included) of {mfu['peak_flops'] / 1e12:.3g} TFLOP/s per device ({mfu['peak_source']})")
+    if timed:
+        render_time(console, timed)
+
+
+def render_time(console, t: dict[str, Any]) -> None:
+    """The traced time's summary lines and its costliest ops (core.bench.trace.trace_step's dict)."""
+    from rich.table import Table
+
+    op_s, step = max(t["op_s"], 1e-12), "Steps line" if t["platform"] == "tpu" else "wall time"
+    console.print(f"time: exclusive time of the step's XLA ops per component, jax.profiler trace of {t['steps']} "
+                  f"step{'s' * (t['steps'] != 1)} on the {t['platform'].upper()}: {t['op_s']:.3f}s of ops per step against {t['traced_step_s']:.3f}s "
+                  f"per traced step ({step}); {100 * (1 - t['named_share']):.1f}% in other")
+    console.print(f"ops without a stack frame of their own: {t['no_frame_s']:.3f}s per step "
+                  f"({100 * t['no_frame_s'] / op_s:.1f}%); after attributing them by their fused body "
+                  f"({t['by_how']['body']:.3f}s) or nearest framed producers ({t['by_how']['producers']:.3f}s) "
+                  f"or users ({t['by_how']['users']:.3f}s): {t['unattributed_s']:.3f}s without an owner")
+    if t["other_sources"]:
+        console.print("other: " + ", ".join(f"{k} {v:.3f}s" for k, v in list(t["other_sources"].items())[:5]))
+    table = Table(box=None, pad_edge=False, header_style="bold", title_justify="left",
+                  title=f"costliest {len(t['top_ops'])} ops (seconds per step)")
+    for title in ("op", "component", "time", "share", "attributed by", "op_name"):
+        table.add_column(title, justify="right" if title in ("time", "share") else "left")
+    for name, component, seconds, op_name, how in t["top_ops"]:
+        table.add_row(name, component, f"{seconds:.4f}s", f"{100 * seconds / op_s:.1f}%", how,
+                      op_name if len(op_name) <= 60 else "..." + op_name[-57:])
+    console.print(table)
