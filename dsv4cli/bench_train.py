@@ -15,7 +15,7 @@ def run(*, seq: str | None, batch: str | None, stage: str | None, steps: int, pr
     from core.bench import train as bench_train
     from core.config.files import STAGES
     from core.config.schema import load_config
-    from core.errors import ConfigError
+    from core.errors import ConfigError, DsvError
 
     if stage is None:
         stage = "sparse" if profile else "warmup,sparse"
@@ -29,6 +29,8 @@ def run(*, seq: str | None, batch: str | None, stage: str | None, steps: int, pr
             raise ConfigError("--profile takes one shape: give one --stage, one --seq and one --batch.")
         result = bench_train.profile_step(stages[0], seqs[0], batches[0], steps=steps, timed=timed,
                                           overrides=overrides)
+        if "error" in result:  # the measuring child failed (out of memory, a device another process holds)
+            raise DsvError(f"bench --profile: the step's process failed: {result['error']}")
         typer.echo(json.dumps(result, indent=2)) if json_out else render_profile(display.console(), result)
         return
     defaults = load_config("deepseek4-tiny", overrides)

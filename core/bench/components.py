@@ -27,7 +27,7 @@ OWNERS = {
     "model/mhc": "mHC",
     "loss/lm": "head",
     "model/indexer_init": "indexer",
-    "train/optimizer": "optimizer",
+    "train/optimizer": "optimizer", "train/step_guard": "optimizer",  # the guard tests the update it keeps or drops
 }
 # shared building blocks: their work belongs to the caller
 HELPERS = {"model/layers", "model/init_draws", "model/quant", "ops/quant", "ops/rope", "ops/masks", "parallel/sharding", "parallel/mesh", "ops/order", "tree"}
@@ -37,7 +37,7 @@ GLUE = {
     "config/schema", "config/platform", "config/files", "config/values", "config/validate", "config/stages", "config/key_table",
     "data/batches", "data/sources", "data/identity", "data/prefetch",
     "checkpoint/store", "checkpoint/run_files", "checkpoint/host_tree", "checkpoint/inspect",
-    "train/step", "train/program", "train/run", "train/precompile", "train/compile_cache", "train/run_lock", "train/step_guard",
+    "train/step", "train/program", "train/run", "train/precompile", "train/compile_cache", "train/run_lock",
     "train/resume_checks", "train/write_errors", "train/handoff", "train/tensorboard", "train/stop",
     "train/indexer_init",
     "eval/metrics", "eval/evaluate", "eval/report", "eval/rows",

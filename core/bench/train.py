@@ -252,16 +252,17 @@ def peak_rss_bytes() -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def sweep_config(stage: str, seq: int, batch: int, overrides: Sequence[str] = (), model: str = "deepseek4-tiny"):
-    """The config one sweep point runs: the stage preset, then T, B and synthetic data, then overrides."""
-    import jax
-
+def sweep_config(stage: str, seq: int, batch: int, overrides: Sequence[str] = (), model: str = "deepseek4-tiny",
+                 platform: str | None = None):
+    """The config one sweep point runs: the stage preset, then T, B and synthetic data, then overrides;
+    its `auto` keys resolved for `platform` when one is given (the process that runs the point: a parent
+    that only checks the inputs must not open the accelerator its children need)."""
     from core.config.platform import resolve
     from core.config.schema import load_config
 
     cfg = load_config(model, ["dataset_type=synthetic", f"max_target_length={seq}", f"per_device_batch_size={batch}",
                               *overrides], stage=stage)
-    return resolve(cfg, jax.default_backend())
+    return cfg if platform is None else resolve(cfg, platform)
 
 
 def run_train_sweep(stages: Sequence[str], seqs: Sequence[int], batches: Sequence[int], *, steps: int = 3,
@@ -288,8 +289,10 @@ def run_train_sweep(stages: Sequence[str], seqs: Sequence[int], batches: Sequenc
     return {"model": model, "steps": steps, "rows": rows}
 
 
-def _run_point(stage, seq, batch, steps, overrides, model, timeout_s, trace_steps: int = 0) -> dict[str, Any]:
-    point = [stage, seq, batch, steps, list(overrides), model, trace_steps]
+def _run_point(stage, seq, batch, steps, overrides, model, timeout_s, trace_steps: int = 0,
+               what: str = "measure") -> dict[str, Any]:
+    """One sweep point in a child process: `measure_shape`'s dict, or with what="profile" `profile_here`'s."""
+    point = [stage, seq, batch, steps, list(overrides), model, trace_steps, what]
     args = [sys.executable, "-m", "core.bench.train", json.dumps(point)]
     try:
         proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ))
@@ -304,38 +307,54 @@ def _run_point(stage, seq, batch, steps, overrides, model, timeout_s, trace_step
 
 def profile_step(stage: str = "sparse", seq: int = 256, batch: int = 1, *, steps: int = 3, timed: bool = True,
                  overrides: Sequence[str] = (), model: str = "deepseek4-tiny") -> dict[str, Any]:
-    """`component_flops` of one sweep point beside its model FLOPs and, with `timed`, its measured step,
-    the matmul ceiling and both MFUs.
+    """`profile_here` of one sweep point; timed, in a child process, so that this process never opens
+    the accelerator (one process at a time may hold a TPU). A child that fails gives {"error"}."""
+    sweep_config(stage, seq, batch, overrides, model)  # bad input fails here, before any subprocess
+    if timed:
+        return _run_point(stage, seq, batch, steps, overrides, model, None, trace_steps=steps, what="profile")
+    return profile_here(stage, seq, batch, steps=steps, timed=False, overrides=overrides, model=model)
+
+
+def profile_here(stage: str = "sparse", seq: int = 256, batch: int = 1, *, steps: int = 3, timed: bool = True,
+                 overrides: Sequence[str] = (), model: str = "deepseek4-tiny") -> dict[str, Any]:
+    """`component_flops` of one sweep point beside its model FLOPs and, with `timed`, its measured step
+    (traced), the matmul ceiling and both MFUs, all in this process.
 
     Returns:
       component_flops's dict plus {"model", "stage", "seq", "batch", "model_flops" (core.model.flops.
       model_flops_per_step's dict for the step's batch)} and, when timed, "measured" (measure_shape's
-      dict from a subprocess, or {"error"}), "matmul_gflops" (float32, this process) and, when the step
-      ran, "mfu": {"model", "compiled" (the jaxpr's matmul FLOPs over the same peak), "peak_flops",
-      "peak_source"}.
+      dict, its "time" from core/bench/trace.py), "matmul_gflops" (float32) and "mfu": {"model",
+      "compiled" (the jaxpr's matmul FLOPs over the same peak), "peak_flops", "peak_source"}.
     """
+    import jax
+
     from core.model.flops import model_flops_per_step
     from core.parallel.chips import matmul_ceiling, utilization
 
-    cfg = sweep_config(stage, seq, batch, overrides, model)
+    cfg = sweep_config(stage, seq, batch, overrides, model, jax.default_backend())
     out = component_flops(cfg)
     out.update(model=model, stage=stage, seq=seq, batch=batch,
                model_flops=model_flops_per_step(cfg, out["tokens_per_step"] // seq))
     if timed:
-        measured = out["measured"] = _run_point(stage, seq, batch, steps, overrides, model, None, trace_steps=steps)
+        measured = out["measured"] = measure_shape(cfg, steps, steps)
         out["matmul_gflops"] = matmul_ceiling() / 1e9
-        if "error" not in measured:
-            def mfu(flops: float) -> float:
-                return utilization(flops, measured["step_time_s"], measured["devices"], measured["peak_flops"])["mfu"]
 
-            compiled = sum(c["matmul_flops"] for c in out["components"].values())
-            out["mfu"] = {"model": mfu(out["model_flops"]["total"]), "compiled": mfu(compiled),
-                          "peak_flops": measured["peak_flops"], "peak_source": measured["peak_source"]}
+        def mfu(flops: float) -> float:
+            return utilization(flops, measured["step_time_s"], measured["devices"], measured["peak_flops"])["mfu"]
+
+        compiled = sum(c["matmul_flops"] for c in out["components"].values())
+        out["mfu"] = {"model": mfu(out["model_flops"]["total"]), "compiled": mfu(compiled),
+                      "peak_flops": measured["peak_flops"], "peak_source": measured["peak_source"]}
     return out
 
 
-if __name__ == "__main__":  # one point: python -m core.bench.train '[stage, seq, batch, steps, overrides, model, trace]'
+if __name__ == "__main__":  # one point: python -m core.bench.train '[stage, seq, batch, steps, overrides, model, trace, what]'
     tune_garbage_collector()
-    _stage, _seq, _batch, _steps, _overrides, _model, _trace = json.loads(sys.argv[1])
-    _out = measure_shape(sweep_config(_stage, _seq, _batch, _overrides, _model), _steps, _trace)
+    import jax
+
+    _stage, _seq, _batch, _steps, _overrides, _model, _trace, _what = json.loads(sys.argv[1])
+    if _what == "profile":
+        _out = profile_here(_stage, _seq, _batch, steps=_steps, overrides=_overrides, model=_model)
+    else:
+        _out = measure_shape(sweep_config(_stage, _seq, _batch, _overrides, _model, jax.default_backend()), _steps, _trace)
     print(_SIZES + json.dumps(_out), flush=True)

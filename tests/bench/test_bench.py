@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from core.bench import loss as bench
 from dsv4cli.main import app
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SMALL = bench.LossShape("test", "none", batch=1, heads=4, head_dim=16, indexer_heads=4, indexer_head_dim=16, topk=8)
 
@@ -225,3 +230,18 @@ def test_grouped_matmuls_count_each_row_once(impl):
     closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(jnp.ones((s, k)), jnp.ones((e, k, n)))
     counted = sum(c["matmul_flops"] for c in jaxpr_flops(closed).values())
     assert counted == 3 * 2 * s * k * n, counted
+
+
+def test_the_bench_parent_never_opens_a_device():
+    """`run_train_sweep` and a timed `profile_step` leave every device to their children (one process at
+    a time may hold a TPU): checking the inputs initialises no JAX backend in the parent."""
+    code = (
+        "import jax._src.xla_bridge as xb\n"
+        "from core.bench import train\n"
+        "train._run_point = lambda *a, **k: {'error': 'not run'}\n"
+        "assert train.profile_step('sparse', 128, 1, overrides=['base_num_decoder_layers=2', "
+        "'compress_ratios=[4,128]', 'first_num_hash_layers=1']) == {'error': 'not run'}\n"
+        "train.run_train_sweep(['warmup'], [128], [1])\n"
+        "print('backends', xb.backends_are_initialized())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.stdout.strip().endswith("backends False"), out.stderr[-2000:]
