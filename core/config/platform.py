@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from core.config.stages import stage_of
+
 AUTO = "auto"      # the value of an `auto` string key
 AUTO_INT = -1      # the value of an `auto` integer key (as xla_backend_optimization_level's -1)
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -26,13 +28,18 @@ def _topk_attention(cfg, platform: str) -> str:
     return "mask"
 
 
+def _attention_chunk(cfg, platform: str) -> int:
+    """128 query rows per chunk, and 512 on an accelerator where the attention's projections train: each
+    chunk adds their weight gradients into float32 accumulators, whose traffic fewer chunks divide."""
+    return 512 if platform != "cpu" and stage_of(cfg).trains_rest else 128
+
+
 # key -> (its auto value, platform -> choice, or a function (cfg, platform) -> choice)
 PLATFORM_CHOICES: dict[str, tuple[Any, Any]] = {
     # tiles of plain einsums on XLA:CPU (which lowers ragged_dot densely); a grouped matmul elsewhere
-    "moe_impl": (AUTO, {"cpu": "tiled", "gpu": "ragged", "tpu": "gmm"}),
+    "moe_impl": (AUTO, {"cpu": "tiled", "gpu": "ragged", "tpu": "ragged"}),
     "csa_topk_attention": (AUTO, _topk_attention),
-    # larger chunks on an accelerator: fewer scan steps, each accumulating the projections' weight gradients
-    "attention_query_chunk_size": (AUTO_INT, {"cpu": 128, "gpu": 512, "tpu": 512}),
+    "attention_query_chunk_size": (AUTO_INT, _attention_chunk),
     "lm_loss_chunk_size": (AUTO_INT, {"cpu": 256, "gpu": 1024, "tpu": 1024}),
 }
 

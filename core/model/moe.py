@@ -54,7 +54,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from core.config.platform import platform_name, require_resolved, resolve_here
 from core.model.layers import dense_init, param, upcast
-from core.ops.grouped_matmul import GmmTiling, SlotOrder, gmm
+from core.ops.grouped_matmul import GmmTiling, SlotOrder, gmm, ragged_dot
 from core.ops.expert_parallel import Exchange, expert_axis_size, expert_parallel_experts, token_rounds, token_shards
 from core.ops.moe_dispatch import Tiling, tiled_experts
 from core.ops.order import after, cotangent_after_value
@@ -307,9 +307,9 @@ def auto_gmm_tiling(emb: int, mlp: int) -> GmmTiling:
     return GmmTiling(tile, tile, tile)
 
 
-def ragged_dot(acc):
-    """`lax.ragged_dot` accumulating (and returning) `acc`."""
-    return lambda lhs, rhs, group_sizes: jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=acc)
+def ragged(acc):
+    """core/ops/grouped_matmul.py's `ragged_dot` (lax.ragged_dot) returning `acc`."""
+    return lambda lhs, rhs, group_sizes: ragged_dot(lhs, rhs, group_sizes, acc)
 
 
 def megablox_gmm(acc, tiling: GmmTiling, platform: str):
@@ -346,7 +346,7 @@ def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):
         return dense_experts(x_btm, combine_bte, w1, w2, w3, spec.swiglu_limit), no_drops
     if spec.impl in ("ragged", "gmm"):
         acc = _acc(x_btm)
-        matmul = ragged_dot(acc) if spec.impl == "ragged" else megablox_gmm(acc, spec.gmm_tiling(), mesh_platform_of(mesh))
+        matmul = ragged(acc) if spec.impl == "ragged" else megablox_gmm(acc, spec.gmm_tiling(), mesh_platform_of(mesh))
         return grouped_experts(x_btm, idx_btk, weights_btk, w1, w2, w3, spec.swiglu_limit, matmul), no_drops
     tokens = x_btm.shape[0] * x_btm.shape[1]
     if devices == 1:

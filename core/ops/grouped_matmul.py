@@ -2,7 +2,8 @@
 
 Two ways to run `out[rows of group g] = lhs[rows of group g] @ rhs[g]`:
 
-- `lax.ragged_dot` (XLA's own grouped matmul; its gradient is XLA's too);
+- `ragged_dot`: `lax.ragged_dot` (XLA's own grouped matmul and its transposes), its backward in the
+  inputs' dtype;
 - `gmm`: the Pallas megablox kernels that JAX ships (`jax.experimental.pallas.ops.tpu.megablox`:
   `gmm` for the forward and the input gradient, `tgmm` for the weight gradient) under a custom VJP
   that gives each of the three passes its own tiles (`GmmTiling`), as MaxText tunes them. On a
@@ -104,6 +105,31 @@ def _gmm_bwd(tiling, out_dtype, interpret, residual, dout_sn):
 
 
 gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def ragged_dot(lhs_sk, rhs_gkn, group_sizes_g, out_dtype):
+    """`lax.ragged_dot` into `out_dtype` whose backward runs in the inputs' dtype.
+
+    Autodiff of a bf16 ragged_dot with a float32 output would multiply the float32 cotangent by the
+    bf16 weights in float32 (both gradients' matmuls at float32 speed); here the cotangent is cast to
+    the inputs' dtype first, as `gmm`'s backward does, and XLA's own transposes run.
+    """
+    return jax.lax.ragged_dot(lhs_sk, rhs_gkn, group_sizes_g, preferred_element_type=out_dtype)
+
+
+def _ragged_fwd(lhs_sk, rhs_gkn, group_sizes_g, out_dtype):
+    return ragged_dot(lhs_sk, rhs_gkn, group_sizes_g, out_dtype), (lhs_sk, rhs_gkn, group_sizes_g)
+
+
+def _ragged_bwd(out_dtype, residual, dout_sn):
+    lhs_sk, rhs_gkn, group_sizes_g = residual
+    _, pull = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, group_sizes_g, preferred_element_type=lhs_sk.dtype),
+                      lhs_sk, rhs_gkn)
+    return (*pull(dout_sn.astype(lhs_sk.dtype)), None)
+
+
+ragged_dot.defvjp(_ragged_fwd, _ragged_bwd)
 
 
 # ----------------------------------------------------------------------------- slots

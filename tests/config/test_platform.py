@@ -27,6 +27,12 @@ def test_topk_attention_is_a_mask_on_accelerators_while_the_blocks_are_at_most_t
     assert resolve(cfg, platform).csa_topk_attention == expected
 
 
+@pytest.mark.parametrize("stage, platform, chunk", [("sparse", "tpu", 512), ("pretrain", "gpu", 512),
+                                                    ("warmup", "tpu", 128), ("sparse", "cpu", 128)])
+def test_attention_chunks_grow_on_accelerators_where_the_attention_trains(stage, platform, chunk):
+    assert resolve(load_config("deepseek4-tiny", stage=stage), platform).attention_query_chunk_size == chunk
+
+
 def test_an_explicit_value_wins_on_every_platform():
     cfg = load_config("deepseek4-tiny", ["moe_impl=dense", "attention_query_chunk_size=64", "lm_loss_chunk_size=0"])
     for platform in ("cpu", "gpu", "tpu"):

@@ -52,3 +52,24 @@ def test_slot_order_sorts_by_expert_and_its_gradient_is_the_inverse_permutation(
     np.testing.assert_array_equal(grad, cot[slots.inverse])
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda v: jnp.sum(slots.sort(v))))(x))
     assert "scatter" not in jaxpr, "the slots' gradient is a gather, never a scatter-add"
+
+
+def test_ragged_dot_backward_runs_in_the_inputs_dtype():
+    """bf16 inputs, float32 output: the gradients equal autodiff's to bf16 rounding, and the backward's
+    matmuls take bf16 operands (no float32 ragged_dot in the gradient's program)."""
+    from core.ops.grouped_matmul import ragged_dot
+
+    sizes = jnp.asarray([5, 0, 11], jnp.int32)
+    k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
+    lhs = jax.random.normal(k1, (16, 32)).astype(jnp.bfloat16)
+    rhs = jax.random.normal(k2, (3, 32, 8)).astype(jnp.bfloat16)
+    cot = jax.random.normal(k3, (16, 8))
+    ours = lambda a, b: jnp.sum(ragged_dot(a, b, sizes, jnp.float32) * cot)  # noqa: E731
+    xla = lambda a, b: jnp.sum(jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32) * cot)  # noqa: E731
+    assert ours(lhs, rhs) == xla(lhs, rhs)
+    for a, b in zip(jax.grad(ours, (0, 1))(lhs, rhs), jax.grad(xla, (0, 1))(lhs, rhs)):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
+    jaxpr = jax.make_jaxpr(jax.grad(ours, (0, 1)))(lhs, rhs)
+    dots = [e for e in jaxpr.jaxpr.eqns if "ragged_dot" in e.primitive.name]
+    assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots[1:] for v in e.invars[:2]), dots
