@@ -1,7 +1,7 @@
 """The routed experts' computation alone, each implementation timed on this machine's accelerator.
 
     python tools/moe_kernels.py --tokens 4096 --emb 4096 --mlp 2048 --experts 8 --k 6 \
-        tiled ragged ragged_perm "gmm:512,1024,1024" "gmm:512,1024,1024/512,1024,1024/512,1024,1024"
+        tiled ragged "gmm:512,1024,1024" "gmm:512,1024,1024/512,1024,1024/512,1024,1024"
 
 One process; for each implementation the forward alone and the forward with the gradient of x and
 the three expert weights (a fixed random cotangent) are jitted, run once, then timed `--repeats`
@@ -10,10 +10,9 @@ Prints one JSON line per implementation with the medians and the TFLOP/s of the 
 (2 * 3 * N k M F forward, three times that with the gradients). Implementations:
 
 - `tiled`: core/ops/moe_dispatch.py's tiles (the CPU's default);
-- `ragged`: core/model/moe.py's `ragged_experts` (lax.ragged_dot, gathered and segment-summed slots);
-- `ragged_perm`: lax.ragged_dot on slots moved by permutations (core/ops/grouped_matmul.py);
-- `gmm:TILES`: the megablox kernels on the same slots; TILES is one (tm,tk,tn) for all passes or
-  fwd/dlhs/drhs, three tuples separated by '/'.
+- `ragged`: core/model/moe.py's `grouped_experts` over lax.ragged_dot (moe_impl=ragged);
+- `gmm:TILES`: the same over the megablox kernels (moe_impl=gmm); TILES is one (tm,tk,tn) for all
+  passes or fwd/dlhs/drhs, three tuples separated by '/'.
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from core.model.moe import auto_tile, ragged_experts, swiglu_hidden
-    from core.ops.grouped_matmul import GmmTiling, SlotOrder, gmm
+    from core.model.moe import auto_tile, grouped_experts, megablox_gmm, ragged, swiglu_hidden
+    from core.ops.grouped_matmul import GmmTiling
     from core.ops.moe_dispatch import Tiling, tiled_experts
 
     n, m, f, e, k = args.tokens, args.emb, args.mlp, args.experts, args.k
@@ -55,31 +54,18 @@ def main() -> None:
     w3 = (jax.random.normal(keys[3], (e, m, f)) * m ** -0.5).astype(jnp.bfloat16)
     w2 = (jax.random.normal(keys[4], (e, f, m)) * f ** -0.5).astype(jnp.bfloat16)
     cot = jax.random.normal(keys[5], (1, n, m), jnp.float32)
-    hidden = functools.partial(swiglu_hidden, limit=10.0)
-
-    def sorted_experts(matmul, x_btm, idx_btk, weights_btk, w1, w2, w3):
-        slots = SlotOrder(idx_btk.reshape(n, k), e)
-        x_sm = slots.sort(x_btm.reshape(n, m))
-        gate = matmul(x_sm, w1, slots.group_sizes)
-        up = matmul(x_sm, w3, slots.group_sizes)
-        y_sm = matmul(hidden(gate, up).astype(x_btm.dtype), w2, slots.group_sizes)
-        y_nkm = slots.unsort(y_sm)
-        return jnp.einsum("nkm,nk->nm", y_nkm.astype(jnp.float32), weights_btk.reshape(n, k)).reshape(1, n, m)
+    platform = "cpu" if args.interpret else jax.default_backend()
 
     def impl_fn(name):
         if name == "tiled":
             tiling = Tiling(auto_tile(n, e, k))
-            return lambda *a: tiled_experts(*a, tiling, hidden=hidden)
+            return lambda *a: tiled_experts(*a, tiling, hidden=functools.partial(swiglu_hidden, limit=10.0))
         if name == "ragged":
-            return lambda *a: ragged_experts(*a, limit=10.0)
-        if name == "ragged_perm":
-            dot = lambda a, b, g: jax.lax.ragged_dot(a, b, g, preferred_element_type=jnp.float32)
-            return functools.partial(sorted_experts, dot)
+            return lambda *a: grouped_experts(*a, 10.0, ragged(jnp.float32))
         if name.startswith("gmm:"):
             tiles = [tuple(int(v) for v in part.split(",")) for part in name[4:].split("/")]
             tiling = GmmTiling(*(tiles * 3 if len(tiles) == 1 else tiles))
-            dot = lambda a, b, g: gmm(a, b, g, tiling, jnp.float32, args.interpret)
-            return functools.partial(sorted_experts, dot)
+            return lambda *a: grouped_experts(*a, 10.0, megablox_gmm(jnp.float32, tiling, platform))
         raise SystemExit(f"unknown implementation {name!r}")
 
     slot_flops = 2.0 * 3 * n * k * m * f
