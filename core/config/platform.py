@@ -28,6 +28,14 @@ def _topk_attention(cfg, platform: str) -> str:
     return "mask"
 
 
+def _moe_impl(cfg, platform: str) -> str:
+    """Tiles of plain einsums on XLA:CPU (which lowers ragged_dot densely) and wherever the experts are
+    spread over devices (the tiled dispatch is what expert parallelism exchanges tokens for); a grouped
+    matmul (lax.ragged_dot) on an accelerator otherwise."""
+    expert_parallel = cfg.ici_expert_parallelism != 1 or cfg.dcn_expert_parallelism != 1
+    return "tiled" if platform == "cpu" or expert_parallel else "ragged"
+
+
 def _attention_chunk(cfg, platform: str) -> int:
     """128 query rows per chunk, and 512 on an accelerator where the attention's projections train: each
     chunk adds their weight gradients into float32 accumulators, whose traffic fewer chunks divide."""
@@ -36,8 +44,7 @@ def _attention_chunk(cfg, platform: str) -> int:
 
 # key -> (its auto value, platform -> choice, or a function (cfg, platform) -> choice)
 PLATFORM_CHOICES: dict[str, tuple[Any, Any]] = {
-    # tiles of plain einsums on XLA:CPU (which lowers ragged_dot densely); a grouped matmul elsewhere
-    "moe_impl": (AUTO, {"cpu": "tiled", "gpu": "ragged", "tpu": "ragged"}),
+    "moe_impl": (AUTO, _moe_impl),
     "csa_topk_attention": (AUTO, _topk_attention),
     "attention_query_chunk_size": (AUTO_INT, _attention_chunk),
     "lm_loss_chunk_size": (AUTO_INT, {"cpu": 256, "gpu": 1024, "tpu": 1024}),

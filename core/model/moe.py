@@ -35,7 +35,9 @@ On a mesh whose `expert` axis is larger than 1 (`jax.sharding.get_abstract_mesh(
 traced under `jax.set_mesh` or `jax.sharding.use_abstract_mesh`), "tiled" becomes expert parallelism that moves tokens:
 an all-to-all sends each token to its experts' devices (once per device, in rounds), which run the tiled
 dispatch over their local experts (core/ops/expert_parallel.py; drop-free unless `capacity_factor`, aux["dropped"]).
-"dense" and "ragged" stay GSPMD-partitioned.
+"dense" stays GSPMD-partitioned; "ragged" and "gmm" run inside `jax.shard_map` on each device's own tokens
+(XLA cannot partition a Mosaic kernel, core/ops/expert_parallel.py's `token_parallel_experts`) and
+refuse an `expert` axis: their `auto` resolves to "tiled" under expert parallelism.
 
 Parameter layout is [in, out] (JAX convention; the official Linear stores [out, in]):
 gate.weight [M, E], gate.bias [E], gate.tid2eid [V, k], experts.w1/w3 [E, M, F], experts.w2
@@ -55,7 +57,8 @@ from jax.ad_checkpoint import checkpoint_name
 from core.config.platform import platform_name, require_resolved, resolve_here
 from core.model.layers import dense_init, param, upcast
 from core.ops.grouped_matmul import GmmTiling, SlotOrder, gmm, ragged_dot
-from core.ops.expert_parallel import Exchange, expert_axis_size, expert_parallel_experts, token_rounds, token_shards
+from core.ops.expert_parallel import (Exchange, expert_axis_size, expert_parallel_experts, token_parallel_experts,
+                                      token_rounds, token_shards)
 from core.ops.moe_dispatch import Tiling, tiled_experts
 from core.ops.order import after, cotangent_after_value
 
@@ -347,7 +350,13 @@ def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):
     if spec.impl in ("ragged", "gmm"):
         acc = _acc(x_btm)
         matmul = ragged(acc) if spec.impl == "ragged" else megablox_gmm(acc, spec.gmm_tiling(), mesh_platform_of(mesh))
-        return grouped_experts(x_btm, idx_btk, weights_btk, w1, w2, w3, spec.swiglu_limit, matmul), no_drops
+        grouped = functools.partial(grouped_experts, limit=spec.swiglu_limit, matmul=matmul)
+        if mesh is None or mesh.empty or mesh.size == 1:
+            return grouped(x_btm, idx_btk, weights_btk, w1, w2, w3), no_drops
+        if devices > 1:
+            raise ValueError(f"moe_impl={spec.impl} runs no expert parallelism (the mesh's expert axis is {devices}): "
+                             "use moe_impl=tiled or auto, which moves the tokens to their experts")
+        return token_parallel_experts(grouped, x_btm, idx_btk, weights_btk, w1, w2, w3, mesh), no_drops
     tokens = x_btm.shape[0] * x_btm.shape[1]
     if devices == 1:
         tiling = Tiling(spec.tile_size or auto_tile(tokens, spec.num_experts, spec.k), spec.tiles_per_step)

@@ -215,3 +215,37 @@ def expert_parallel_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf,
     y_nm, dropped = run(x_btm.reshape(b * t, m), idx_btk.reshape(b * t, k).astype(jnp.int32),
                         weights_btk.reshape(b * t, k), w1_emf, w2_efm, w3_emf)
     return y_nm.reshape(b, t, m), dropped
+
+
+def token_parallel_experts(experts, x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, mesh):
+    """`experts(x, idx, weights, w1, w2, w3)` on each device's own tokens, inside `jax.shard_map`: the
+    form of a grouped-matmul MoE (moe_impl ragged, gmm) on a mesh without an `expert` axis. XLA cannot
+    partition a Pallas / Mosaic kernel (XLA:TPU's ragged_dot is one) across devices, so each device
+    runs it whole on its tokens.
+
+    Tokens split over (data, fsdp), as the batch does; the expert weights enter whole along `embed`
+    (gathered by the compiler at the boundary, one layer at a time, as FSDP gathers every weight) and
+    split over `tensor` along the hidden width when it divides, the partial outputs summed there.
+
+    Returns:
+      y_btm [B, T, M] in the accumulation dtype.
+    """
+    b, t, m = x_btm.shape
+    k, mlp = idx_btk.shape[-1], w1_emf.shape[-1]
+    tokens = tuple(a for a in TOKEN_AXES if a in mesh.axis_names)
+    if (b * t) % token_shards(mesh):
+        raise ValueError(f"B*T={b * t} tokens must divide over the {token_shards(mesh)} token shards")
+    mlp_axis = MLP_AXIS if MLP_AXIS in mesh.axis_names and mlp % mesh.shape[MLP_AXIS] == 0 else None
+
+    def per_device(x_nm, idx_nk, weights_nk, w1, w2, w3):
+        y_nm = experts(x_nm[None], idx_nk[None], weights_nk[None], w1, w2, w3)[0]
+        return jax.lax.psum(y_nm, mlp_axis) if mlp_axis is not None else y_nm
+
+    # check_vma off: a Pallas kernel's output type says nothing of how it varies over the mesh's axes
+    run = jax.shard_map(
+        per_device, mesh=mesh, out_specs=P(tokens, None), check_vma=False,
+        in_specs=(P(tokens, None), P(tokens, None), P(tokens, None), P(None, None, mlp_axis),
+                  P(None, mlp_axis, None), P(None, None, mlp_axis)))
+    y_nm = run(x_btm.reshape(b * t, m), idx_btk.reshape(b * t, k).astype(jnp.int32), weights_btk.reshape(b * t, k),
+               w1_emf, w2_efm, w3_emf)
+    return y_nm.reshape(b, t, m)

@@ -67,6 +67,14 @@ def test_expert_parallel_equals_one_device_value_and_gradient(worker, mesh, rout
     assert case["rounds"][0] == MESHES[mesh][3], f"default rounds {case['rounds']}: one per expert device"
 
 
+@pytest.mark.parametrize("impl", ["ragged", "gmm"])
+def test_grouped_matmul_moe_on_a_mesh_equals_one_device(worker, impl):
+    """moe_impl ragged / gmm on data 2 x fsdp 2 x tensor 2 (a Mosaic kernel runs per device inside shard_map):
+    loss, output and every gradient equal the one-device MoE to float32 rounding."""
+    for what, (diff, scale) in worker["token_parallel"][impl].items():
+        assert diff <= 1e-5 * max(1.0, scale), f"{impl} {what}: max |diff| = {diff:.3e} (scale {scale:.2e})"
+
+
 @pytest.mark.parametrize("rounds", ROUNDS)
 def test_expert_parallel_rounds_equal_one_device(worker, rounds):
     """`Exchange.rounds` 3 (6 tokens a round, the last padded by 2) and 16 (one token a round) on fsdp 2 x
@@ -132,14 +140,14 @@ def test_evaluation_runs_the_expert_parallel_moe_and_equals_data_parallel(worker
 # ----------------------------------------------------------------------------- the 8-device worker
 
 
-def _models(routing, **kw):
+def _models(routing, impl="tiled", **kw):
     import jax.numpy as jnp
     import numpy as np
 
     from tests.model.test_moe import _moe
 
     hash_routed, k, table = ROUTINGS[routing]
-    m = _moe(hash_routed, k=k, impl="tiled", normalize=k > 1, **kw)
+    m = _moe(hash_routed, k=k, impl=impl, normalize=k > 1, **kw)
     if table is not None:
         rng = np.random.default_rng(k)
         rows = (np.full((50, 1), 3) if table == "three" else
@@ -192,6 +200,27 @@ def _diff(a, b):
 @functools.cache
 def _one_device(routing):
     return _step(_models(routing), *_inputs())
+
+
+def _token_parallel(impl):
+    """The grouped-matmul MoE (ragged, gmm in Pallas' interpret mode) on data 2 x fsdp 2 x tensor 2: each device's
+    tokens in `jax.shard_map`, the hidden width split over tensor; against the one-device tiled MoE."""
+    import jax
+    from flax import nnx
+
+    from core.parallel import sharding
+
+    x, tokens, valid, cot = _inputs()
+    (v0, (y0, _)), (g0, gx0) = _one_device("learned")
+    mesh = _mesh((2, 2, 2, 1))
+    model = sharding.shard_state(_models("learned", impl=impl), mesh)
+    with jax.set_mesh(mesh):
+        (v1, (y1, _)), (g1, gx1) = _step(model, jax.device_put(x, sharding.batch_sharding(mesh)), tokens, valid, cot)
+    diffs = {"loss": _diff(v1, v0), "y": _diff(y1, y0), "d x": _diff(gx1, gx0)}
+    flat1 = dict(nnx.to_flat_state(g1))
+    for path, v in nnx.to_flat_state(g0):
+        diffs["d " + "/".join(map(str, path))] = _diff(flat1[path].get_value(), v.get_value())
+    return diffs
 
 
 def _parity(mesh_name, routing):
@@ -460,6 +489,7 @@ if __name__ == "__main__":
 
     tune_garbage_collector()  # as in every dsv4 process
     results = {f"{m}/{r}": _parity(m, r) for m, r in CASES}
+    results["token_parallel"] = {impl: _token_parallel(impl) for impl in ("ragged", "gmm")}
     results["capacity"] = _capacity()
     results["rounds"] = _rounds()
     results["rounds_float64"] = _rounds("float64")
