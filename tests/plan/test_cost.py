@@ -220,3 +220,17 @@ def test_collectives_take_the_link_and_asynchronous_ones_overlap():
                   "%sum (a: bf16[], b: bf16[]) -> bf16[] {\n  %a = bf16[] parameter(0)\n  %b = bf16[] parameter(1)\n"
                   "  ROOT %c = bf16[] add(%a, %b)\n}")
     assert estimate(sync)["collective_s"] == pytest.approx(link_s)
+
+
+def test_the_plan_reports_the_estimate_and_its_parts():
+    from core.plan.report import step_estimate
+    from core.plan.targets import parse_target
+
+    text = module(DOT_ARGS + "\n" + DOT_CALL, DOT)
+    out = step_estimate(parse_target("v5e-1"), text, tokens=4096)
+    parts = out["step_estimate"]
+    names = ("compute_s", "memory_s", "gather_s", "overhead_s", "dma_wait_s", "collective_s")
+    assert out["estimated_step_s"] == pytest.approx(sum(parts[k] for k in names))
+    assert out["estimated_tokens_per_s"] == pytest.approx(4096 / out["estimated_step_s"])
+    assert parts["compute_s"] == pytest.approx(DOT_FLOPS / (parts["peak_flops"] * cost.V5E.mxu))
+    assert step_estimate(parse_target("cpu:2"), text, tokens=4096)["estimated_step_s"] is None
