@@ -14,7 +14,7 @@ from dsv4cli.errors import handle_errors
 
 HELP = ("Plan a training run: compile the training command's own step ahead of time for a TPU slice, NVIDIA GPUs "
         "or fake CPU devices, and report per device the exact state bytes, the compiler's temporaries and code, "
-        "the verdict against the usable memory, the largest temporaries, FLOPs and a roofline estimate. "
+        "the verdict against the usable memory, the largest temporaries, FLOPs and a step-time estimate. "
         "Exit codes: 0 fits, 1 does not fit, 2 bad input (unknown target, a mesh that does not divide, "
         "a missing extra: pip install \"dsv4\\[tpu]\" or \"dsv4\\[cuda]\"). With --search: every mesh "
         "(data x fsdp x tensor x expert over ici, and dcn across slices) and per-device batch the model's sharding allows, "
@@ -124,13 +124,14 @@ def _estimate(console, r: dict[str, Any]) -> None:
     if r.get("collective_bytes"):
         moved = ", ".join(f"{axis} {_bytes(n)}" for axis, n in sorted(r["collective_bytes"].items()))
         console.print(f"collectives per step per device, by mesh axis: {moved}")
-    roof = r.get("roofline")
-    if isinstance(roof, dict):
+    parts = r.get("step_estimate")
+    if isinstance(parts, dict):
         console.print(f"estimated step {r['estimated_step_s']:.4f} s, {r['estimated_tokens_per_s']:,.0f} tokens/s "
-                      f"(compute {roof['compute_s']:.4f} s, HBM {roof['hbm_s']:.4f} s, collectives "
-                      f"{roof['collective_s']:.4f} s); {roof['assumptions']}")
-    elif roof:
-        console.print(roof)
+                      f"(matmul-bound {parts['compute_s']:.4f} s, memory-bound {parts['memory_s']:.4f} s, gathers "
+                      f"{parts['gather_s']:.4f} s, per-op overhead {parts['overhead_s']:.4f} s, copy waits "
+                      f"{parts['dma_wait_s']:.4f} s, collectives {parts['collective_s']:.4f} s); {parts['model']}")
+    elif parts:
+        console.print(parts)
 
 
 if __name__ == "__main__":  # python -m dsv4cli.plan ... (the command before dsv4cli/main.py registers it)

@@ -8,8 +8,10 @@ runs its computation (`runs`): the product of the while-loop trip counts along i
 (XLA's `known_trip_count`, else the bound of the loop condition's `i < N`), summed over call sites.
 
 - `matmul_flops`: 2 * output elements * contracted size of every dot and convolution (fused or
-  not; cuBLAS gemm custom calls too), times its runs: the tensor-core / MXU work that the
-  roofline's peak bf16 FLOP/s applies to. Elementwise arithmetic is not counted.
+  not; cuBLAS gemm custom calls too), times its runs: the tensor-core / MXU work that the peak
+  bf16 FLOP/s applies to; a grouped-matmul kernel's (a Pallas / Mosaic custom call) from its
+  shapes, and a convolution that XLA:TPU runs masked by group for the 1/G it runs. Elementwise
+  arithmetic is not counted.
 - `bytes_accessed`: per executed instruction outside fusions, the bytes of its operands and
   output (a fusion's parameter read only through slices counts the slices; an in-place
   dynamic-update-slice counts its update, an in-place scatter the rows it reads and writes, not
@@ -216,15 +218,57 @@ def outputs_meeting(n_in: int, n_out: int, stride: int, offset: int, dilate: int
 
 
 def matmul_flops(module: Module, times: dict[str, int] | None = None) -> float:
-    """2 * output elements * contracted size of every dot / convolution / gemm, times its runs
-    (`times`: `runs(module)` by default; `runs(module, loops=False)` counts each loop body once, as XLA does)."""
+    """2 * output elements * contracted size of every dot / convolution / gemm, and a grouped-matmul
+    kernel's from its shapes, times its runs (`times`: `runs(module)` by default; `runs(module,
+    loops=False)` counts each loop body once, as XLA does). A convolution that XLA:TPU runs masked
+    by group counts the 1/G it runs (`masked_groups`)."""
     times = runs(module) if times is None else times
-    total = 0.0
-    for comp, insts in module.computations.items():
-        for inst in insts:
-            if inst.opcode in ("dot", "convolution", "custom-call") and (k := _contracted(module, inst)):
-                total += 2.0 * math.prod(_dims(inst.type_text)) * k * times.get(comp, 1)
-    return total
+    groups = {m.group(1): masked_groups(module, inst) for insts in module.computations.values() for inst in insts
+              if inst.opcode == "fusion" and (m := re.search(r"\bcalls=%?([\w.\-]+)", inst.attrs))}
+    return sum(matmul_flops_of(module, inst) * times.get(comp, 1) / groups.get(comp, 1)
+               for comp, insts in module.computations.items() for inst in insts)
+
+
+def matmul_flops_of(module: Module, inst: Instruction) -> float:
+    """2 * output elements * contracted size of one dot, convolution or gemm; a Pallas/Mosaic
+    kernel's (`tpu_custom_call`) by `grouped_matmul_flops`; 0 for other instructions."""
+    if inst.opcode in ("dot", "convolution", "custom-call") and (k := _contracted(module, inst)):
+        return 2.0 * math.prod(_dims(inst.type_text)) * k
+    if inst.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in inst.attrs:
+        return grouped_matmul_flops(module, inst)
+    return 0.0
+
+
+def grouped_matmul_flops(module: Module, inst: Instruction) -> float:
+    """A grouped-matmul kernel's FLOPs from its shapes (the HLO does not show a kernel's body):
+    out [S, N] from lhs [S, K] and rhs [G, K, N] or [G, N, K] (ragged_dot, megablox gmm), or out
+    [G, K, N] from [S, K] or [K, S] and [S, N] (the weights' gradient, tgmm): 2 * S * K * N.
+    0 for a kernel of another shape (splash attention, ...): its FLOPs stay unknown."""
+    out = _dims(inst.type_text)
+    shapes = [_dims(module.types.get(o, "")) for o in inst.operands]
+    two, three = [d for d in shapes if len(d) == 2], [d for d in shapes if len(d) == 3]
+    if len(out) == 2:
+        rows, n = out
+        for lhs in (d for d in two if d[0] == rows):
+            if any(rhs[1:] in ([lhs[1], n], [n, lhs[1]]) for rhs in three):
+                return 2.0 * rows * lhs[1] * n
+    if len(out) == 3:
+        k, n = out[1:]
+        for lhs in (d for d in two if k in d):
+            rows = lhs[1] if lhs[0] == k else lhs[0]
+            if [rows, n] in two:
+                return 2.0 * rows * k * n
+    return 0.0
+
+
+def masked_groups(module: Module, fusion: Instruction) -> int:
+    """G when XLA:TPU runs a convolution fusion masked by group, else 1: a ragged dot's transpose is
+    a convolution over every group with a pred[G, rows] mask (each row in one group), and its
+    iteration skipper (`mask_aggregator_config` with mask dimensions) runs only each row's group."""
+    if '"mask_dim_to_iteration_index":["' not in fusion.attrs:
+        return 1
+    masks = [_dims(t) for t in (module.types.get(o, "") for o in fusion.operands) if t.startswith("pred[")]
+    return max([m[0] for m in masks if len(m) == 2] or [1])
 
 
 def _update_of(module: Module, inst: Instruction) -> int:

@@ -1,4 +1,4 @@
-"""The plan's report per device: exact state bytes, the compiler's memory, the verdict, FLOPs, roofline.
+"""The plan's report per device: exact state bytes, the compiler's memory, the verdict, FLOPs, step-time estimate.
 
 Everything is per device, for the most loaded one. The figures and where they come from:
 
@@ -19,8 +19,10 @@ Everything is per device, for the most loaded one. The figures and where they co
   compile-only GPUs) and the analytic jaxpr count of `core.bench.train.component_flops` for the
   step's global batch, over the devices;
 - bytes accessed and collectives per mesh axis: read from the compiled HLO, loops counted;
-- roofline: step time >= max(matmul FLOPs / peak, bytes accessed / HBM bandwidth, collective bytes
-  / link bandwidth), i.e. perfect overlap at the published peaks: an optimistic estimate.
+- the step-time estimate: core/plan/cost.py's model of each executed instruction (its matmuls at
+  the peak, its bytes at the HBM bandwidth, gathers by the row, a fixed cost per instruction,
+  asynchronous copies and collectives overlapped), at the chip's published peaks with efficiencies
+  fitted on a TPU v5e chip (docs/planning.md#the-step-time-model).
 
 A TPU compile refused for memory (RESOURCE_EXHAUSTED) is a verdict: `refusal` reads the
 compiler's own usage figures and largest allocations from its message.
@@ -28,6 +30,7 @@ compiler's own usage figures and largest allocations from its message.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Any
@@ -127,8 +130,7 @@ def compiled_report(cfg, target: Target, mesh, state_info: dict[str, int], compi
            "collective_bytes": program["collective_bytes"],
            **flop_figures(cfg, mesh, program, cost, analytic),
            "top_temporaries": top_temporaries(buffer_text, text, top) if top else []}
-    out.update(roofline(target, out["flops_per_step"], out["bytes_accessed"], sum(out["collective_bytes"].values()),
-                        out["global_batch"] * cfg.max_target_length))
+    out.update(step_estimate(target, text, out["global_batch"] * cfg.max_target_length))
     return out
 
 
@@ -244,32 +246,33 @@ def analytic_flops(cfg, mesh) -> dict[str, float]:
 
 
 def flop_figures(cfg, mesh, program: dict[str, Any], cost: dict[str, float], analytic: bool) -> dict[str, Any]:
-    """The FLOP counts beside the roofline's (module docstring) and which one it uses, and why."""
+    """The FLOP counts beside the estimate's (module docstring) and which one it uses, and why."""
     counts = analytic_flops(cfg, mesh) if analytic else {"total": None, "matmul": None}
     return {"analytic_flops_per_device": counts["total"], "analytic_matmul_flops_per_device": counts["matmul"],
             "xla_cost_analysis_flops": cost.get("flops"), "xla_cost_analysis_bytes": cost.get("bytes accessed"),
             "matmul_flops_loops_once": program["matmul_flops_loops_once"],
-            "flops_rule": "the roofline uses the compiled program's matmul FLOPs with each loop body counted as often "
-                          "as it runs; XLA's cost analysis counts each while-loop body once (the layer scan, the "
-                          "chunked attention and loss), and the analytic jaxpr count also counts elementwise work, "
-                          "which the peak bf16 FLOP/s does not apply to"}
+            "flops_rule": "flops_per_step is the compiled program's matmul FLOPs (grouped-matmul kernels from their "
+                          "shapes) with each loop body counted as often as it runs; XLA's cost analysis counts each "
+                          "while-loop body once (the layer scan, the chunked attention and loss), and the analytic "
+                          "jaxpr count also counts elementwise work, which the peak bf16 FLOP/s does not apply to"}
 
 
-def roofline(target: Target, flops: float | None, bytes_accessed: float | None, comm_bytes: int,
-             tokens: int) -> dict[str, Any]:
-    """estimated_step_s = max(FLOPs / peak, bytes / HBM bandwidth, collective bytes / link bandwidth)."""
-    if target.chip is None or not flops:
+def step_estimate(target: Target, hlo_text: str, tokens: int) -> dict[str, Any]:
+    """estimated_step_s, estimated_tokens_per_s and `step_estimate`, the model's parts (core/plan/cost.py)."""
+    from core.plan import cost
+
+    if target.chip is None:
         return {"estimated_step_s": None, "estimated_tokens_per_s": None,
-                "roofline": "no estimate: fake CPU devices have no peak figures" if target.chip is None
-                else "no estimate: the compiled program has no matmuls"}
+                "step_estimate": "no estimate: fake CPU devices have no peak figures"}
     chip = target.chip
-    parts = {"compute_s": flops / chip.peak_flops, "hbm_s": (bytes_accessed or 0.0) / chip.hbm_bandwidth,
-             "collective_s": comm_bytes / chip.link_bandwidth}
-    step = max(parts.values())
+    ceilings = cost.Ceilings(chip.peak_flops, chip.hbm_bandwidth, chip.link_bandwidth)
+    parts = cost.estimate(hlo_text, ceilings)
+    step = parts.pop("step_s")
     return {"estimated_step_s": step, "estimated_tokens_per_s": tokens / step if step else None,
-            "roofline": {**parts, "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
-                         "link_bandwidth": chip.link_bandwidth,
-                         "assumptions": "estimate: the compiled program's matmul FLOPs and bytes accessed (loops "
-                                        "counted) at the chip's published dense bf16 peak and HBM bandwidth, "
-                                        "collectives at one link's bandwidth, all three overlapped perfectly; no "
-                                        "kernel, launch or host overhead"}}
+            "step_estimate": {**parts, "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
+                              "link_bandwidth": chip.link_bandwidth, "efficiency": dataclasses.asdict(cost.V5E),
+                              "model": "per executed instruction: max(matmul FLOPs / (peak x mxu), (HBM bytes + "
+                                       "vmem x on-chip bytes) / (HBM bandwidth x hbm), rows x row_s) + op_s, loops "
+                                       "counted; asynchronous copies and collectives overlapped with the "
+                                       "instructions between start and done; efficiencies fitted on a TPU v5e "
+                                       "(docs/planning.md#the-step-time-model)"}}

@@ -18,7 +18,7 @@ installed extra neither probes for hardware nor prints in any other command. `co
 runs in that process and returns the target's compile-only devices.
 
 Peak FLOP/s (core/parallel/chips.py, which MFU reads too) and HBM bandwidth are the vendors' published
-figures per chip, dense bf16; they feed the roofline estimate only.
+figures per chip, dense bf16; they feed the step-time estimate (core/plan/cost.py) only.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class MissingExtraError(DsvError):
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """One accelerator kind: its memory and the roofline's two ceilings."""
+    """One accelerator kind: its memory and the step-time model's ceilings."""
 
     hbm_bytes: int          # per chip
     peak_flops: float       # dense bf16 FLOP/s per chip
@@ -79,7 +79,7 @@ class Target:
       platform: "tpu" | "cuda" | "cpu": the compiler that runs.
       devices: JAX devices (TPU chips, GPUs, fake CPU devices).
       slices: TPU slices (granules over DCN); 1 elsewhere (a GPU target's granules are its hosts).
-      chip: memory and ceilings per device; None for cpu (approximate memory, no roofline).
+      chip: memory and ceilings per device; None for cpu (approximate memory, no step-time estimate).
       topology: TPU topology ("v5:4x4x4") or GPU topology ("1x2x8": slices x hosts x GPUs).
       chip_config: "megacore" | "default" on TPU.
       host_bounds: TPU chips per host in each dimension (MaxText's chips_per_host_bounds).

@@ -1,0 +1,351 @@
+"""The step-time model of a compiled program, per executed instruction (DESIGN.md "Planning";
+the model and its calibration on a TPU v5e chip: docs/planning.md#the-step-time-model).
+
+One step is the sum, over the instructions it executes (in the compiler's schedule order, each
+while loop's body as often as it runs), of each instruction's time
+
+    t = max(F / (peak x mxu), (H + vmem x V) / (HBM bandwidth x hbm), R x row_s) + op_s
+
+- F: its matmul FLOPs: dots and convolutions, fused or not (`hlo.matmul_flops`' rules); a
+  grouped-matmul kernel (Pallas / Mosaic `tpu_custom_call`, whose body the HLO does not show)
+  from its operand and result shapes, three bf16 passes of the MXU when an operand is float32;
+  XLA:TPU's masked convolution of a ragged dot's transpose runs 1/G of its G groups (its
+  iteration skipper skips the rows of the other groups);
+- H: the bytes it reads and writes in HBM, each array padded to its layout's tiles (`T(8,128)`
+  pads a minor dimension of 24 to 128); a fusion's operand read only through slices or gathers
+  counts what they take, an in-place dynamic-update-slice or scatter its update;
+- V: the bytes it reads and writes in on-chip memory (memory space `S(1)`, a TPU's VMEM);
+- R: the rows it gathers or scatters, one per index: a TPU moves them one at a time;
+- op_s: a fixed cost per executed array instruction.
+
+Asynchronous copies (copy-start / slice-start ... -done: XLA:TPU's prefetches into VMEM and its
+evictions) queue on one DMA engine, first in first out, at the HBM rate; they advance during the HBM
+time that the instructions between start and done leave idle, and a -done waits for what remains
+of its copy and of those queued before it. Asynchronous collectives queue likewise at the link
+bandwidth and overlap the instructions between start and done completely; synchronous ones take
+their bytes over the link bandwidth. A conditional costs all its branches (as `hlo.runs` counts
+them). Everything is per device.
+
+The efficiencies (`V5E`) were fitted on a v5e chip's profiles; v5p and GPU targets use the same
+model and constants with their own published peaks and bandwidths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+from core.plan import hlo
+
+_LAID_OUT = re.compile(r"\b(" + "|".join(sorted(hlo.DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\](?:\{([^}]*)\})?")
+_TILE = re.compile(r"^([\d,]*):T\(([\d,]+)\)")
+_SPACE = re.compile(r"S\((\d+)\)")
+VMEM = 1  # XLA:TPU's memory space of on-chip vector memory; 0 is HBM, others hold scalars and flags
+_FREE_CALLS = ("AllocateBuffer", "ConcatBitcast", "AssumeGatherIndicesInBound")  # no data moved
+_ROWS = ("gather", "scatter")
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """The fitted constants of the model (module docstring), each a physical rate or cost."""
+
+    mxu: float     # fraction of the peak FLOP/s a matmul reaches
+    hbm: float     # fraction of the HBM bandwidth a streaming instruction reaches
+    vmem: float    # cost of an on-chip byte, as a fraction of an HBM byte's
+    row_s: float   # seconds per gathered or scattered row
+    op_s: float    # seconds per executed array instruction
+
+
+# fitted on a TPU v5e chip's profiles (docs/planning.md#the-step-time-model)
+V5E = Efficiency(mxu=0.76, hbm=0.84, vmem=0.07, row_s=8e-9, op_s=0.6e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    """A device's published ceilings (core.plan.targets.Chip's)."""
+
+    peak_flops: float
+    hbm_bandwidth: float
+    link_bandwidth: float
+
+
+@dataclasses.dataclass
+class Work:
+    """What one execution of an instruction does (module docstring's F, H, V, R)."""
+
+    flops: float = 0.0
+    hbm_bytes: int = 0
+    vmem_bytes: int = 0
+    rows: int = 0
+
+
+# ----------------------------------------------------------------------------- arrays as laid out
+
+
+def laid_out(type_text: str) -> list[tuple[int, int]]:
+    """(bytes padded to the layout's first tile, memory space) of each array of an HLO type."""
+    out = []
+    for dtype, dims_text, layout in _LAID_OUT.findall(type_text):
+        dims = [int(d) for d in dims_text.split(",") if d]
+        space = int(m.group(1)) if layout and (m := _SPACE.search(layout)) else 0
+        if layout and dims and (m := _TILE.match(layout)):
+            minor_to_major = [int(d) for d in m.group(1).split(",") if d]
+            for axis, tile in zip(minor_to_major, reversed([int(t) for t in m.group(2).split(",")])):
+                dims[axis] = -(-dims[axis] // tile) * tile
+        out.append((math.prod(dims) * hlo.DTYPE_BYTES[dtype], space))
+    return out
+
+
+def _add(work: Work, type_text: str, times: int = 1) -> None:
+    for size, space in laid_out(type_text):
+        if space == VMEM:
+            work.vmem_bytes += size * times
+        elif space == 0:
+            work.hbm_bytes += size * times
+
+
+def _rows(module: hlo.Module, inst: hlo.Instruction) -> int:
+    """Indices of a gather or scatter: its indices' elements over the index vector's length."""
+    index = hlo._dims(module.types.get(inst.operands[1], "")) if len(inst.operands) > 1 else []
+    m = re.search(r"index_vector_dim=(\d+)", inst.attrs)
+    vector = index[int(m.group(1))] if m and int(m.group(1)) < len(index) else 1
+    return math.prod(index) // max(vector, 1)
+
+
+def _callee(inst: hlo.Instruction) -> str:
+    m = re.search(r"\bcalls=%?([\w.\-]+)", inst.attrs)
+    return m.group(1) if m else ""
+
+
+# ----------------------------------------------------------------------------- one instruction's work
+
+
+def _fused_work(module: hlo.Module, comp: str) -> Work:
+    """Matmul FLOPs and gathered/scattered rows of a fused computation, nested fusions included."""
+    work = Work()
+    for inst in module.computations.get(comp, []):
+        work.flops += hlo.matmul_flops_of(module, inst)
+        if inst.opcode in _ROWS:
+            work.rows += _rows(module, inst)
+        elif inst.opcode == "fusion":
+            inner = _fused_work(module, _callee(inst))
+            work.flops, work.rows = work.flops + inner.flops, work.rows + inner.rows
+    return work
+
+
+def _in_place(module: hlo.Module, root: hlo.Instruction | None) -> tuple[str, int] | None:
+    """(the update's type, 2 if its rows are read and written else 1) when `root` updates its
+    operand 0 in place: a dynamic-update-slice, a scatter, or a fusion whose root so updates its
+    parameter 0; None otherwise."""
+    if root is None or not root.operands:
+        return None
+    if root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
+        return module.types.get(root.operands[1], ""), 1
+    if root.opcode == "scatter" and len(root.operands) == 3:
+        return module.types.get(root.operands[2], ""), 2
+    body = module.computations.get(_callee(root), []) if root.opcode == "fusion" else []
+    inner = _in_place(module, body[-1]) if body else None
+    buffer = next((i for i in body if i.name == body[-1].operands[0]), None) if inner else None
+    return inner if buffer is not None and buffer.opcode == "parameter" and buffer.args.strip() == "0" else None
+
+
+def _fusion(module: hlo.Module, inst: hlo.Instruction) -> Work:
+    """A fusion's work: the bytes of its parameters (sliced ones by what the slices take) and root."""
+    body = module.computations.get(_callee(inst), [])
+    work = _fused_work(module, _callee(inst))
+    work.flops /= hlo.masked_groups(module, inst)
+    users: dict[str, list[tuple[int, hlo.Instruction]]] = {}
+    for i in body:
+        for pos, name in enumerate(i.operands):
+            users.setdefault(name, []).append((pos, i))
+    root = body[-1] if body else None
+    in_place = _in_place(module, root)
+    if in_place:  # the update, written where the buffer lives (a scatter's rows read and written)
+        space = (laid_out(root.type_text) or [(0, 0)])[0][1]
+        _add(work, _in_space(in_place[0], space), in_place[1])
+    else:
+        _add(work, inst.type_text if root is None or root.opcode == "tuple" else root.type_text)
+    for param in body:
+        if param.opcode != "parameter":
+            continue
+        uses = users.get(param.name, [])
+        sliced = [u for pos, u in uses if pos == 0 and u.opcode in ("slice", "dynamic-slice", "gather")]
+        buffer = [u for pos, u in uses if pos == 0 and u is root and in_place]  # updated in place
+        if len(sliced) + len(buffer) < len(uses):
+            _add(work, param.type_text)
+        else:
+            space = (laid_out(param.type_text) or [(0, 0)])[0][1]
+            for u in sliced:
+                _add(work, _in_space(u.type_text, space))
+    return work
+
+
+def _in_space(type_text: str, space: int) -> str:
+    """`type_text` with its arrays in memory space `space` (an update lands where its buffer lives)."""
+    text = re.sub(r"S\(\d+\)", "", type_text)
+    return text if space == 0 else re.sub(r"\{([^}]*)\}", lambda m: "{" + m.group(1) + f"S({space})" + "}", text)
+
+
+def _custom_call(module: hlo.Module, inst: hlo.Instruction) -> Work | None:
+    target = re.search(r'custom_call_target="([^"]*)"', inst.attrs)
+    target = target.group(1) if target else ""
+    if target in _FREE_CALLS:
+        return None
+    work = Work(hlo.matmul_flops_of(module, inst))
+    if target == "tpu_custom_call" and any(module.types.get(o, "").startswith("f32[") for o in inst.operands):
+        work.flops *= 3  # a kernel's float32 matmul: three bf16 passes of the MXU
+    for text in [inst.type_text] + [module.types.get(o, "") for o in inst.operands]:
+        _add(work, text)
+    return work
+
+
+def instruction_work(module: hlo.Module, inst: hlo.Instruction) -> Work | None:
+    """What one execution of a synchronous instruction outside fusions does; None for those that
+    move no data and cost no op (structure, scalars, buffer markers)."""
+    op = inst.opcode
+    if op in hlo._NO_BYTES:
+        return None
+    if op == "fusion":
+        return _fusion(module, inst)
+    if op == "custom-call":
+        return _custom_call(module, inst)
+    if not any(d for _, d, _ in _LAID_OUT.findall(inst.type_text)):
+        return None  # a scalar: the scalar unit's, hidden behind the vector work
+    work = Work(hlo.matmul_flops_of(module, inst))
+    if op in ("slice", "dynamic-slice"):
+        _add(work, inst.type_text, 2)
+    elif op == "dynamic-update-slice" and len(inst.operands) > 1:
+        _add(work, module.types.get(inst.operands[1], ""), 2)
+    elif op == "scatter" and len(inst.operands) == 3:
+        work.rows = _rows(module, inst)
+        _add(work, module.types.get(inst.operands[1], ""))
+        _add(work, module.types.get(inst.operands[2], ""), 2)
+    else:
+        if op == "gather":
+            work.rows = _rows(module, inst)
+        for text in [inst.type_text] + [module.types.get(o, "") for o in inst.operands]:
+            _add(work, text)
+    return work
+
+
+# ----------------------------------------------------------------------------- the schedule, walked
+
+
+@dataclasses.dataclass
+class Breakdown:
+    """Seconds of one step (or of one computation's run), by what decides them."""
+
+    compute_s: float = 0.0     # instructions whose matmul term is the largest
+    memory_s: float = 0.0      # ... whose bytes term is (HBM and on-chip)
+    gather_s: float = 0.0      # ... whose rows term is
+    overhead_s: float = 0.0    # op_s per executed instruction
+    dma_wait_s: float = 0.0    # -done waits for asynchronous copies
+    collective_s: float = 0.0  # synchronous collectives and the waits for asynchronous ones
+    hbm_busy_s: float = 0.0    # of all the above, the time the HBM is busy (no room for queued copies)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.memory_s + self.gather_s + self.overhead_s + self.dma_wait_s + self.collective_s
+
+    def add(self, other: Breakdown, times: float = 1.0) -> None:
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, getattr(self, field.name) + times * getattr(other, field.name))
+
+
+def _collective_s(inst: hlo.Instruction, ceilings: Ceilings) -> float:
+    """A collective's largest array over the link bandwidth; 0 when every group is one device."""
+    groups = hlo._groups(inst.attrs)
+    if groups is not None and all(len(g) <= 1 for g in groups):
+        return 0.0
+    return max((size for size, _ in laid_out(inst.type_text)), default=0) / ceilings.link_bandwidth
+
+
+def _drain(queue: list[list], seconds: float) -> None:
+    """Advance a first-in-first-out transfer queue ([name, seconds left]) by `seconds`."""
+    while queue and seconds > 0:
+        step = min(seconds, queue[0][1])
+        queue[0][1] -= step
+        seconds -= step
+        if queue[0][1] <= 0:
+            queue.pop(0)
+
+
+def _wait(queue: list[list], name: str) -> float:
+    """Seconds until transfer `name` and those queued before it complete; they leave the queue."""
+    names = [n for n, _ in queue]
+    if name not in names:
+        return 0.0
+    upto = names.index(name) + 1
+    waited = sum(left for _, left in queue[:upto])
+    del queue[:upto]
+    return waited
+
+
+def _op(work: Work, ceilings: Ceilings, eff: Efficiency) -> Breakdown:
+    terms = {"compute_s": work.flops / (ceilings.peak_flops * eff.mxu),
+             "memory_s": (work.hbm_bytes + eff.vmem * work.vmem_bytes) / (ceilings.hbm_bandwidth * eff.hbm),
+             "gather_s": work.rows * eff.row_s}
+    decides = max(terms, key=terms.get)
+    part = Breakdown(overhead_s=eff.op_s, **{decides: terms[decides]})
+    part.hbm_busy_s = min(work.hbm_bytes / (ceilings.hbm_bandwidth * eff.hbm), terms[decides])
+    return part
+
+
+def _walk(module: hlo.Module, comp: str, ceilings: Ceilings, eff: Efficiency, memo: dict[str, Breakdown],
+          depth: int = 0) -> Breakdown:
+    """One run of computation `comp`, its instructions in schedule order (module docstring)."""
+    if comp in memo or depth > 64:
+        return memo.get(comp, Breakdown())
+    total, dma, ici = Breakdown(), [], []
+    for inst in module.computations.get(comp, []):
+        op, part = inst.opcode, Breakdown()
+        if op == "while":
+            trips = hlo._trip_count(module, inst)
+            for callee in re.findall(r"\b(?:body|condition)=%?([\w.\-]+)", inst.attrs):
+                part.add(_walk(module, callee, ceilings, eff, memo, depth + 1), trips)
+            part.overhead_s += eff.op_s
+        elif op.endswith("-start") and op.removesuffix("-start") in hlo._COLLECTIVES:
+            ici.append([inst.name, _collective_s(inst, ceilings)])
+        elif op == "async-start" and (wrapped := [i for i in module.computations.get(_callee(inst), [])
+                                                  if i.opcode in hlo._COLLECTIVES]):
+            ici.append([inst.name, sum(_collective_s(i, ceilings) for i in wrapped)])
+        elif op in ("conditional", "call", "async-start"):
+            branches = re.search(r"branch_computations=\{([^}]*)\}", inst.attrs)
+            callees = (re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches else
+                       re.findall(r"\b(?:true_computation|false_computation|to_apply|calls)=%?([\w.\-]+)", inst.attrs))
+            for callee in callees:
+                part.add(_walk(module, callee, ceilings, eff, memo, depth + 1))
+        elif op.endswith("-start"):
+            arrays = laid_out(inst.type_text)
+            moved = arrays[1][0] if len(arrays) > 1 else 0  # (source, destination, context)
+            dma.append([inst.name, moved / (ceilings.hbm_bandwidth * eff.hbm)])
+        elif op.endswith("-done") and inst.operands:
+            if any(n == inst.operands[0] for n, _ in ici):
+                part.collective_s = _wait(ici, inst.operands[0])
+            else:
+                part.dma_wait_s = part.hbm_busy_s = _wait(dma, inst.operands[0])
+        elif op in hlo._COLLECTIVES:
+            part.collective_s = _collective_s(inst, ceilings)
+        elif (work := instruction_work(module, inst)) is not None:
+            part = _op(work, ceilings, eff)
+        _drain(dma, part.step_s - part.hbm_busy_s)
+        _drain(ici, part.step_s)
+        total.add(part)
+    memo[comp] = total
+    return total
+
+
+def estimate(hlo_text: str, ceilings: Ceilings, eff: Efficiency = V5E) -> dict[str, Any]:
+    """The step time of a compiled program's optimised HLO text, and what decides it.
+
+    Returns:
+      {"step_s", "compute_s", "memory_s", "gather_s", "overhead_s", "dma_wait_s", "collective_s"}:
+      the step and its parts (they sum to it), seconds per device.
+    """
+    module = hlo.parse(hlo_text)
+    parts = _walk(module, module.entry, ceilings, eff, {})
+    out = {"step_s": parts.step_s}
+    out.update({f.name: getattr(parts, f.name) for f in dataclasses.fields(parts) if f.name != "hbm_busy_s"})
+    return out

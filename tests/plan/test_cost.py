@@ -1,0 +1,236 @@
+"""core/plan/cost.py: the step-time model on hand-written TPU HLO.
+
+Round ceilings and efficiencies make each rule's figure exact: a dot is compute-bound at the peak
+times mxu, a big copy memory-bound at the bandwidth times hbm, layouts pad minor dimensions to their
+tiles, on-chip bytes cost vmem of an HBM byte, gathers cost by the row, loop bodies count as often
+as they run, asynchronous copies overlap the HBM time that the instructions between start and done
+leave idle (first in, first out), and grouped-matmul kernels count their FLOPs from their shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from core.plan import cost, hlo
+
+CEILINGS = cost.Ceilings(peak_flops=1e12, hbm_bandwidth=1e11, link_bandwidth=1e10)
+EFF = cost.Efficiency(mxu=0.5, hbm=0.5, vmem=0.25, row_s=1e-8, op_s=1e-6)
+BYTES_S = 1 / (1e11 * 0.5)  # seconds per HBM byte at hbm x the bandwidth
+FLOP_S = 1 / (1e12 * 0.5)
+
+
+def module(entry: str, *computations: str) -> str:
+    body = "\n".join(f"  {line}" for line in entry.strip().splitlines())
+    return "HloModule m, is_scheduled=true\n\n" + "\n\n".join(computations) + f"\n\nENTRY %main () -> f32[] {{\n{body}\n}}\n"
+
+
+def estimate(text: str) -> dict[str, float]:
+    return cost.estimate(text, CEILINGS, EFF)
+
+
+DOT = """%fused_dot (p0: bf16[256,512], p1: bf16[512,1024]) -> f32[256,1024] {
+  %p0 = bf16[256,512]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %p1 = bf16[512,1024]{1,0:T(8,128)(2,1)S(1)} parameter(1)
+  ROOT %d = f32[256,1024]{1,0:T(8,128)S(1)} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}"""
+DOT_CALL = "%f = f32[256,1024]{1,0:T(8,128)S(1)} fusion(%a, %b), kind=kOutput, calls=%fused_dot"
+DOT_ARGS = """%a = bf16[256,512]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+%b = bf16[512,1024]{1,0:T(8,128)(2,1)S(1)} parameter(1)"""
+DOT_FLOPS = 2 * 256 * 512 * 1024
+COPY = "%c = f32[1024,1024]{1,0:T(8,128)} copy(%x)"
+COPY_BYTES = 2 * 1024 * 1024 * 4
+
+
+def test_a_dot_is_compute_bound_at_the_peak_times_mxu():
+    e = estimate(module(DOT_ARGS + "\n" + DOT_CALL, DOT))
+    assert e["compute_s"] == pytest.approx(DOT_FLOPS * FLOP_S)
+    assert e["memory_s"] == 0 and e["overhead_s"] == pytest.approx(1e-6)
+    assert e["step_s"] == pytest.approx(DOT_FLOPS * FLOP_S + 1e-6)
+
+
+def test_a_big_copy_is_memory_bound_and_on_chip_bytes_cost_vmem_of_an_hbm_byte():
+    x = "%x = f32[1024,1024]{1,0:T(8,128)} parameter(0)\n"
+    e = estimate(module(x + COPY))
+    assert e["memory_s"] == pytest.approx(COPY_BYTES * BYTES_S) and e["compute_s"] == 0
+    into_vmem = estimate(module(x + COPY.replace("T(8,128)}", "T(8,128)S(1)}", 1)))  # the result in VMEM
+    assert into_vmem["memory_s"] == pytest.approx((COPY_BYTES / 2) * (1 + 0.25) * BYTES_S)
+
+
+def test_layout_tiles_pad_small_minor_dimensions():
+    assert cost.laid_out("f32[1024,24]{1,0:T(8,128)}") == [(1024 * 128 * 4, 0)]
+    assert cost.laid_out("f32[24,1024]{0,1:T(8,128)}") == [(128 * 1024 * 4, 0)]  # dim 0 is the minor one
+    assert cost.laid_out("bf16[3,1024]{1,0:T(8,128)(2,1)S(1)}") == [(8 * 1024 * 2, 1)]
+    assert cost.laid_out("pred[65536]{0:T(1024)(128)(4,1)}") == [(65536, 0)]
+    assert cost.laid_out("(f32[1024,24]{1,0}, s32[]{:S(2)})") == [(1024 * 24 * 4, 0), (4, 2)]  # no tile, no padding
+
+
+def test_loop_trip_counts_multiply():
+    body = """%body (p: (s32[], f32[1024,1024])) -> (s32[], f32[1024,1024]) {
+  %p = (s32[], f32[1024,1024]{1,0:T(8,128)}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[1024,1024]{1,0:T(8,128)} get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  %c = f32[1024,1024]{1,0:T(8,128)} copy(%x)
+  ROOT %t = (s32[], f32[1024,1024]{1,0:T(8,128)}) tuple(%j, %c)
+}"""
+    cond = """%cond (q: (s32[], f32[1024,1024])) -> pred[] {
+  %q = (s32[], f32[1024,1024]{1,0:T(8,128)}) parameter(0)
+  %k = s32[] get-tuple-element(%q), index=0
+  %n = s32[] constant(7)
+  ROOT %lt = pred[] compare(%k, %n), direction=LT
+}"""
+    entry = """%init = (s32[], f32[1024,1024]{1,0:T(8,128)}) parameter(0)
+%w = (s32[], f32[1024,1024]{1,0:T(8,128)}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"7"}}"""
+    e = estimate(module(entry, body, cond))
+    assert e["memory_s"] == pytest.approx(7 * COPY_BYTES * BYTES_S)
+    assert e["overhead_s"] == pytest.approx(8e-6)  # seven copies and the loop
+
+
+def _async(between: str) -> str:
+    start = "%cs = (f32[1024,1024]{1,0:T(8,128)}, f32[1024,1024]{1,0:T(8,128)S(1)}, u32[]{:S(2)}) copy-start(%y)"
+    done = "%cd = f32[1024,1024]{1,0:T(8,128)S(1)} copy-done(%cs)"
+    args = DOT_ARGS + "\n%y = f32[1024,1024]{1,0:T(8,128)} parameter(2)\n%x = f32[1024,1024]{1,0:T(8,128)} parameter(3)"
+    return module("\n".join([args, start, between, done]), DOT)
+
+
+def test_async_copies_overlap_what_leaves_hbm_idle():
+    moved_s = (COPY_BYTES / 2) * BYTES_S
+    alone = estimate(_async(""))
+    assert alone["dma_wait_s"] == pytest.approx(moved_s) and alone["step_s"] == pytest.approx(moved_s)
+    behind_a_dot = estimate(_async(DOT_CALL))  # the dot reads VMEM only: the copy runs beside it
+    assert DOT_FLOPS * FLOP_S > moved_s and behind_a_dot["dma_wait_s"] == 0
+    assert behind_a_dot["step_s"] == pytest.approx(DOT_FLOPS * FLOP_S + 1e-6)
+    behind_a_copy = estimate(_async(COPY))  # HBM busy: only its fixed cost overlaps
+    assert behind_a_copy["dma_wait_s"] == pytest.approx(moved_s - 1e-6)
+
+
+def test_a_done_waits_for_the_copies_queued_before_it():
+    big = "%big = (f32[1024,1024]{1,0:T(8,128)}, f32[1024,1024]{1,0:T(8,128)S(1)}, u32[]{:S(2)}) copy-start(%y)"
+    small = "%small = (s32[512]{0:T(512)}, s32[512]{0:T(512)S(1)}, u32[]{:S(2)}) copy-start(%z)"
+    entry = f"""%y = f32[1024,1024]{{1,0:T(8,128)}} parameter(0)
+%z = s32[512]{{0:T(512)}} parameter(1)
+{big}
+{small}
+%sd = s32[512]{{0:T(512)S(1)}} copy-done(%small)
+%bd = f32[1024,1024]{{1,0:T(8,128)S(1)}} copy-done(%big)"""
+    e = estimate(module(entry))
+    assert e["dma_wait_s"] == pytest.approx((1024 * 1024 * 4 + 512 * 4) * BYTES_S)
+
+
+def test_gathers_cost_by_the_row_and_sliced_operands_by_the_slice():
+    gather = """%fused_gather (t: bf16[1024,128], i: s32[65536]) -> bf16[65536,128] {
+  %t = bf16[1024,128]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %i = s32[65536]{0:T(1024)S(1)} parameter(1)
+  %r = s32[65536,1]{1,0:T(8,128)} reshape(%i)
+  ROOT %g = bf16[65536,128]{1,0:T(8,128)(2,1)S(1)} gather(%t, %r), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,128}
+}"""
+    entry = """%t = bf16[1024,128]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+%i = s32[65536]{0:T(1024)S(1)} parameter(1)
+%g = bf16[65536,128]{1,0:T(8,128)(2,1)S(1)} fusion(%t, %i), kind=kCustom, calls=%fused_gather"""
+    text = module(entry, gather)
+    e = estimate(text)
+    assert e["gather_s"] == pytest.approx(65536 * 1e-8)
+    m = hlo.parse(text)
+    work = cost.instruction_work(m, m.computations["main"][-1])
+    assert work.rows == 65536 and work.hbm_bytes == 0
+    assert work.vmem_bytes == 2 * 65536 * 128 * 2 + 65536 * 4  # the rows read (not the table twice), written; indices
+
+
+def test_in_place_updates_count_the_update_through_a_nested_fusion():
+    inner = """%inner (b: f32[4096,512], i: s32[64,1], u: f32[64,512]) -> f32[4096,512] {
+  %b = f32[4096,512]{1,0:T(8,128)} parameter(0)
+  %i = s32[64,1]{1,0:T(8,128)} parameter(1)
+  %u = f32[64,512]{1,0:T(8,128)} parameter(2)
+  ROOT %s = f32[4096,512]{1,0:T(8,128)} scatter(%b, %i, %u), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+}"""
+    outer = """%outer (b0: f32[4096,512], i0: s32[64,1], u0: f32[64,512]) -> f32[4096,512] {
+  %b0 = f32[4096,512]{1,0:T(8,128)} parameter(0)
+  %i0 = s32[64,1]{1,0:T(8,128)} parameter(1)
+  %u0 = f32[64,512]{1,0:T(8,128)} parameter(2)
+  ROOT %n = f32[4096,512]{1,0:T(8,128)} fusion(%b0, %i0, %u0), kind=kCustom, calls=%inner
+}"""
+    add = """%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %z = f32[] add(%x, %y)
+}"""
+    entry = """%b = f32[4096,512]{1,0:T(8,128)} parameter(0)
+%i = s32[64,1]{1,0:T(8,128)} parameter(1)
+%u = f32[64,512]{1,0:T(8,128)} parameter(2)
+%f = f32[4096,512]{1,0:T(8,128)} fusion(%b, %i, %u), kind=kCustom, calls=%outer"""
+    m = hlo.parse(module(entry, add, inner, outer))
+    work = cost.instruction_work(m, m.computations["main"][-1])
+    update, index = 64 * 512 * 4, 64 * 128 * 4  # the index's minor dimension of 1 is padded to 128
+    assert work.hbm_bytes == 3 * update + index and work.rows == 64  # updates read, rows read and written
+
+
+RAGGED = """%lhs = bf16[2048,512]{1,0:T(8,128)(2,1)} parameter(0)
+%rhs = bf16[8,512,256]{2,1,0:T(8,128)(2,1)} parameter(1)
+%sizes = s32[8]{0:T(128)} parameter(2)
+%out = bf16[2048,256]{1,0:T(8,128)(2,1)} custom-call(%sizes, %lhs, %rhs), custom_call_target="tpu_custom_call\""""
+TGMM = """%lhs_t = bf16[512,2048]{1,0:T(8,128)(2,1)} parameter(0)
+%dout = bf16[2048,256]{1,0:T(8,128)(2,1)} parameter(1)
+%sizes = s32[8]{0:T(128)} parameter(2)
+%drhs = f32[8,512,256]{2,1,0:T(8,128)} custom-call(%lhs_t, %dout, %sizes), custom_call_target="tpu_custom_call\""""
+
+
+def test_grouped_matmul_kernels_count_their_flops_from_their_shapes():
+    flops = 2 * 2048 * 512 * 256
+    for text in (RAGGED, TGMM):
+        m = hlo.parse(module(text))
+        assert hlo.matmul_flops(m) == flops
+        assert estimate(module(text))["compute_s"] == pytest.approx(flops * FLOP_S)
+    f32 = module(RAGGED.replace("%lhs = bf16[2048,512]{1,0:T(8,128)(2,1)}", "%lhs = f32[2048,512]{1,0:T(8,128)}"))
+    assert estimate(f32)["compute_s"] == pytest.approx(3 * flops * FLOP_S)  # three bf16 passes
+    other = module(RAGGED.replace("bf16[8,512,256]", "bf16[8,512,128]"))  # a kernel of another shape: bytes only
+    assert hlo.matmul_flops(hlo.parse(other)) == 0 and estimate(other)["memory_s"] > 0
+
+
+def test_a_ragged_dots_masked_convolution_counts_one_group_in_g():
+    conv = """%masked (a: bf16[2048,512], k: bf16[2048,256], mask: pred[8,2048]) -> f32[512,256] {
+  %a = bf16[2048,512]{1,0:T(8,128)(2,1)} parameter(0)
+  %k = bf16[2048,256]{1,0:T(8,128)(2,1)} parameter(1)
+  %mask = pred[8,2048]{1,0:T(8,128)(4,1)} parameter(2)
+  ROOT %c = f32[512,256]{1,0:T(8,128)} dot(%a, %k), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+}"""
+    entry = """%a = bf16[2048,512]{1,0:T(8,128)(2,1)} parameter(0)
+%k = bf16[2048,256]{1,0:T(8,128)(2,1)} parameter(1)
+%mask = pred[8,2048]{1,0:T(8,128)(4,1)} parameter(2)
+%f = f32[512,256]{1,0:T(8,128)} fusion(%a, %k, %mask), kind=kOutput, calls=%masked, backend_config={"mask_aggregator_config":{"iteration_skipper_mode":"ITERATION_SKIPPER_MODE_GROUP_STARTS","mask_dim_to_iteration_index":["1","4"]}}"""
+    m = hlo.parse(module(entry, conv))
+    dense = hlo.matmul_flops_of(m, m.computations["masked"][-1])
+    assert dense > 0 and hlo.matmul_flops(m) == pytest.approx(dense / 8)
+    assert cost.instruction_work(m, m.computations["main"][-1]).flops == pytest.approx(dense / 8)
+
+
+def test_collectives_take_the_link_and_asynchronous_ones_overlap():
+    gather = ("%ag = (bf16[1024,1024]{1,0}, bf16[4096,1024]{1,0}) all-gather-start(%x), dimensions={0}, "
+              "replica_groups={{0,1,2,3}}")
+    entry = f"""%x = bf16[1024,1024]{{1,0}} parameter(0)
+{DOT_ARGS}
+{gather}
+{DOT_CALL}
+%agd = bf16[4096,1024]{{1,0}} all-gather-done(%ag)"""
+    link_s = 4096 * 1024 * 2 / 1e10
+    e = estimate(module(entry, DOT))
+    assert e["collective_s"] == pytest.approx(max(0.0, link_s - DOT_FLOPS * FLOP_S - 1e-6))
+    sync = module("%x = bf16[4096,1024]{1,0} parameter(0)\n%ar = bf16[4096,1024]{1,0} all-reduce(%x), "
+                  "replica_groups={{0,1,2,3}}, to_apply=%sum",
+                  "%sum (a: bf16[], b: bf16[]) -> bf16[] {\n  %a = bf16[] parameter(0)\n  %b = bf16[] parameter(1)\n"
+                  "  ROOT %c = bf16[] add(%a, %b)\n}")
+    assert estimate(sync)["collective_s"] == pytest.approx(link_s)
+
+
+def test_the_plan_reports_the_estimate_and_its_parts():
+    from core.plan.report import step_estimate
+    from core.plan.targets import parse_target
+
+    text = module(DOT_ARGS + "\n" + DOT_CALL, DOT)
+    out = step_estimate(parse_target("v5e-1"), text, tokens=4096)
+    parts = out["step_estimate"]
+    names = ("compute_s", "memory_s", "gather_s", "overhead_s", "dma_wait_s", "collective_s")
+    assert out["estimated_step_s"] == pytest.approx(sum(parts[k] for k in names))
+    assert out["estimated_tokens_per_s"] == pytest.approx(4096 / out["estimated_step_s"])
+    assert parts["compute_s"] == pytest.approx(DOT_FLOPS / (parts["peak_flops"] * cost.V5E.mxu))
+    assert step_estimate(parse_target("cpu:2"), text, tokens=4096)["estimated_step_s"] is None
