@@ -61,11 +61,11 @@ def main() -> None:
             tiling = Tiling(auto_tile(n, e, k))
             return lambda *a: tiled_experts(*a, tiling, hidden=functools.partial(swiglu_hidden, limit=10.0))
         if name == "ragged":
-            return lambda *a: grouped_experts(*a, 10.0, ragged(jnp.float32))
+            return lambda *a: grouped_experts(*a, 10.0, ragged(jnp.bfloat16))
         if name.startswith("gmm:"):
             tiles = [tuple(int(v) for v in part.split(",")) for part in name[4:].split("/")]
             tiling = GmmTiling(*(tiles * 3 if len(tiles) == 1 else tiles))
-            return lambda *a: grouped_experts(*a, 10.0, megablox_gmm(jnp.float32, tiling, platform))
+            return lambda *a: grouped_experts(*a, 10.0, megablox_gmm(jnp.bfloat16, tiling, platform))
         raise SystemExit(f"unknown implementation {name!r}")
 
     slot_flops = 2.0 * 3 * n * k * m * f

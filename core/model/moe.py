@@ -281,8 +281,10 @@ def grouped_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: 
     """The same sum over the k chosen experts only, one grouped matmul per weight over the slots.
 
     Args:
-      matmul: (lhs [S, K], rhs [E, K, N], group_sizes [E]) -> [S, N] in float32: `lax.ragged_dot`
-        or core/ops/grouped_matmul.py's `gmm`.
+      matmul: (lhs [S, K], rhs [E, K, N], group_sizes [E]) -> [S, N] in the compute dtype (x's),
+        accumulated in float32: core/ops/grouped_matmul.py's `ragged_dot` or `gmm`. The slots'
+        products are rounded to the compute dtype, as MaxText's grouped matmuls return them; the
+        SwiGLU and the combine over k run in float32.
 
     Shapes:
       1. slots = SlotOrder(idx)                     S = B*T*k slots, sorted by expert (a permutation)
@@ -297,9 +299,10 @@ def grouped_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: 
     gate_sf = matmul(x_sm, w1_emf, slots.group_sizes)
     up_sf = matmul(x_sm, w3_emf, slots.group_sizes)
     h_sf = swiglu_hidden(gate_sf, up_sf, limit).astype(x_btm.dtype)
-    y_ntm = slots.unsort(matmul(h_sf, w2_efm, slots.group_sizes))
-    y_tm = jnp.einsum("nkm,nk->nm", y_ntm, weights_btk.reshape(b * t, k).astype(y_ntm.dtype))
-    return y_tm.reshape(b, t, m)
+    y_nkm = slots.unsort(matmul(h_sf, w2_efm, slots.group_sizes))
+    acc = _acc(x_btm)
+    y_nm = jnp.einsum("nkm,nk->nm", y_nkm, weights_btk.reshape(b * t, k).astype(acc), preferred_element_type=acc)
+    return y_nm.reshape(b, t, m)
 
 
 def auto_gmm_tiling(emb: int, mlp: int) -> GmmTiling:
@@ -310,14 +313,14 @@ def auto_gmm_tiling(emb: int, mlp: int) -> GmmTiling:
     return GmmTiling(tile, tile, tile)
 
 
-def ragged(acc):
-    """core/ops/grouped_matmul.py's `ragged_dot` (lax.ragged_dot) returning `acc`."""
-    return lambda lhs, rhs, group_sizes: ragged_dot(lhs, rhs, group_sizes, acc)
+def ragged(out_dtype):
+    """core/ops/grouped_matmul.py's `ragged_dot` (lax.ragged_dot) returning `out_dtype`."""
+    return lambda lhs, rhs, group_sizes: ragged_dot(lhs, rhs, group_sizes, out_dtype)
 
 
-def megablox_gmm(acc, tiling: GmmTiling, platform: str):
-    """core/ops/grouped_matmul.py's `gmm` with `tiling`; the kernels interpret off a TPU."""
-    return lambda lhs, rhs, group_sizes: gmm(lhs, rhs, group_sizes, tiling, acc, platform != "tpu")
+def megablox_gmm(out_dtype, tiling: GmmTiling, platform: str):
+    """core/ops/grouped_matmul.py's `gmm` with `tiling`, returning `out_dtype`; the kernels interpret off a TPU."""
+    return lambda lhs, rhs, group_sizes: gmm(lhs, rhs, group_sizes, tiling, out_dtype, platform != "tpu")
 
 
 def mesh_platform_of(mesh) -> str:
@@ -348,8 +351,8 @@ def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):
                                  jax.nn.one_hot(idx_btk, spec.num_experts, dtype=jnp.float32))
         return dense_experts(x_btm, combine_bte, w1, w2, w3, spec.swiglu_limit), no_drops
     if spec.impl in ("ragged", "gmm"):
-        acc = _acc(x_btm)
-        matmul = ragged(acc) if spec.impl == "ragged" else megablox_gmm(acc, spec.gmm_tiling(), mesh_platform_of(mesh))
+        dt = x_btm.dtype
+        matmul = ragged(dt) if spec.impl == "ragged" else megablox_gmm(dt, spec.gmm_tiling(), mesh_platform_of(mesh))
         grouped = functools.partial(grouped_experts, limit=spec.swiglu_limit, matmul=matmul)
         if mesh is None or mesh.empty or mesh.size == 1:
             return grouped(x_btm, idx_btk, weights_btk, w1, w2, w3), no_drops
