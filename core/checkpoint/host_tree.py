@@ -14,7 +14,7 @@ options changed:
   - OCDBT data files are at most `chunk_bytes` (`ocdbt_target_data_file_size`).
 What lives at once beyond the tree: the chunks and data files in flight, a bounded number times
 `chunk_bytes`, independent of the model's size, where Orbax's default keeps about two extra
-copies of the tree (docs/benchmarks.md#checkpoint-import-and-export-at-flash-width).
+copies of the tree (docs/checkpoints.md#import-and-export-at-flash-width).
 Readers need nothing special: chunking and file sizes are recorded in the checkpoint itself.
 """
 

@@ -14,7 +14,7 @@ DESIGN.md, "Real checkpoints". The source is a directory with config.json and *.
      to the output at the end.
 Peak host memory: the output parameters plus about one float32 copy of the largest tensor (the
 save adds a bounded number of `core.checkpoint.host_tree.CHUNK_BYTES` chunks, not a copy;
-docs/benchmarks.md#checkpoint-import-and-export-at-flash-width).
+docs/checkpoints.md#import-and-export-at-flash-width).
 Output dtype: --dtype, else bfloat16 above 1e9 parameters and float32 below; it is the run's
 frozen_weight_dtype. With bfloat16 (which also rounds the float32 tensors: mHC, ape, sinks) the run's
 config.yml names the warm-up's trainable_parameters_mask: the frozen weights are held in bfloat16 and

@@ -153,6 +153,26 @@ def _permute_bwd(residual, d_s_):
 permute_rows.defvjp(_permute_fwd, _permute_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def copy_rows(x_n_, token_s, inverse_s, k: int):
+    """x[token]: each of N rows copied to its k slots (token = the slot's row, every row k times, in the
+    permuted order whose inverse is `inverse`); the gradient gathers the slots back and sums each
+    row's k, so neither pass materialises the k copies in slot order or scatters."""
+    return x_n_[token_s]
+
+
+def _copy_fwd(x_n_, token_s, inverse_s, k):
+    return x_n_[token_s], inverse_s
+
+
+def _copy_bwd(k, inverse_s, d_s_):
+    d_nk_ = d_s_[inverse_s].reshape(-1, k, *d_s_.shape[1:])
+    return jnp.sum(d_nk_, axis=1, dtype=jnp.promote_types(d_s_.dtype, jnp.float32)).astype(d_s_.dtype), None, None
+
+
+copy_rows.defvjp(_copy_fwd, _copy_bwd)
+
+
 class SlotOrder:
     """The S = N*k (token, expert) slots in order of expert: the permutation and the group sizes.
 
@@ -169,9 +189,7 @@ class SlotOrder:
 
     def sort(self, x_nm):
         """[N, M] tokens -> [S, M] their slots' copies in expert order."""
-        n, m = x_nm.shape
-        slots_sm = jnp.broadcast_to(x_nm[:, None], (n, self.k, m)).reshape(n * self.k, m)
-        return permute_rows(slots_sm, self.order, self.inverse)
+        return copy_rows(x_nm, self.order // self.k, self.inverse, self.k)
 
     def unsort(self, y_sm):
         """[S, M] in expert order -> [N, k, M] back in slot order."""
