@@ -139,17 +139,16 @@ def test_the_state_check_asks_only_this_process_devices_for_memory(monkeypatch):
     import jax
 
     from core.model import transformer
-    from core.train import precompile
+    from core.train import preflight
 
     cfg = tiny_config(None)
     model = transformer.abstract(cfg)
     cpu_mesh = mesh_lib.make_mesh(cfg, jax.local_devices()[:1])
-    monkeypatch.setattr(mesh_lib, "make_mesh", lambda cfg, devices=None: cpu_mesh)
     monkeypatch.setattr(jax, "devices", lambda *a: [_Gpu(1, 2**40), _Gpu(0, 1024)])
     monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_Gpu(0, 1024)])
     monkeypatch.setattr(jax, "local_device_count", lambda *a: 1)
     with pytest.raises(ConfigError, match="a device has 0.0 GiB"):
-        precompile.check_state_fits(cfg, "sparse", model)
+        preflight.check_fits(cfg, "sparse", cpu_mesh, model)
 
 
 # ----------------------------------------------------------------------------- SIGTERM (one process)
