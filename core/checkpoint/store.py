@@ -17,6 +17,8 @@ Orbax writes each step into a temporary directory and renames it when complete, 
 mid-write never appears as `checkpoints/<int>/`; only those are listed. Readers accept a run
 directory, its checkpoints/ directory or one step directory (`resolve_checkpoint`), and every
 problem (missing, foreign, incomplete, shape mismatch) is a one-line `CheckpointError`.
+`read_checkpoint` reads a step's metadata, data position and array trees once; `restore` fills
+targets from it, checked against the trees read.
 """
 
 from __future__ import annotations
@@ -203,14 +205,6 @@ def read_metadata(path: str | Path, step: int | None = None) -> dict[str, Any]:
     return _restore(ckpt_dir, step, metadata=ocp.args.JsonRestore())["metadata"]
 
 
-def read_data_state(path: str | Path, step: int | None = None) -> dict[str, Any]:
-    """The saved data position of a checkpoint."""
-    import orbax.checkpoint as ocp
-
-    _, ckpt_dir, step = resolve_checkpoint(path, step)
-    return _restore(ckpt_dir, step, data=ocp.args.JsonRestore())["data"]
-
-
 def read_tree(path: str | Path, step: int | None = None, item: str = "model") -> dict[str, tuple[tuple[int, ...], str]]:
     """{"a/b/c": (shape, dtype name)} of an array item without loading any array.
 
@@ -226,6 +220,8 @@ def _read_trees(ckpt_dir: Path, step: int, items: tuple[str, ...]) -> dict[str, 
     bad = [item for item in items if item not in _ARRAY_ITEMS]
     if bad:
         raise ValueError(f"item must be one of {_ARRAY_ITEMS}, got {bad[0]!r}")
+    if not items:
+        return {}
     where = f"checkpoint {str(ckpt_dir / str(step))!r}"
     mgr = _manager(ckpt_dir)
     try:

@@ -80,7 +80,7 @@ def test_retention_and_metadata_only_tree(tmp_path):
     tree = ckpt.read_tree(tmp_path / "run")
     assert tree["layers/1/kernel"] == ((4, 4), "float32") and tree["bias"] == ((4,), "float32")
     assert ckpt.read_metadata(tmp_path / "run", 3) == {"stage": "warmup", "step": 3}
-    assert ckpt.read_data_state(tmp_path / "run") == {"epoch": 0, "document": 4}
+    assert ckpt.read_checkpoint(tmp_path / "run", items=()).data == {"epoch": 0, "document": 4}
 
 
 def test_resolve_accepts_run_checkpoints_and_step_dirs(tmp_path):

@@ -198,7 +198,7 @@ def test_sigterm_saves_the_current_step_and_the_rerun_is_bitwise(tmp_path, monke
     data = train_batches(load_config("deepseek4-tiny", SMALL, stage="warmup"), jax.device_count())
     for _ in range(5):  # steps 0..4 consumed five batches
         next(data)
-    assert ckpt.read_data_state(run / "checkpoints", 4) == json_round_trip(data.state())
+    assert ckpt.read_checkpoint(run / "checkpoints", 4, items=()).data == json_round_trip(data.state())
     monkeypatch.setattr(run_files, "append_metrics", append)
     resumed = _warmup(run, 6, "checkpoint_period=3")
     assert resumed.exit_code == 0 and "resuming from checkpoint step 4" in resumed.output, resumed.output
