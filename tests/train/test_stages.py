@@ -290,6 +290,19 @@ def test_teacher_init_belongs_to_the_warmup():
 
 # ----------------------------------------------------------------------------- one copy of the state
 
+def _count_calls(monkeypatch, fn, calls: list) -> None:
+    """Every core module's name for `fn` replaced by a wrapper that appends its name to `calls` at each call."""
+    import sys
+
+    def counted(*args, **kwargs):
+        calls.append(fn.__name__)
+        return fn(*args, **kwargs)
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("core.")]:
+        if getattr(module, fn.__name__, None) is fn:
+            monkeypatch.setattr(module, fn.__name__, counted)
+
+
 def _new_bytes(before: set[int]) -> int:
     """Bytes of the live JAX arrays not among `before` (ids of arrays alive earlier)."""
     return sum(a.nbytes for a in jax.live_arrays() if id(a) not in before)
@@ -299,7 +312,14 @@ def _new_bytes(before: set[int]) -> int:
 def test_a_state_read_from_a_checkpoint_is_not_initialised_first(stage_chain, tmp_path, monkeypatch, how):
     """A resumed run and an --init-from build their model (and optimizer) from shapes and let the checkpoint
     fill it: when the checkpoint is read, nothing of a random state is on the devices (at full size a
-    throwaway state beside the one read would double the state's memory), and the run goes on from it."""
+    throwaway state beside the one read would double the state's memory), and the run goes on from it.
+    The run's phases make the mesh, check the masks and read the checkpoint's trees once each."""
+    from core.parallel.mesh import make_mesh
+    from core.train.step import check_masks
+
+    once = []
+    for fn in (make_mesh, check_masks, ckpt._read_trees):
+        _count_calls(monkeypatch, fn, once)
     at_read = []
     if how == "resume":  # the chain's sparse run without its last checkpoint: resumed from the one before
         run, stage, init = tmp_path / "sparse", "sparse", None
@@ -315,6 +335,7 @@ def test_a_state_read_from_a_checkpoint_is_not_initialised_first(stage_chain, tm
     trainer = train.Trainer(cfg, stage=stage, run_dir=run, init_from=init)
     state_bytes = tree_bytes(trainer.state)
     assert len(at_read) == 1 and at_read[0] < 0.01 * state_bytes, (at_read, state_bytes)
+    assert sorted(once) == ["_read_trees", "check_masks", "make_mesh"], once
     rows = list(trainer.run())
     assert rows and all(np.isfinite(r["total_loss"]) for r in rows)
     if how == "resume":  # and goes on as the straight run did
