@@ -8,6 +8,7 @@ fast): a lazy import that runs back up the order is still a back-arrow.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 CORE = Path(__file__).resolve().parents[1] / "core"
@@ -53,6 +54,15 @@ def test_every_core_package_has_a_rank_and_a_docstring():
     for init in CORE.glob("*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         assert len(doc.splitlines()) >= 3 and "import" in doc, f"{init}: say what it holds and what it may import"
+
+
+def test_every_package_docstring_names_its_modules():
+    missing = []
+    for init in sorted(CORE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        missing += [f"{init.parent.name}/{p.name}" for p in sorted(init.parent.glob("*.py"))
+                    if p.stem != "__init__" and not re.search(rf"\b{p.stem}\b", doc)]
+    assert not missing, f"modules their package's __init__ docstring does not name: {missing}"
 
 
 def test_packages_import_only_downwards():

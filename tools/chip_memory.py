@@ -7,7 +7,7 @@ On a machine with one accelerator: runs the training command's own run in this p
 directory, then prints one JSON object:
 
 - `compiled`: XLA's memory analysis of the step the run executed, compiled for this device
-  (`core.train.run.compiled_memory`: the figures `dsv4 plan` reports, and the run's header line);
+  (`core.train.memory.compiled_memory`: the figures `dsv4 plan` reports, and the run's header line);
 - `allocator`: the device allocator's `memory_stats()` after the run: `peak_bytes_in_use` (the most
   its buffers ever held at once: state, batches, checkpoint copies; whether an executable's
   temporaries count depends on the runtime, and on a TPU v5e they do not), `bytes_in_use`,
@@ -52,7 +52,8 @@ def main() -> None:
 
     from core.config.schema import load_config
     from core.train.compile_cache import enable_compilation_cache
-    from core.train.run import Trainer, compiled_memory
+    from core.train.memory import compiled_memory
+    from core.train.run import Trainer
 
     cfg = load_config(args.model, args.overrides, stage=args.stage, options={"steps": args.steps})
     enable_compilation_cache(cfg.jax_cache_dir)

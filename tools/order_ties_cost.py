@@ -43,7 +43,9 @@ def main() -> None:
     from core.parallel.collective_order import at_risk_pairs
     from core.parallel.sharding import shard_batch
     from core.train import program
-    from core.train.step import build, state_shardings, step_fn
+    from core.parallel.sharding import state_shardings
+    from core.train.materialise import build
+    from core.train.step import step_fn
 
     cfg = load_config("deepseek4-tiny", [*SHAPE, *args.overrides], stage=args.stage)
     setup = build(cfg)

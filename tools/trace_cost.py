@@ -4,7 +4,7 @@
 
 Each round starts two fresh processes, one per collector setting (CPython's default thresholds;
 `core.process.tune_garbage_collector`), that lower the step from abstract inputs as a training
-command does (`core.train.step.lowered_step`: nothing allocated, nothing compiled) and report the
+command does (`core.train.program.lowered_step`: nothing allocated, nothing compiled) and report the
 CPU seconds of that alone. Developer tool: docs/development.md#tests.
 """
 
@@ -29,7 +29,7 @@ def _child(model: str, stage: str, overrides: list[str], tuned: bool) -> dict:
 
         tune_garbage_collector()
     from core.config.schema import load_config
-    from core.train.step import lowered_step
+    from core.train.program import lowered_step
 
     cfg = load_config(model, [*overrides, "jax_cache_dir="], stage=stage)
     start = time.process_time()

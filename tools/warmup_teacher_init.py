@@ -14,13 +14,14 @@ q_n . K_n replaced by their rank-r approximation (q_n B)(C^T K_n) (core/model/in
 for r = DI - R and wider: what the best subspace of that width keeps at step 0 before any
 indexer approximation (no ReLU, no head weights, no per-token query norm lost).
 """
+import jax
 from flax import nnx
 import numpy as np
 import sys
 
 from core.checkpoint import store as ckpt
 from core.config.schema import load_config
-from core.data.batches import eval_batches
+from core.data.batches import eval_batches, train_batches
 from core.eval.evaluate import evaluate_indexer
 from core.loss.indexer_kl_rows import EPS
 from core.model.indexer_init import principal_maps
@@ -30,6 +31,7 @@ src, overrides = sys.argv[1], sys.argv[2:]
 model_name = ckpt.config_of(*ckpt.resolve_checkpoint(src)[1:]).model_name
 cfg = load_config(model_name, overrides, stage="warmup")
 model, cfg, _ = ckpt.restore_model(src, None, cfg)
+calibration = calibration_batches(train_batches(cfg, cfg.per_device_batch_size * jax.device_count()), cfg.indexer_init_batches)
 
 
 def held_out(label):
@@ -40,7 +42,7 @@ def held_out(label):
 
 def bound(ranks):
     """Held-out kl_captured of the teacher with rank-r nope logits, for each r (module docstring)."""
-    stats = layer_stats(model, calibration_batches(cfg))
+    stats = layer_stats(model, calibration)
     n = cfg.head_dim - cfg.qk_rope_head_dim
     maps = []
     for st in stats:
@@ -81,7 +83,7 @@ def bound(ranks):
 rank = cfg.indexer_head_dim - cfg.qk_rope_head_dim
 bound(sorted({rank, min(2 * rank, cfg.head_dim - cfg.qk_rope_head_dim), cfg.head_dim - cfg.qk_rope_head_dim}))
 held_out("random")
-report = teacher_init(model, cfg)
+report = teacher_init(model, calibration)
 print(report.line())
 print(" layer  kept   fit    temperature  kl_captured (calibration)")
 for i, layer in enumerate(report.layers):

@@ -1,7 +1,7 @@
 """The training step's speed and memory over shapes, and its FLOPs per component (`dsv4 bench --train`).
 
-Tools on the training commands' own step program: core/train/step.py's `make_train_step` (the jit of
-core/train/program.py) on the real build or on program.py's `abstract_inputs`.
+Tools on the training commands' own step program: core/train/program.py's `make_train_step` (its jit)
+on the real build or on program.py's `abstract_inputs`.
 
 - `compile_train_step(cfg)`: the step compiled ahead of time from abstract inputs (nothing is
   allocated), as the training commands compile it: compile seconds, XLA's compiled memory
@@ -46,13 +46,13 @@ _SIZES = "__SIZES__"  # marker of the subprocess's one JSON line
 
 def compile_train_step(cfg, mesh=None) -> dict[str, Any]:
     """The step of `cfg` lowered from abstract inputs and compiled, as a training command compiles it
-    ahead of its build (core/train/step.py's `lowered_step`), on `mesh` (default the run's own).
+    ahead of its build (core/train/program.py's `lowered_step`), on `mesh` (default the run's own).
 
     Returns:
       {"compile_s" (abstract inputs, lower and compile), "temp_bytes" (XLA temporaries), "argument_bytes",
        "output_bytes", "xla_flops" (XLA cost analysis of the whole program; -1 if unavailable)}.
     """
-    from core.train.step import lowered_step
+    from core.train.program import lowered_step
 
     start = time.perf_counter()
     compiled = lowered_step(cfg, mesh)[0].compile()
@@ -157,9 +157,9 @@ def component_flops(cfg, mesh=None, *, compile: bool = True) -> dict[str, Any]:
 
     from core.parallel.mesh import mesh_platform
     from core.train import program
-    from core.train.step import abstract_model_and_optimizer, step_fn
+    from core.train.step import step_fn
 
-    graphdef, state, batch, mesh = program.abstract_inputs(cfg, abstract_model_and_optimizer(cfg), mesh)
+    graphdef, state, batch, mesh = program.abstract_inputs(cfg, program.abstract_model_and_optimizer(cfg), mesh)
     components = jaxpr_flops(jax.make_jaxpr(step_fn(cfg, graphdef, mesh_platform(mesh)))(state, batch))
     compiled = compile_train_step(cfg, mesh) if compile else {"xla_flops": None, "temp_bytes": None}
     tokens = batch["tokens"].shape[0] * batch["tokens"].shape[1]
@@ -183,7 +183,8 @@ def compiled_shape(cfg, batches: int) -> dict[str, Any]:
 
     from core.data.batches import train_batches
     from core.parallel.sharding import shard_batch
-    from core.train.step import build, make_train_step
+    from core.train.materialise import build
+    from core.train.program import make_train_step
 
     setup = build(cfg)
     graphdef, state = nnx.split((setup.model, setup.optimizer))

@@ -66,11 +66,15 @@ def _unwritable_reason(directory: Path) -> str:
     return os.strerror(errno.EROFS if read_only else errno.EACCES)
 
 
-def write_config(run_dir: Path, cfg) -> None:
-    from core.config.schema import dump
-
+def write_config(run_dir: Path, text: str) -> None:
+    """config.yml: `text`, the run's resolved config as `core.config.schema.dump` writes it."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / CONFIG_FILE).write_text(dump(cfg))
+    (run_dir / CONFIG_FILE).write_text(text)
+
+
+def write_metrics(run_dir: Path, rows: list[Mapping[str, Any]]) -> None:
+    """Replace metrics.jsonl by `rows` (the format of `append_metrics`)."""
+    (run_dir / METRICS_FILE).write_text("".join(json.dumps(dict(r)) + "\n" for r in rows))
 
 
 def append_metrics(run_dir: Path, row: Mapping[str, Any]) -> None:

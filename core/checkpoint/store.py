@@ -17,10 +17,13 @@ Orbax writes each step into a temporary directory and renames it when complete, 
 mid-write never appears as `checkpoints/<int>/`; only those are listed. Readers accept a run
 directory, its checkpoints/ directory or one step directory (`resolve_checkpoint`), and every
 problem (missing, foreign, incomplete, shape mismatch) is a one-line `CheckpointError`.
+`read_checkpoint` reads a step's metadata, data position and array trees once; `restore` fills
+targets from it, checked against the trees read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Mapping
@@ -202,42 +205,100 @@ def read_metadata(path: str | Path, step: int | None = None) -> dict[str, Any]:
     return _restore(ckpt_dir, step, metadata=ocp.args.JsonRestore())["metadata"]
 
 
-def read_data_state(path: str | Path, step: int | None = None) -> dict[str, Any]:
-    """The saved data position of a checkpoint."""
-    import orbax.checkpoint as ocp
-
-    _, ckpt_dir, step = resolve_checkpoint(path, step)
-    return _restore(ckpt_dir, step, data=ocp.args.JsonRestore())["data"]
-
-
 def read_tree(path: str | Path, step: int | None = None, item: str = "model") -> dict[str, tuple[tuple[int, ...], str]]:
     """{"a/b/c": (shape, dtype name)} of an array item without loading any array.
 
     Args:
       item: "model" or "optimizer".
     """
-    if item not in _ARRAY_ITEMS:
-        raise ValueError(f"item must be one of {_ARRAY_ITEMS}, got {item!r}")
     _, ckpt_dir, step = resolve_checkpoint(path, step)
+    return _read_trees(ckpt_dir, step, (item,))[item]
+
+
+def _read_trees(ckpt_dir: Path, step: int, items: tuple[str, ...]) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
+    """`read_tree` of each of `items` of a resolved step, from one read of its metadata."""
+    bad = [item for item in items if item not in _ARRAY_ITEMS]
+    if bad:
+        raise ValueError(f"item must be one of {_ARRAY_ITEMS}, got {bad[0]!r}")
+    if not items:
+        return {}
+    where = f"checkpoint {str(ckpt_dir / str(step))!r}"
     mgr = _manager(ckpt_dir)
     try:
-        tree = mgr.item_metadata(step)[item]
+        metadata = mgr.item_metadata(step)
+        trees = {item: metadata[item] for item in items}
     except Exception as e:
-        raise CheckpointError(f"checkpoint {str(ckpt_dir / str(step))!r} has unreadable {item} metadata "
+        raise CheckpointError(f"{where} has unreadable {' and '.join(items)} metadata "
                               f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__}): it is truncated or corrupted.") from None
     finally:
         mgr.close()
-    if tree is None:
-        raise CheckpointError(f"checkpoint {str(ckpt_dir / str(step))!r} has no {item} metadata: it is truncated or corrupted.")
-    tree = getattr(tree, "tree", tree)
-    return {k: (tuple(v.shape), str(v.dtype)) for k, v in flatten(tree).items()}
+    out = {}
+    for item, tree in trees.items():
+        if tree is None:
+            raise CheckpointError(f"{where} has no {item} metadata: it is truncated or corrupted.")
+        tree = getattr(tree, "tree", tree)
+        out[item] = {k: (tuple(v.shape), str(v.dtype)) for k, v in flatten(tree).items()}
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """One finished checkpoint step, read once (`read_checkpoint`): where it lies, its JSON items, and
+    the trees of the array items asked for (shapes and dtypes; no array is read)."""
+
+    run_dir: Path
+    dir: Path                  # its checkpoints/ directory
+    step: int
+    metadata: Mapping[str, Any]  # config, stage, step, metrics, model_name, dsv4 version
+    data: Mapping[str, Any]    # the data position after the step's batch
+    trees: Mapping[str, Mapping[str, tuple[tuple[int, ...], str]]]  # item -> `read_tree` of it
+
+    def shapes(self, item: str = "model") -> dict[str, tuple[int, ...]]:
+        """{path: shape} of an array item read with the checkpoint."""
+        return {k: s for k, (s, _) in self.trees[item].items()}
+
+
+def read_checkpoint(path: str | Path, step: int | None = None, items: tuple[str, ...] = ("model",)) -> Checkpoint:
+    """A checkpoint's metadata, data position and the trees of `items`, read once for every later use.
+
+    Args:
+      path: run dir, checkpoints/ dir or step dir (`resolve_checkpoint`).
+      items: the array items whose trees to read ("model", "optimizer").
+    """
+    import orbax.checkpoint as ocp
+
+    run_dir, ckpt_dir, step = resolve_checkpoint(path, step)
+    json_items = _restore(ckpt_dir, step, metadata=ocp.args.JsonRestore(), data=ocp.args.JsonRestore())
+    return Checkpoint(run_dir, ckpt_dir, step, json_items["metadata"], json_items["data"],
+                      _read_trees(ckpt_dir, step, tuple(items)))
+
+
+def restore(checkpoint: Checkpoint, **targets: Any) -> dict[str, Any]:
+    """Array items of `checkpoint` restored into `targets` (item -> an abstract plain dict of
+    jax.ShapeDtypeStruct, with shardings to restore each leaf straight into its shards).
+
+    Raises:
+      CheckpointError: naming the first parameter whose shape or presence differs from the tree read
+        with the checkpoint ("(optimizer state)" in the message for the optimizer item).
+    """
+    import orbax.checkpoint as ocp
+
+    where = f"checkpoint {str(checkpoint.dir / str(checkpoint.step))!r}"
+    for item, target in targets.items():
+        check_compatible(checkpoint.shapes(item), shapes(target), where if item == "model" else f"{where} ({item} state)")
+    return _restore(checkpoint.dir, checkpoint.step, **{k: ocp.args.StandardRestore(v) for k, v in targets.items()})
 
 
 def config_of(path: str | Path, step: int | None = None):
     """The resolved Config a checkpoint was trained with."""
+    return saved_config(read_metadata(path, step))
+
+
+def saved_config(metadata: Mapping[str, Any]):
+    """The Config of a checkpoint's metadata (`read_metadata`, `Checkpoint.metadata`)."""
     from core.config.schema import loads
 
-    return loads(json.dumps(read_metadata(path, step)["config"]))
+    return loads(json.dumps(metadata["config"]))
 
 
 def restore_model_state(path: str | Path, target: Any, step: int | None = None) -> tuple[dict[str, Any], int]:
@@ -252,25 +313,8 @@ def restore_model_state(path: str | Path, target: Any, step: int | None = None) 
     Raises:
       CheckpointError: naming the first parameter whose shape or presence differs.
     """
-    import orbax.checkpoint as ocp
-
-    _, ckpt_dir, step = check_model_shapes(path, shapes(target), step)
-    return _restore(ckpt_dir, step, model=ocp.args.StandardRestore(target))["model"], step
-
-
-def check_model_shapes(path: str | Path, expected: Mapping[str, tuple[int, ...]], step: int | None = None
-                       ) -> tuple[Path, Path, int]:
-    """Compare a checkpoint's model tree (metadata only) with `expected` {path: shape}.
-
-    Returns:
-      `resolve_checkpoint(path, step)`.
-    Raises:
-      CheckpointError: naming the first parameter whose shape or presence differs.
-    """
-    run_dir, ckpt_dir, step = resolve_checkpoint(path, step)
-    saved = {k: s for k, (s, _) in read_tree(ckpt_dir, step).items()}
-    check_compatible(saved, expected, f"checkpoint {str(ckpt_dir / str(step))!r}")
-    return run_dir, ckpt_dir, step
+    checkpoint = read_checkpoint(path, step)
+    return restore(checkpoint, model=target)["model"], checkpoint.step
 
 
 def restore_model(path: str | Path, step: int | None = None, cfg=None, *, mesh=None):
@@ -287,14 +331,13 @@ def restore_model(path: str | Path, step: int | None = None, cfg=None, *, mesh=N
     from core.model import transformer
     from core.parallel.sharding import abstract_state
 
-    metadata = read_metadata(path, step)
+    checkpoint = read_checkpoint(path, step)
     if cfg is None:
-        cfg = config_of(path, metadata["step"])
+        cfg = saved_config(checkpoint.metadata)
     graphdef, state = nnx.split(transformer.abstract(cfg))
     target = state if mesh is None else abstract_state(state, mesh)
-    values, _ = restore_model_state(path, nnx.to_pure_dict(target), metadata["step"])
-    nnx.replace_by_pure_dict(state, values)
-    return nnx.merge(graphdef, state), cfg, metadata
+    nnx.replace_by_pure_dict(state, restore(checkpoint, model=nnx.to_pure_dict(target))["model"])
+    return nnx.merge(graphdef, state), cfg, dict(checkpoint.metadata)
 
 
 class RunCheckpointer:
@@ -333,19 +376,6 @@ class RunCheckpointer:
         self._mgr.save(step, args=ocp.args.Composite(
             model=HostTreeSave(model) if host else ocp.args.StandardSave(model), optimizer=ocp.args.StandardSave(optimizer),
             data=ocp.args.JsonSave(dict(data)), metadata=ocp.args.JsonSave(dict(metadata))), force=True)
-
-    def restore(self, step: int, *, model: Any, optimizer: Any) -> dict[str, Any]:
-        """All items of `step`; `model`/`optimizer` are abstract plain-dict targets (shape-checked)."""
-        import orbax.checkpoint as ocp
-
-        where = f"checkpoint {str(self.dir / str(step))!r}"
-        resolve_checkpoint(self.dir, step)
-        for item, target in (("model", model), ("optimizer", optimizer)):
-            saved = {k: s for k, (s, _) in read_tree(self.dir, step, item).items()}
-            check_compatible(saved, shapes(target), where if item == "model" else f"{where} (optimizer state)")
-        return _restore(self.dir, step, model=ocp.args.StandardRestore(model),
-                        optimizer=ocp.args.StandardRestore(optimizer),
-                        data=ocp.args.JsonRestore(), metadata=ocp.args.JsonRestore())
 
     def wait(self) -> None:
         if self._mgr_instance is not None:

@@ -406,13 +406,14 @@ def _write_run(output: Path, cfg, treedef, arrays, summary: ImportSummary) -> No
 
     from core.checkpoint import store as ckpt
     from core.checkpoint import run_files
+    from core.config.schema import dump
     from core.train.run import dsv4_version
 
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.parent / f".{output.name}.import-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        run_files.write_config(tmp, cfg)
+        run_files.write_config(tmp, dump(cfg))
         saver = ckpt.RunCheckpointer(tmp, max_to_keep=1, async_save=False, host_model=True)
         metadata = {"config": cfg.to_dict(), "stage": STAGE, "step": 0, "metrics": {}, "model_name": cfg.model_name,
                     "dsv4_version": dsv4_version(), "source": summary.source, "layout": summary.layout}

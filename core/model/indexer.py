@@ -20,7 +20,7 @@ from core.model.compressor import Compressor
 from core.model.layers import dense_init, param
 from core.ops.rope import RopeSpec, apply_rope
 from core.ops.chunked_attention import RowQueries
-from core.ops.topk import IndexerInputs, indexer_scores
+from core.ops.topk import IndexerInputs
 
 
 def indexer_queries(c_q_btr, wq_b_rid, positions_bt, *, rope: RopeSpec, dtype):
@@ -115,11 +115,6 @@ class Indexer(nnx.Module):
                              jax.lax.stop_gradient(c_q_btr), self.wq_b[...])
         return IndexerInputs(queries, *self.keys_and_weights(x_btm, positions_bt))
 
-    def project(self, x_btm, c_q_btr, positions_bt):
-        """`inputs` with the queries built whole: (q_btid [B, T, HI, DI], k_bwd, weights_bti)."""
-        queries, k_bwd, weights_bti = self.inputs(x_btm, c_q_btr, positions_bt)
-        return queries.of(queries.inputs, positions_bt), k_bwd, weights_bti
-
     def keys_and_weights(self, x_btm, positions_bt):
         """(k_bwd, weights_bti float32) of `inputs` from the detached x."""
         dt = self.dtype
@@ -127,13 +122,3 @@ class Indexer(nnx.Module):
         k_bwd = self.compressor(x_btm, positions_bt)
         weights_bti = jnp.einsum("btm,mi->bti", x_btm, self.weights_proj[...].astype(dt))
         return k_bwd, weights_bti.astype(jnp.float32) * (self.heads ** -0.5 * self.head_dim ** -0.5)
-
-    @staticmethod
-    def score(q_btid, k_bwd, weights_bti, visible_btw, *, head_chunk: int = 0):
-        """`indexer_scores` of the projected inputs: float32 [B, T, W], NEG where invisible."""
-        return indexer_scores(q_btid, k_bwd, weights_bti, visible_btw, head_chunk=head_chunk)
-
-    def __call__(self, x_btm, c_q_btr, positions_bt, visible_btw, *, head_chunk: int = 0):
-        """Scores of every block for every query: float32 [B, T, W]."""
-        q_btid, k_bwd, weights_bti = self.project(x_btm, c_q_btr, positions_bt)
-        return self.score(q_btid, k_bwd, weights_bti, visible_btw, head_chunk=head_chunk)

@@ -16,7 +16,7 @@ parameter.
 Outside the context (the default, every traced build, `create_sharded`), above `MAX_BUCKETED`
 elements, or for a shape of rank < 2, the initialiser is JAX's
 `variance_scaling(1, "fan_in", "truncated_normal")` itself.
-The context is per thread (a contextvar): core/train/precompile.py's thread traces its abstract model
+The context is per thread (a contextvar): core/train/program.py's compile thread traces the step
 without it.
 """
 

@@ -480,8 +480,3 @@ class MoE(nnx.Module):
                                                  normalize=spec.normalize)
         lb_loss = load_balance_loss(scores_bte, idx_btk, valid_bt, spec.num_experts, spec.lb_weight)
         return idx_btk, weights_btk, lb_loss
-
-    def update_bias(self, load_e, rate: float) -> None:
-        """After an optimizer step: nudge the selection bias towards balance (no-op without one)."""
-        if self.gate.bias is not None:
-            self.gate.bias[...] = update_router_bias(self.gate.bias[...], load_e, rate)

@@ -1,7 +1,7 @@
 """The one parameter count: the official checkpoint's tensor inventory, MTP excluded.
 
 Every figure dsv4 prints about a model's size comes from `count_parameters`: the training
-header (`core.train.run.build`), `dsv4 inspect-ckpt` (from saved metadata, no array read), its
+header (`core.train.materialise.build`), `dsv4 inspect-ckpt` (from saved metadata, no array read), its
 `--json`, and `core.model.transformer.param_counts`.
 
   parameters  = every nnx.Param + the router selection biases (`.../gate/bias`)

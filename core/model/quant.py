@@ -21,7 +21,6 @@ Paths: `<param path>/codes` and `<param path>/scales`.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable
 
 import jax
@@ -157,12 +156,6 @@ def dequantize_held(model: nnx.Module, dtype=jnp.float32) -> list[str]:
         held = getattr(node, name)
         setattr(node, name, nnx.Param(held.dequantize(dtype), out_sharding=held.param_axes, eager_sharding=False))
     return [full for _, _, full in found]
-
-
-def held_nbytes(model: nnx.Module) -> int:
-    """Bytes of every Released variable of `model` (codes and scales)."""
-    return sum(math.prod(v.shape) * jnp.dtype(v.dtype).itemsize
-               for _, v in nnx.iter_graph(model) if isinstance(v, Released))
 
 
 # ----------------------------------------------------------------------------- checkpoints held otherwise

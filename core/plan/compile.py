@@ -1,7 +1,7 @@
 """The training step compiled ahead of time for a target, in a child process (DESIGN.md, "Planning").
 
 The program is the training commands' own (`lower_plan`): core/train/program.py's
-`abstract_inputs` on `make_mesh`'s mesh over the target's devices, jitted by core/train/step.py's
+`abstract_inputs` on `make_mesh`'s mesh over the target's devices, jitted by core/train/program.py's
 `make_train_step` (program.py's `jit_step`: donated state, the state's rule shardings out, the
 compiler options of the target's platform). Nothing is allocated: the inputs are ShapeDtypeStructs.
 
@@ -170,8 +170,8 @@ def device_mesh(cfg, devices: Sequence[Any]):
 
 def lower_plan(cfg, target: tg.Target):
     """In the child: the train step lowered for `target`'s devices as a training command lowers it
-    (core/train/step.py's `lowered_step`); returns (jax.stages.Lowered, program.StepInputs)."""
-    from core.train.step import lowered_step
+    (core/train/program.py's `lowered_step`); returns (jax.stages.Lowered, program.StepInputs)."""
+    from core.train.program import lowered_step
 
     return lowered_step(cfg, device_mesh(cfg, tg.compile_devices(target)))
 

@@ -118,7 +118,7 @@ def compiled_report(cfg, target: Target, mesh, state_info: dict[str, int], compi
                     buffer_text: str = "", analytic: bool = True, global_batch: int | None = None) -> dict[str, Any]:
     """The report of a step that compiled (module docstring); `--json`'s fixed fields at top level."""
     from core.plan import hlo
-    from core.train.run import compiled_memory
+    from core.train.memory import compiled_memory
 
     text = compiled.as_text()
     usable, rule = usable_memory(target)

@@ -148,11 +148,10 @@ def _state_child(args: dict[str, Any]) -> dict[str, Any]:
     from jax.sharding import AbstractMesh, AxisType
 
     from core.train import program
-    from core.train.step import abstract_model_and_optimizer
 
     try:
         cfg = plan_compile.load(args["model"], args["stage"], args["overrides"], args["config_file"])
-        model = abstract_model_and_optimizer(cfg)  # depends on neither the mesh nor the batch
+        model = program.abstract_model_and_optimizer(cfg)  # depends on neither the mesh nor the batch
         out = []
         for fields in args["candidates"]:
             c = Candidate(tuple(fields["ici"]), tuple(fields["dcn"]), fields["per_device_batch_size"])

@@ -1,10 +1,13 @@
-"""Training: the step, the run around it, and what makes a run safe and quick to start.
+"""Training: the step, the run around it in phases, and what makes a run safe and quick to start.
 
-Modules: step (losses, optimizer, trainable mask, the jitted step, build), program (a stage's
-step program: its abstract inputs and its jit, shared with plan and bench), run (the Trainer: resume,
-init-from, metrics), precompile (ahead-of-time compile beside the build), compile_cache, run_lock
-(one writer per run directory), step_guard (no non-finite step applied), resume_checks (what a
-resume may change), write_errors (write failures as one error), handoff (stage hand-off via
---init-from), tensorboard.
+Modules: step (the step's maths: losses, schedule, trainable mask, router biases), optimizer
+(AdamW with its moments' dtypes), program (the compiled step's one home: abstract inputs, jit,
+caches, ahead-of-time compile; shared with plan and bench), run (the Trainer: its phases in order,
+the loop, checkpoints), preflight (every check that needs no array), materialise (build, restore,
+init-from), outputs (checkpointer, config.yml, metrics.jsonl, TensorBoard), memory (the step's
+memory against a device's), indexer_init (the teacher's indexer initialisation), compile_cache,
+run_lock (one writer per run directory), step_guard (no non-finite step applied), stop (Ctrl-C,
+SIGTERM and write errors agreed across processes), resume_checks (what a resume may change),
+write_errors (write failures as one error), handoff (stage hand-off via --init-from), tensorboard.
 May import: core.checkpoint and below.
 """

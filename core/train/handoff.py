@@ -10,15 +10,13 @@ Top-k binds on a query row when the row sees more compressed blocks than `indexe
 T tokens sees at most T // 4 CSA blocks (its last query, one document filling the row), so when
 indexer_topk >= max_target_length // 4 no row is ever narrowed: sparse attention equals dense and
 a warm-up's KL scores blocks that attention uses anyway. The training commands warn of it
-(`topk_warning`); `dsv4 eval-indexer` warns per swept k (core/eval/report.py `topk_warnings`).
+(core/train/preflight.py `topk_warning`); `dsv4 eval-indexer` warns per swept k (core/eval/report.py
+`topk_warnings`).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Iterable
-
-from core.checkpoint import store as ckpt
 
 CSA_RATIO = 4
 
@@ -33,27 +31,12 @@ def without_indexer(tree: dict[str, Any]) -> dict[str, Any]:
     return {k: without_indexer(v) if isinstance(v, dict) else v for k, v in tree.items() if k != "indexer"}
 
 
-def source_lacks_indexer(path: str | Path, expected: Iterable[str]) -> bool:
-    """True when the model (variable paths `expected`) has indexer parameters and the checkpoint at
-    `path` (run dir, checkpoints/ dir or step dir) has none. Reads metadata only."""
-    if not any(is_indexer(p) for p in expected):
-        return False
-    _, ckpt_dir, step = ckpt.resolve_checkpoint(path)
-    return not any(is_indexer(p) for p in ckpt.read_tree(ckpt_dir, step))
+def lacks_indexer(saved: Iterable[str], expected: Iterable[str]) -> bool:
+    """True when the model (variable paths `expected`) has indexer parameters and the checkpoint
+    (paths `saved`, its tree as `core.checkpoint.store.read_checkpoint` read it) has none."""
+    return any(is_indexer(p) for p in expected) and not any(is_indexer(p) for p in saved)
 
 
 def topk_never_binds(indexer_topk: int, max_target_length: int) -> bool:
     """True when no query row can see more than `indexer_topk` CSA blocks."""
     return indexer_topk >= max_target_length // CSA_RATIO
-
-
-def topk_warning(cfg) -> str | None:
-    """The training commands' start-up warning text when top-k cannot bind (None when it can, or the
-    model has no indexer)."""
-    if not (cfg.use_indexer and cfg.csa_layers) or not topk_never_binds(cfg.indexer_topk, cfg.max_target_length):
-        return None
-    blocks = cfg.max_target_length // CSA_RATIO
-    return (f"top-k never binds: indexer_topk={cfg.indexer_topk} >= max_target_length // {CSA_RATIO} = "
-            f"{blocks} blocks, so sparse attention equals dense and the indexer loss scores blocks attention uses anyway; "
-            f"lower indexer_topk below {blocks} or raise max_target_length.")
-

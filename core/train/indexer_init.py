@@ -7,9 +7,9 @@ Two dense forwards per calibration batch (mode "eval_dense", collect), jitted on
      `teacher_indexer` per layer, written into the model;
   2. temperature: the indexer's scores are linear in weights_proj, so each layer's KL to its dense
      teacher is measured for every factor of TEMPERATURES and weights_proj is scaled by the best.
-The calibration batches are the first `indexer_init_batches` of a fresh training stream: the
-training run meets the same batches (nothing is consumed from its own stream), and no held-out
-row is used, so `dsv4 eval-indexer` measures the initialisation on rows it never saw.
+The calibration batches are the first `indexer_init_batches` of the run's training stream, which
+is then rewound: the training run meets the same batches, and no held-out row is used, so
+`dsv4 eval-indexer` measures the initialisation on rows it never saw.
 Deterministic: the same source, config and devices give the same indexer, bitwise.
 """
 
@@ -25,12 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core.data.batches import train_batches
 from core.loss.indexer_kl_rows import Spec, kl_rows, teacher_rows
 from core.model.indexer_init import LayerStats, TeacherWeights, teacher_indexer
 from core.ops.masks import block_first_positions
 from core.ops.rope import apply_rope
-from core.parallel.sharding import local_batch_slice, shard_batch
+from core.parallel.sharding import shard_batch
 from core.train.program import with_mesh
 
 TEMPERATURES = tuple(float(2.0 ** (e / 2)) for e in range(-16, 9))  # 1/256 .. 16, steps of sqrt(2)
@@ -139,15 +138,15 @@ def _jitted(kind: str, rope, mesh):
     return nnx.jit(fn if mesh is None else with_mesh(mesh, fn))
 
 
-def calibration_batches(cfg, mesh=None) -> list[dict[str, Any]]:
-    """The first `indexer_init_batches` batches of a fresh training stream of `cfg` (sharded over `mesh`)."""
-    rows = cfg.per_device_batch_size * jax.device_count()
-    local = range(rows) if mesh is None else range(*local_batch_slice(mesh, rows).indices(rows))
-    data = train_batches(cfg, rows, local)  # this process's rows only, as training reads them
+def calibration_batches(data, count: int, mesh=None) -> list[dict[str, Any]]:
+    """The first `count` batches of `data`, a training stream at its start (core/data/batches.py:
+    this process's rows), sharded over `mesh`; `data` is rewound to its start."""
+    start = data.state()
     out = []
-    for _ in range(cfg.indexer_init_batches):
+    for _ in range(count):
         batch = next(data)
         out.append(batch if mesh is None else shard_batch(batch, mesh, process_local=True))
+    data.restore(start)
     return out
 
 
@@ -162,19 +161,18 @@ def layer_stats(model, batches, mesh=None) -> list[LayerStats]:
     return [LayerStats(*(float(s[i]) if s.ndim == 1 else s[i] for s in sums)) for i in range(len(sums[0]))]
 
 
-def teacher_init(model, cfg, mesh=None) -> TeacherInit:
+def teacher_init(model, batches: list[dict[str, Any]], mesh=None) -> TeacherInit:
     """Initialise every indexer of `model` (a Transformer holding a trained model) from its teacher.
 
     Args:
       model: the model, changed in place (only the indexers' parameters).
-      cfg: its Config (indexer_init_batches, the data, the shapes).
-      mesh: the device mesh its state lives on (batches are sharded over it), or None.
+      batches: the calibration batches (`calibration_batches`).
+      mesh: the device mesh its state lives on (the batches are sharded over it), or None.
 
     Returns:
       TeacherInit (its `line()` is the training commands' notice).
     """
     start = time.perf_counter()
-    batches = calibration_batches(cfg, mesh)
     attns = csa_attentions(model)
     rope = attns[0][1].spec.rope
     results = []

@@ -13,6 +13,7 @@ schedule's), so checkpoints written before these keys restore unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
@@ -35,21 +36,33 @@ def scale_by_adam(b1: float, b2: float, eps: float, mu_dtype, nu_dtype) -> optax
     return optax.GradientTransformation(init, inner.update)
 
 
-def adamw(cfg, schedule: Callable[[Any], Any], trainable: Callable[[Sequence[Any]], bool]
+@dataclasses.dataclass(frozen=True)
+class AdamW:
+    """AdamW's settings, each the config key named beside it."""
+
+    clip: float          # gradient_clipping_threshold: the global norm gradients are clipped to; <= 0 off
+    b1: float            # adam_b1
+    b2: float            # adam_b2
+    eps: float           # adam_eps
+    weight_decay: float  # adam_weight_decay (decoupled)
+    mu_dtype: str        # mu_dtype: the first moment's storage dtype
+    nu_dtype: str        # nu_dtype: the second moment's storage dtype
+
+
+def adamw(spec: AdamW, schedule: Callable[[Any], Any], trainable: Callable[[Sequence[Any]], bool]
           ) -> optax.GradientTransformation:
     """clip -> AdamW(schedule) for the leaves `trainable(path)` accepts, set_to_zero for the rest.
 
     Args:
-      cfg: reads gradient_clipping_threshold, adam_b1, adam_b2, adam_eps, adam_weight_decay,
-        mu_dtype, nu_dtype.
+      spec: the settings.
       schedule: step -> learning rate.
       trainable: a pytree key path -> trained?
     """
-    train = [optax.clip_by_global_norm(cfg.gradient_clipping_threshold)] if cfg.gradient_clipping_threshold > 0 else []
+    train = [optax.clip_by_global_norm(spec.clip)] if spec.clip > 0 else []
     # nested as optax.adamw nests it, so the state tree (and a checkpoint's paths) is optax.adamw's
-    train.append(optax.chain(scale_by_adam(cfg.adam_b1, cfg.adam_b2, cfg.adam_eps, jnp.dtype(cfg.mu_dtype),
-                                           jnp.dtype(cfg.nu_dtype)),
-                             optax.add_decayed_weights(cfg.adam_weight_decay),
+    adam = scale_by_adam(spec.b1, spec.b2, spec.eps, jnp.dtype(spec.mu_dtype), jnp.dtype(spec.nu_dtype))
+    train.append(optax.chain(adam,
+                             optax.add_decayed_weights(spec.weight_decay),
                              optax.scale_by_learning_rate(schedule)))
 
     def labels(params):

@@ -1,8 +1,8 @@
-"""One recipe for a stage's step program (DESIGN.md, "Planning"): its abstract inputs and its jit.
+"""The compiled train step's one home (DESIGN.md, "Planning" and "time to step 0"): its abstract
+inputs, its jit, its per-process caches and its ahead-of-time compile.
 
-Training (core/train/step.py's `make_train_step`, which the Trainer and the ahead-of-time compile
-of core/train/precompile.py run), `dsv4 plan` (core/plan/compile.py) and `dsv4 bench --train`
-(core/bench/train.py) build their inputs with `abstract_inputs` and jit with `jit_step`, so every
+Training, `dsv4 plan` (core/plan/compile.py) and `dsv4 bench --train` (core/bench/train.py) build
+the step here: `lowered_step` is `make_train_step`'s jit lowered from `abstract_inputs`, so every
 figure they report describes the program a training command runs (tests/plan/test_one_program.py
 compares the lowered programs).
 
@@ -13,15 +13,39 @@ compares the lowered programs).
   mesh, compiled with `step_compiler_options` for the mesh's platform. A step that returns its
   state, `(state, metrics)`, donates it and gives it back in `state_shardings`; a step given no
   `state_shardings` (an evaluation's, which returns metrics alone) donates nothing.
+- `make_train_step`: the jitted step (core/train/step.py's `step_fn`), one per compile-relevant
+  config, graphdef and mesh in a process, so a resumed or repeated run does not compile again;
+  `make_optimizer` keeps one optax transformation per config for the same reason (it is part of
+  the optimizer's graphdef: equal configs give equal graphdefs).
+- `compile_ahead(cfg, mesh, objects)`: the step compiled from abstract state while the model
+  builds (`StepPrecompile`). On a CPU the first step of a run is mostly two serial waits: building
+  the model eagerly and compiling the step; the step needs only shapes, dtypes and shardings.
+  The executable is cached like the jitted step; when the real state does not match what was
+  compiled (another graphdef, sharding or shape) the jitted step runs, which compiles on its first
+  call: the values of every step are the same either way.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 from typing import Any, Callable, NamedTuple
 
 AUTO_CPU_LEVEL = 1  # xla_backend_optimization_level -1 on CPU (step_compiler_options)
+
+# Config keys a compiled step does not depend on (data source, run directory, checkpointing).
+_RUN_ONLY_KEYS = frozenset({
+    "dataset_type", "hf_path", "hf_name", "hf_data_files", "hf_split", "hf_eval_split", "hf_text_column",
+    "hf_streaming", "tokenizer_path", "eval_holdout_fraction", "data_shuffle_seed", "checkpoint_period",
+    "max_checkpoints", "async_checkpointing", "base_output_directory", "run_name", "allow_data_change",
+    "enable_tensorboard", "jax_cache_dir", "compile_ahead"})
+# Per process, keyed by the compile-relevant config: the optax transformation, the jitted step and
+# the step compiled ahead of time. The compile thread fills them too, hence the lock.
+_TX_CACHE: dict[Any, Any] = {}
+_STEP_CACHE: dict[Any, Callable] = {}
+_COMPILED: dict[Any, Any] = {}
+_CACHE_LOCK = threading.RLock()
 
 
 class StepInputs(NamedTuple):
@@ -33,13 +57,76 @@ class StepInputs(NamedTuple):
     mesh: Any
 
 
+# ----------------------------------------------------------------------------- caches
+
+
+def _compile_key(cfg) -> tuple:
+    # steps only shapes the step through the schedule's length, unless learning_rate_schedule_steps fixes it
+    skip = _RUN_ONLY_KEYS | ({"steps"} if cfg.learning_rate_schedule_steps > 0 else set())
+    return tuple((f, v) for f, v in vars(cfg).items() if f not in skip)
+
+
+def step_key(cfg, graphdef, mesh) -> tuple:
+    """The step caches' key: equal for configs, graphdefs and meshes that give the same program."""
+    return (_compile_key(cfg), graphdef, mesh)
+
+
+def has_config(cfg) -> bool:
+    """Whether either step cache holds a step of `cfg`'s compile-relevant config (any graphdef, mesh)."""
+    ck = _compile_key(cfg)
+    with _CACHE_LOCK:
+        return any(k[0] == ck for k in (*_STEP_CACHE, *_COMPILED))
+
+
+def cached_compiled(key):
+    """The ahead-of-time executable of `key` (`step_key`), or None."""
+    with _CACHE_LOCK:
+        return _COMPILED.get(key)
+
+
+def make_optimizer(cfg):
+    """clip -> AdamW(schedule) for trainable leaves, set_to_zero (no state) for frozen ones
+    (core/train/optimizer.py), one object per compile-relevant config."""
+    from core.train import optimizer
+    from core.train.step import config_matcher, learning_rate_schedule
+
+    key = _compile_key(cfg)
+    with _CACHE_LOCK:
+        if key not in _TX_CACHE:
+            _TX_CACHE[key] = optimizer.adamw(adamw_spec(cfg), learning_rate_schedule(cfg), config_matcher(cfg))
+        return _TX_CACHE[key]
+
+
+def adamw_spec(cfg):
+    """The config's `core.train.optimizer.AdamW`."""
+    from core.train.optimizer import AdamW
+
+    return AdamW(cfg.gradient_clipping_threshold, cfg.adam_b1, cfg.adam_b2, cfg.adam_eps, cfg.adam_weight_decay,
+                 cfg.mu_dtype, cfg.nu_dtype)
+
+
+# ----------------------------------------------------------------------------- inputs and jit
+
+
+def abstract_model_and_optimizer(cfg):
+    """`cfg`'s (model, optimizer) from `nnx.eval_shape`: ShapeDtypeStructs, nothing allocated (the
+    objects of `abstract_inputs` for the train step, and the restore targets of a run); the model is
+    `transformer.abstract`'s, traced once per config."""
+    from flax import nnx
+
+    from core.model import transformer
+
+    model = transformer.abstract(cfg)
+    return model, nnx.eval_shape(lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param), model)
+
+
 def abstract_inputs(cfg, objects: Any, mesh=None) -> StepInputs:
     """The abstract inputs of `cfg`'s step over `objects` on `mesh`.
 
     Args:
       objects: the step's nnx objects from `nnx.eval_shape` (the train step's model and optimizer:
-        `core.train.step.abstract_model_and_optimizer`); they depend on neither the mesh nor the
-        batch, so a caller that tries several meshes makes them once.
+        `abstract_model_and_optimizer`); they depend on neither the mesh nor the batch, so a caller
+        that tries several meshes makes them once.
       mesh: a `jax.sharding.Mesh`, or an `AbstractMesh` (shardings without devices: the state bytes
         of a mesh no process has); default the run's own, `make_mesh(cfg)`.
     Returns:
@@ -121,3 +208,123 @@ def step_compiler_options(cfg, backend: str | None = None) -> dict[str, Any]:
             return {}
         level = AUTO_CPU_LEVEL
     return {"xla_backend_optimization_level": level}
+
+
+# ----------------------------------------------------------------------------- the train step
+
+
+def make_train_step(cfg, graphdef, state, mesh):
+    """A jitted `(state, batch) -> (state, metrics)` over the split (model, optimizer) `state`:
+    core/train/step.py's `step_fn` through `jit_step`, the one jit of training, `dsv4 plan` and
+    `dsv4 bench`.
+
+    The output state keeps the input's rule-given shardings (so step 1 reuses step 0's program);
+    one jitted step is shared by every run of an equal (cfg, graphdef, mesh) in a process.
+    """
+    from core.parallel.mesh import mesh_platform
+    from core.parallel.sharding import state_shardings
+    from core.train.step import step_fn
+
+    key = step_key(cfg, graphdef, mesh)
+    with _CACHE_LOCK:  # the compile thread asks too
+        if key not in _STEP_CACHE:
+            _STEP_CACHE[key] = jit_step(step_fn(cfg, graphdef, mesh_platform(mesh)), cfg, mesh,
+                                        state_shardings(state, mesh))
+        return _STEP_CACHE[key]
+
+
+def lowered_step(cfg, mesh=None):
+    """`make_train_step`'s step lowered from `abstract_inputs` on `mesh` (default the run's own), as
+    a training command compiles it ahead of its build; nothing is allocated. `dsv4 plan` and
+    `dsv4 bench --train` compile this.
+
+    Returns:
+      (jax.stages.Lowered, StepInputs).
+    """
+    inputs = abstract_inputs(cfg, abstract_model_and_optimizer(cfg), mesh)
+    return make_train_step(cfg, inputs.graphdef, inputs.state, inputs.mesh).lower(inputs.state, inputs.batch), inputs
+
+
+def compiled_step(cfg, graphdef, state, batch, mesh, on_lowered: Callable[[], None] | None = None):
+    """`make_train_step`'s step compiled ahead of time for (abstract) `state` and `batch`, once per
+    key and process (`jax.stages.Compiled`); `on_lowered()` is called between tracing (Python, holds
+    the GIL) and XLA's compile (releases it)."""
+    key = step_key(cfg, graphdef, mesh)
+    if key not in _COMPILED:
+        lowered = make_train_step(cfg, graphdef, state, mesh).lower(state, batch)
+        if on_lowered is not None:
+            on_lowered()
+        compiled = lowered.compile()
+        with _CACHE_LOCK:
+            _COMPILED.setdefault(key, compiled)
+    return _COMPILED[key]
+
+
+def ahead_or_jitted_step(cfg, graphdef, state, mesh) -> Callable:
+    """The compiled-ahead step of this (config, graphdef, mesh) if the process has one, else the
+    jitted step of `make_train_step` (which compiles on its first call, or already has)."""
+    jitted = make_train_step(cfg, graphdef, state, mesh)
+    compiled = cached_compiled(step_key(cfg, graphdef, mesh))
+    return jitted if compiled is None else AheadStep(compiled, jitted)
+
+
+class AheadStep:
+    """Calls the compiled executable; on an input it was not compiled for, the jitted step."""
+
+    def __init__(self, compiled, jitted):
+        self.compiled, self.jitted = compiled, jitted
+
+    def __call__(self, state, batch):
+        if self.compiled is not None:
+            try:
+                return self.compiled(state, batch)
+            except (TypeError, ValueError):  # checked before anything runs or is donated
+                self.compiled = None
+        return self.jitted(state, batch)
+
+
+# ----------------------------------------------------------------------------- ahead of time
+
+
+def compile_ahead(cfg, mesh, objects) -> "StepPrecompile | None":
+    """The run's step compiled in a background thread from `objects` (`abstract_model_and_optimizer`)
+    on `mesh`; None when `compile_ahead` is off or this process already holds a step of the config
+    (a second run of it in the process neither starts a thread nor compiles)."""
+    if not cfg.compile_ahead or has_config(cfg):
+        return None
+    return StepPrecompile(cfg, abstract_inputs(cfg, objects, mesh))
+
+
+class StepPrecompile:
+    """The train step of `cfg` over abstract `inputs`, compiled in a background thread.
+
+    Errors in the thread (a config the model rejects) are kept, not raised: the build then raises
+    the same error in the main thread, or `step` falls back to the jitted step. The thread is not
+    a daemon: a process that fails while it compiles (a checkpoint that does not restore) prints its
+    error at once and exits when the compile ends; a daemon thread still inside XLA at interpreter
+    exit aborts the process (exit 134 instead of 2).
+    """
+
+    def __init__(self, cfg, inputs: StepInputs):
+        self.cfg, self.error = cfg, None
+        self._lowered = threading.Event()
+        self._thread = threading.Thread(target=self._compile, args=(inputs,), name="dsv4-precompile", daemon=False)
+        self._thread.start()
+        # Tracing is Python: beside the (Python-heavy) model build the two share the GIL and the
+        # trace, the head of the critical path, took twice as long. Wait for it; XLA's compile then
+        # runs beside the build.
+        self._lowered.wait()
+
+    def _compile(self, inputs: StepInputs) -> None:
+        try:
+            compiled_step(self.cfg, *inputs, on_lowered=self._lowered.set)
+        except Exception as e:  # noqa: BLE001  (reported through `step`'s fallback)
+            self.error = e
+        finally:
+            self._lowered.set()
+
+    def step(self, graphdef, state, mesh) -> Callable:
+        """The step for the real `state` (`nnx.split((model, optimizer))` of the built state on
+        `mesh`): the ahead-of-time executable, or the jitted step; `(state, batch) -> (state, metrics)`."""
+        self._thread.join()
+        return ahead_or_jitted_step(self.cfg, graphdef, state, mesh)

@@ -67,6 +67,15 @@ class RunLock:
         self._file = None
 
 
+def claim(run_dir: str | Path, command: str) -> RunLock:
+    """Phase: the run directory's lock, held by process 0 alone (the one writer of the run's plain
+    files, core/train/outputs.py); the other processes hold an unacquired lock, whose release does nothing."""
+    import jax
+
+    lock = RunLock(run_dir, command)
+    return lock.acquire() if jax.process_index() == 0 else lock
+
+
 def releases_lock_on_error(init: Callable[..., None]) -> Callable[..., None]:
     """Decorate an `__init__` that sets `self.lock`: a failing constructor releases the lock."""
 

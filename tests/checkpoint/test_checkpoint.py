@@ -59,10 +59,10 @@ def test_round_trip_keeps_values_and_optimizer_types(tmp_path):
     abstract_m, abstract_o = nnx.eval_shape(lambda: _toy()[0]), nnx.eval_shape(lambda: _toy()[1])
     saver = ckpt.RunCheckpointer(tmp_path / "run", max_to_keep=3, async_save=False)
     assert saver.latest_step() == 4
-    out = saver.restore(4, model=nnx.to_pure_dict(nnx.state(abstract_m)),
-                        optimizer=nnx.to_pure_dict(nnx.state(abstract_o)))
-    saver.close()
-    assert out["data"] == {"epoch": 0, "document": 4} and out["metadata"]["step"] == 4
+    checkpoint = ckpt.read_checkpoint(tmp_path / "run", items=("model", "optimizer"))
+    assert checkpoint.step == 4 and checkpoint.data == {"epoch": 0, "document": 4} and checkpoint.metadata["step"] == 4
+    out = ckpt.restore(checkpoint, model=nnx.to_pure_dict(nnx.state(abstract_m)),
+                       optimizer=nnx.to_pure_dict(nnx.state(abstract_o)))
     state = nnx.state(abstract_o)
     nnx.replace_by_pure_dict(state, out["optimizer"])
     assert jax.tree.structure(state) == jax.tree.structure(nnx.state(optimizer))
@@ -80,7 +80,7 @@ def test_retention_and_metadata_only_tree(tmp_path):
     tree = ckpt.read_tree(tmp_path / "run")
     assert tree["layers/1/kernel"] == ((4, 4), "float32") and tree["bias"] == ((4,), "float32")
     assert ckpt.read_metadata(tmp_path / "run", 3) == {"stage": "warmup", "step": 3}
-    assert ckpt.read_data_state(tmp_path / "run") == {"epoch": 0, "document": 4}
+    assert ckpt.read_checkpoint(tmp_path / "run", items=()).data == {"epoch": 0, "document": 4}
 
 
 def test_resolve_accepts_run_checkpoints_and_step_dirs(tmp_path):

@@ -50,7 +50,7 @@ def abstract_expectations(run: Path) -> dict:
     from core import tree
     from core.model.transformer import Transformer
     from core.model.moe import RouterBias
-    from core.train.step import make_optimizer
+    from core.train.program import make_optimizer
 
     cfg = ckpt.config_of(run)
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

@@ -71,7 +71,7 @@ def test_malformed_yaml_is_one_line_with_line_and_column(tmp_path, option):
 
 def test_a_model_that_cannot_fit_stops_before_building(tmp_path):
     """V4-Flash's f32 state on one CPU device: one line naming the need, the mesh and `dsv4 plan`,
-    exit 2, nothing allocated and nothing written (core/train/precompile.py, check_state_fits)."""
+    exit 2, nothing allocated and nothing written (core/train/preflight.py, check_fits)."""
     out = subprocess.run([sys.executable, "-m", "dsv4cli.main", "warmup", "--model", "deepseek4-284b",
                           "max_target_length=4096"], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 2, out.stderr

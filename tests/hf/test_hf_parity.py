@@ -168,8 +168,7 @@ def _layer_values(block, cfg, layer, x, hf_attn_out, tokens, positions, segments
     if cfg.compress_ratios[layer]:
         out["compressed_kv"] = block.attn.compressor(h, positions)
     if cfg.compress_ratios[layer] == 4:
-        c_q = block.attn.q_norm(jnp.einsum("btm,mr->btr", h, block.attn.wq_a[...]))
-        _, out["indexer_k"], _ = block.attn.indexer.project(h, c_q, positions)
+        out["indexer_k"], _ = block.attn.indexer.keys_and_weights(h, positions)
     # MoE sublayer on the stream that HF's attention output produces
     x_mid = HyperConnection.post(hf_attn_out, x, post, comb)
     y2, _, _ = block.hc_ffn.pre(x_mid)

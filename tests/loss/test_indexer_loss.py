@@ -373,8 +373,9 @@ def test_zero_weights_init_is_a_uniform_student_and_changes_nothing_else(x64):
     q, kv = rng.normal(size=(bsz, t, h, d)) * d**-0.5 * 3, rng.normal(size=(bsz, t // RATIO, d))
     vis = ref.visible(pos, seg, RATIO)
 
-    def loss(model):
-        scores = model(jnp.asarray(x), jnp.asarray(c_q), jnp.asarray(pos), jnp.asarray(vis))
+    def loss(model):  # the indexer's scores as the attention computes whole rows (core/model/attention.py)
+        index = model.inputs(jnp.asarray(x), jnp.asarray(c_q), jnp.asarray(pos))
+        scores = indexer_scores(index.queries.whole(jnp.asarray(pos)).inputs, *index[1:], jnp.asarray(vis))
         return csa_indexer_loss(scores, WholeTeacher(jnp.asarray(q), jnp.asarray(kv)), jnp.asarray(vis)), scores
 
     # one compiled program, not one small compile per eager op of the forward and backward

@@ -18,7 +18,7 @@ from core.model.attention import Attention, AttentionSpec
 from core.model.indexer import Indexer, IndexerSpec
 from core.ops.chunked_attention import softmax_attention
 from core.ops.masks import compressed_visibility
-from core.ops.topk import select_topk
+from core.ops.topk import indexer_scores, select_topk
 from core.ops.rope import RopeSpec
 from tests import reference as ref
 
@@ -181,8 +181,12 @@ def test_indexer_module_scores_and_topk():
     x = rng.standard_normal((2, T, 16)).astype(np.float32)
     c_q = rng.standard_normal((2, T, 8)).astype(np.float32)
     vis = ref.visible(pos, seg, 4)
-    scores = nnx.jit(lambda m, *a: m(*a))(idx, jnp.asarray(x), jnp.asarray(c_q), jnp.asarray(pos),
-                                          jnp.asarray(vis))
+
+    def scores_of(m, x, c_q, pos, vis):  # as the attention scores whole rows (core/model/attention.py)
+        index = m.inputs(x, c_q, pos)
+        return indexer_scores(index.queries.whole(pos).inputs, *index[1:], vis)
+
+    scores = nnx.jit(scores_of)(idx, jnp.asarray(x), jnp.asarray(c_q), jnp.asarray(pos), jnp.asarray(vis))
     freqs = ref.rope_freqs(4, 50.0)
     p = lambda v: np.asarray(v[...], np.float64)
     q_i = ref.rope(np.einsum("btr,rhd->bthd", c_q, p(idx.wq_b)), pos, freqs)

@@ -69,7 +69,8 @@ def test_build_makes_the_optimizer_state_of_eager_init_in_one_program():
     very shardings, what op-by-op `nnx.Optimizer` creation gives (which the compiled-ahead step
     was compiled for)."""
     from core.parallel.sharding import shard_state
-    from core.train.step import build, make_optimizer
+    from core.train.materialise import build
+    from core.train.program import make_optimizer
 
     cfg = tiny_config("sparse")
     setup = build(cfg)

@@ -101,7 +101,7 @@ def test_compiled_warmup_keeps_no_stacked_weights_nor_layer_inputs():
     (nnx.scan returned every variable) and two 20 MiB stacks of the segment's layer inputs (the
     backward through the stack); now 15.4 MiB. Either regression alone passes the bound."""
     from core.model.transformer import BlockSpec, layer_plan
-    from core.train.step import lowered_step
+    from core.train.program import lowered_step
 
     cfg = load_config("deepseek4-tiny", [], stage="warmup")
     compiled = lowered_step(cfg)[0].compile()

@@ -139,17 +139,16 @@ def test_the_state_check_asks_only_this_process_devices_for_memory(monkeypatch):
     import jax
 
     from core.model import transformer
-    from core.train import precompile
+    from core.train import preflight
 
     cfg = tiny_config(None)
     model = transformer.abstract(cfg)
     cpu_mesh = mesh_lib.make_mesh(cfg, jax.local_devices()[:1])
-    monkeypatch.setattr(mesh_lib, "make_mesh", lambda cfg, devices=None: cpu_mesh)
     monkeypatch.setattr(jax, "devices", lambda *a: [_Gpu(1, 2**40), _Gpu(0, 1024)])
     monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_Gpu(0, 1024)])
     monkeypatch.setattr(jax, "local_device_count", lambda *a: 1)
     with pytest.raises(ConfigError, match="a device has 0.0 GiB"):
-        precompile.check_state_fits(cfg, "sparse", model)
+        preflight.check_fits(cfg, "sparse", cpu_mesh, model)
 
 
 # ----------------------------------------------------------------------------- SIGTERM (one process)
@@ -199,7 +198,7 @@ def test_sigterm_saves_the_current_step_and_the_rerun_is_bitwise(tmp_path, monke
     data = train_batches(load_config("deepseek4-tiny", SMALL, stage="warmup"), jax.device_count())
     for _ in range(5):  # steps 0..4 consumed five batches
         next(data)
-    assert ckpt.read_data_state(run / "checkpoints", 4) == json_round_trip(data.state())
+    assert ckpt.read_checkpoint(run / "checkpoints", 4, items=()).data == json_round_trip(data.state())
     monkeypatch.setattr(run_files, "append_metrics", append)
     resumed = _warmup(run, 6, "checkpoint_period=3")
     assert resumed.exit_code == 0 and "resuming from checkpoint step 4" in resumed.output, resumed.output

@@ -356,6 +356,10 @@ def test_two_processes_match_one(runs):
         _assert_same(res["losses"], runs["one"]["warmup"], f"process {pid}")
         _assert_same(res["sparse_losses"], runs["one"]["sparse"], f"process {pid} sparse")
     assert runs["multi_metrics_lines"] == STEPS, "only process 0 writes metrics"
+    # only process 0 locks the run directory and writes its plain files and events (core/train/outputs.py)
+    plain = {".lock", "config.yml", "metrics.jsonl", "tensorboard"}
+    assert plain - {"tensorboard"} <= set(runs["multi"][0]["writes"]), runs["multi"][0]["writes"]
+    assert not plain & set(runs["multi"][1]["writes"]), runs["multi"][1]["writes"]
     from core.train.stop import STOP_CHECK_EVERY
 
     for res in runs["multi"]:  # Ctrl-C on process 1 only: both stop after the first agreed step, saved
@@ -445,9 +449,9 @@ def _worker_meshes(root: str) -> dict:
 def _at_risk(trainer) -> int:
     """At-risk (loop, collective) pairs of the trainer's compiled step (core/parallel/collective_order.py)."""
     from core.parallel.collective_order import at_risk_pairs
-    from core.train import step as ts
+    from core.train import program
 
-    compiled = ts.cached_compiled(ts.step_key(trainer.cfg, trainer.graphdef, trainer.setup.mesh))
+    compiled = program.cached_compiled(program.step_key(trainer.cfg, trainer.graphdef, trainer.setup.mesh))
     return len(at_risk_pairs(compiled.as_text())[2]) if compiled is not None else -1
 
 
@@ -509,11 +513,32 @@ def _ctrl_c_on_process_1(pid: int, run_dir: Path) -> dict:
     return {"steps": steps, "interrupted": interrupted, "last_saved": trainer.last_saved}
 
 
+def _record_writes(root: Path) -> set[str]:
+    """What this process opens for writing under `root` from now on (Python's "open" audit events:
+    the plain files by name, anything under checkpoints/ or tensorboard/ as that directory)."""
+    writes = set()
+
+    def hook(event, args):
+        if event != "open" or not isinstance(args[0], (str, Path)):
+            return
+        mode, flags = args[1], args[2]
+        writing = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & (os.O_WRONLY | os.O_RDWR))
+        path = Path(os.path.abspath(args[0]))
+        if writing and path.is_relative_to(root) and not path.name.startswith(READY):  # not the test's markers
+            parts = path.relative_to(root).parts
+            top = next((p for p in parts if p in ("checkpoints", "tensorboard")), parts[-1])
+            writes.add(top)
+
+    sys.addaudithook(hook)
+    return writes
+
+
 def _worker_multiprocess(pid: str, port: str, root: str) -> dict:
     from core.parallel import mesh as mesh_lib
     from core.parallel import sharding
 
     assert mesh_lib.initialize_distributed(f"127.0.0.1:{port}", 2, int(pid))
+    writes = _record_writes(Path(root).resolve())
     import jax
     import numpy as np
 
@@ -533,7 +558,7 @@ def _worker_multiprocess(pid: str, port: str, root: str) -> dict:
     return {"losses": losses, "sparse_losses": sparse_losses, "stopped": stopped, "processes": jax.process_count(), "devices": jax.device_count(),
             "local_devices": jax.local_device_count(), "main": mesh_lib.is_main_process(),
             "describe": mesh_lib.describe_mesh(mesh), "rows": [rows.start, rows.stop],
-            "process_local_equal": equal}
+            "process_local_equal": equal, "writes": sorted(writes, key=str.lower)}
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ def test_bench_and_plan_lower_the_training_commands_step(monkeypatch):
     from core.parallel.sharding import shard_batch
     from core.plan.compile import lower_plan
     from core.plan.targets import parse_target
-    from core.train.step import build, lowered_step, make_train_step
+    from core.train.materialise import build
+    from core.train.program import lowered_step, make_train_step
 
     monkeypatch.setenv("XLA_FLAGS", "")  # the suite's level (tests/conftest.py) would drop the options to compare
     cfg = load_config("deepseek4-tiny", list(TWO_LAYERS), stage="sparse")

@@ -1,7 +1,7 @@
 """`dsv4 plan`: the planner's figures against the training command's own build and compiled step.
 
 - cpu:1 through the child process, compared with `build` and the step the training command
-  compiles ahead (core/train/precompile.py) in this process;
+  compiles ahead (core/train/program.py) in this process;
 - cpu:8 inside one child process with 8 fake devices (the planner's in-process half and the real
   build side by side);
 - bad input: one line, exit 2, before anything compiles.
@@ -60,15 +60,15 @@ def real_state_bytes(setup) -> int:
 
 def ahead_temp_bytes(cfg) -> int:
     """Temp bytes of the training command's own step as it compiles it ahead of the build
-    (core/train/step.py's `lowered_step`, which core/train/precompile.py compiles; the Trainer runs that
-    executable when the built state matches it, tests/train/test_precompile.py).
+    (core/train/program.py's `lowered_step`, which its `compile_ahead` compiles; the Trainer runs that
+    executable when the built state matches it, tests/train/test_compile_ahead.py).
 
     When the planner compiled the same program (HLO, compile options, backend) in this worker's
     session, this reads JAX's persistent compilation cache (tests/conftest.py) instead of compiling
     it again: a cache hit is itself the proof that the two programs are one. Another program
     compiles here and must still give the same figures.
     """
-    from core.train.step import lowered_step
+    from core.train.program import lowered_step
 
     compiled = lowered_step(cfg)[0].compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
@@ -154,7 +154,7 @@ def test_out_of_memory_refusal_is_a_verdict():
 def test_cpu1_state_bytes_and_temp_equal_the_training_commands_own():
     from core.config.schema import load_config
     from core.plan.compile import plan
-    from core.train.step import build
+    from core.train.materialise import build
 
     result = plan("deepseek4-tiny", "sparse", "cpu:1", ONE_LAYER, top=0, analytic=False)  # the child writes the cache
     assert set(FIELDS) <= set(result["per_device"]), sorted(result["per_device"])
@@ -190,7 +190,7 @@ import json
 from core.config.schema import load_config
 from core.plan.compile import compile_plan
 from core.plan.targets import parse_target
-from core.train.step import build
+from core.train.materialise import build
 from tests.plan.test_plan import ahead_temp_bytes, real_state_bytes
 from tests.conftest import TINY_OVERRIDES
 
@@ -263,7 +263,7 @@ def test_flops_of_the_compiled_program_agree_with_the_analytic_count():
 
 
 def test_training_header_memory_note():
-    from core.train.run import memory_note, step_memory_note
+    from core.train.memory import memory_note, step_memory_note
 
     class Memory:
         argument_size_in_bytes, output_size_in_bytes, alias_size_in_bytes = 10 << 30, 10 << 30, 9 << 30

@@ -29,7 +29,10 @@ from core.checkpoint import store as ckpt
 from core.config.schema import load_config
 from core.errors import ConfigError
 from core.train import optimizer as train_optimizer
+from core.train import program
 from core.train import step as train_step
+from core.train.materialise import build, materialise
+from core.train.preflight import preflight
 from dsv4cli import display
 from dsv4cli.main import app
 
@@ -53,10 +56,10 @@ def _compare(moved, reference) -> tuple[float, float]:
 
 
 @pytest.mark.slow  # the chain fixture: two compiled steps
-def test_full_size_keys_move_the_parameters_as_far_as_float32(chain):
+def test_full_size_keys_move_the_parameters_as_far_as_float32(chain, tmp_path):
     """The sparse stage at the full-size files' keys against the same run with float32 moments."""
     warm, sparse, reference = chain
-    start = _stored(_loaded(warm))
+    start = _stored(_loaded(warm, tmp_path / "run"))
     ratio, cosine = _compare(_moved(start, _params_of(sparse)), _moved(start, _params_of(reference)))
     assert 0.97 < ratio < 1.03 and cosine > 0.99, (ratio, cosine)
 
@@ -65,7 +68,7 @@ def _adamw_movement(params, grads, **keys):
     """The parameter movement of AdamW (core.train.optimizer, no clipping) over the gradient sequence."""
     # dataclasses.replace: past validate, which refuses the b2 = 0.99 that one test shows
     cfg = dataclasses.replace(load_config("deepseek4-tiny", [*SMALL_LR, "gradient_clipping_threshold=0"]), **keys)
-    tx = train_optimizer.adamw(cfg, train_step.learning_rate_schedule(cfg), lambda path: True)
+    tx = train_optimizer.adamw(program.adamw_spec(cfg), train_step.learning_rate_schedule(cfg), lambda path: True)
     p, state = params, tx.init(params)
     for g in grads:
         updates, state = tx.update(g, state, p)
@@ -152,11 +155,10 @@ def _stored(model) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in tree.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
 
 
-def _loaded(warm):
-    """A sparse-stage model at the full-size keys with `warm`'s weights loaded (--init-from's path)."""
-    setup = train_step.build(tiny_config("sparse", *ONE_LAYER, *SMALL_LR, *FULL_SIZE))
-    train_step.load_init_weights(setup, warm)
-    return setup.model
+def _loaded(warm, run_dir):
+    """A sparse-stage model at the full-size keys with `warm`'s weights loaded (--init-from's phases)."""
+    plan = preflight(tiny_config("sparse", *ONE_LAYER, *SMALL_LR, *FULL_SIZE), "sparse", run_dir, init_from=warm)
+    return materialise(plan.cfg, plan.mesh, plan.labels, plan.abstract, plan.source, plan.data).setup.model
 
 
 def _moved(start, end) -> np.ndarray:
@@ -169,7 +171,7 @@ def chain(tmp_path_factory):
     here), then MOVE_STEPS sparse steps --init-from it at those keys, and the same with float32 moments."""
     root = tmp_path_factory.mktemp("precision")
     warm, sparse, reference = root / "warm", root / "sparse", root / "reference"
-    setup = train_step.build(tiny_config("warmup", *ONE_LAYER, *SMALL_LR, *FULL_SIZE))
+    setup = build(tiny_config("warmup", *ONE_LAYER, *SMALL_LR, *FULL_SIZE))
     saver = ckpt.RunCheckpointer(warm, max_to_keep=1, async_save=False)
     saver.save(0, model=nnx.to_pure_dict(nnx.state(setup.model)), optimizer=nnx.to_pure_dict(nnx.state(setup.optimizer)),
                data={}, metadata={"config": setup.cfg.to_dict(), "stage": "warmup", "step": 0})
@@ -196,10 +198,10 @@ def test_state_dtypes_follow_the_keys(chain):
 
 
 @pytest.mark.slow  # the chain fixture: two compiled steps
-def test_init_from_loads_the_master_copy(chain):
+def test_init_from_loads_the_master_copy(chain, tmp_path):
     """--init-from: the warm-up's float32 indexer arrives bit for bit, its bfloat16 frozen weights exactly."""
     saved = _params_of(chain[0])
-    for k, v in _stored(_loaded(chain[0])).items():
+    for k, v in _stored(_loaded(chain[0], tmp_path / "run")).items():
         assert v.dtype == np.float32 and v.tobytes() == saved[k].astype(np.float32).tobytes(), k
 
 

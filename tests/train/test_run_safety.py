@@ -133,7 +133,7 @@ def test_the_guard_holds_no_second_copy_of_the_state():
     GPU). A one-layer step whose state (a 32K vocabulary) outweighs its activations."""
     from core.config.schema import load_config
     from core.plan.report import state_bytes
-    from core.train.step import lowered_step
+    from core.train.program import lowered_step
 
     shape = (*ONE_SWA_LAYER, "vocab_size=32768")
     temp = {}
@@ -158,7 +158,8 @@ def test_both_guard_forms_keep_a_diverged_state_and_apply_a_good_one_alike():
     from core.config.schema import load_config
     from core.data.batches import train_batches
     from core.parallel.sharding import shard_batch
-    from core.train.step import build, step_fn
+    from core.train.materialise import build
+    from core.train.step import step_fn
 
     shape = (*ONE_SWA_LAYER, "vocab_size=512")
     cfg = load_config("deepseek4-tiny", [*shape, "learning_rate=1e30", "gradient_clipping_threshold=0"], stage="sparse")
@@ -220,7 +221,7 @@ def test_overlapped_steps_equal_the_straight_run_bitwise(straight, tmp_path, mon
     assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want]
     (a, _), (b, _) = _variables(straight), _variables(run)
     assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
-    assert ckpt.read_data_state(run / "checkpoints", 5) == ckpt.read_data_state(straight / "checkpoints", 5)
+    assert ckpt.read_checkpoint(run, 5, items=()).data == ckpt.read_checkpoint(straight, 5, items=()).data
 
 
 def test_resume_that_changes_the_schedule_says_so(straight, tmp_path):

@@ -11,8 +11,7 @@ from flax import nnx
 from typer.testing import CliRunner
 
 from tests.conftest import TINY_OVERRIDES, init_model, tiny_config
-from core.train import run as train
-from core.train.handoff import topk_warning
+from core.train.preflight import preflight, topk_warning
 from dsv4cli.main import app
 
 runner = CliRunner()
@@ -33,11 +32,11 @@ def test_training_warns_exactly_when_topk_cannot_bind(overrides, warns):
         assert "never binds" in topk_warning(tiny_config("warmup", *overrides))
 
 
-def test_trainer_carries_the_warning_once(tmp_path):
-    cfg = tiny_config("warmup", "indexer_topk=32", "compile_ahead=false")  # the warning needs no compiled step
-    trainer = train.Trainer(cfg, stage="warmup", run_dir=tmp_path / "w")
-    trainer.ckpt.close()
-    assert trainer.info["warnings"] == [topk_warning(cfg)] and trainer.info["notices"] == []
+def test_preflight_carries_the_warning_once(tmp_path):
+    cfg = tiny_config("warmup", "indexer_topk=32")  # the warning needs no built model, no compiled step
+    plan = preflight(cfg, "warmup", tmp_path / "w")
+    assert plan.warnings == (topk_warning(cfg),) and plan.notices == ()
+    assert not (tmp_path / "w").exists(), "preflight wrote to the run directory"
 
 
 def test_pretrain_forward_is_dense_with_the_head_and_no_indexer_loss():

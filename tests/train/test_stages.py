@@ -28,10 +28,12 @@ from core.checkpoint import store as ckpt
 from core import tree
 from core.checkpoint import run_files
 from core.train import run as train
-from core.train import step as train_step
 from core.errors import CheckpointError, ConfigError
 from core.train.handoff import is_indexer
-from core.train.indexer_init import teacher_init
+from core.data.batches import train_batches
+from core.train.indexer_init import calibration_batches, teacher_init
+from core.train.materialise import build, materialise
+from core.train.preflight import preflight
 from core.train.write_errors import tree_bytes
 from dsv4cli import display
 from dsv4cli.main import app
@@ -182,7 +184,7 @@ def test_interrupted_and_resumed_run_matches_the_straight_one(stage_chain, tmp_p
 
 def _save_without_indexer(run, cfg) -> None:
     """A run directory holding a use_indexer=false model, as a converted checkpoint would be."""
-    setup = train_step.build(cfg.replace(use_indexer=False))
+    setup = build(cfg.replace(use_indexer=False))
     saver = ckpt.RunCheckpointer(run, max_to_keep=1, async_save=False)
     saver.save(0, model=nnx.to_pure_dict(nnx.state(setup.model)), optimizer=nnx.to_pure_dict(nnx.state(setup.optimizer)),
                data={}, metadata={"config": setup.cfg.to_dict(), "stage": "pretrain", "step": 0})
@@ -192,11 +194,12 @@ def _save_without_indexer(run, cfg) -> None:
 def test_warmup_from_a_model_without_indexer(tmp_path):
     src = tmp_path / "noidx"
     _save_without_indexer(src, tiny_config("pretrain", "init_weights_seed=3"))
-    cfg = tiny_config("warmup", "checkpoint_period=4")
-    setup = train_step.build(cfg)
-    fresh = _variables(setup.model)
-    train_step.load_init_weights(setup, src, fresh_indexer=True)
-    loaded, source = _variables(setup.model), _variables(ckpt.restore_model(src)[0])
+    cfg = tiny_config("warmup", "checkpoint_period=4", "indexer_init=random")
+    fresh = _variables(build(cfg).model)
+    plan = preflight(cfg, "warmup", tmp_path / "phases", init_from=src)  # the two phases alone
+    assert plan.source.fresh_indexer
+    made = materialise(plan.cfg, plan.mesh, plan.labels, plan.abstract, plan.source, plan.data)
+    loaded, source = _variables(made.setup.model), _variables(ckpt.restore_model(src)[0])
     assert [k for k in loaded if is_indexer(k)] and not [k for k in source if is_indexer(k)]
     for k, v in loaded.items():
         np.testing.assert_array_equal(v, fresh[k] if is_indexer(k) else source[k], err_msg=k)
@@ -268,7 +271,9 @@ def test_teacher_step0_kl_is_below_the_random_start_and_only_the_indexer_changes
     model, _, _ = ckpt.restore_model(stage_chain["pretrain"][0], None, cfg)
     before = _variables(model)
     assert all(not v.any() for k, v in before.items() if k.endswith("indexer/weights_proj"))  # the random start
-    report = teacher_init(model, cfg)
+    batches = calibration_batches(train_batches(cfg, cfg.per_device_batch_size * jax.device_count()),
+                                  cfg.indexer_init_batches)
+    report = teacher_init(model, batches)
     assert len(report.layers) == len(cfg.csa_layers) and all(0 < t for t in report.temperature)
     assert all(k < u for k, u in zip(report.kl, report.kl_uniform)), (report.kl, report.kl_uniform)
     assert report.kl_captured > 0.3, report
@@ -285,6 +290,19 @@ def test_teacher_init_belongs_to_the_warmup():
 
 # ----------------------------------------------------------------------------- one copy of the state
 
+def _count_calls(monkeypatch, fn, calls: list) -> None:
+    """Every core module's name for `fn` replaced by a wrapper that appends its name to `calls` at each call."""
+    import sys
+
+    def counted(*args, **kwargs):
+        calls.append(fn.__name__)
+        return fn(*args, **kwargs)
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("core.")]:
+        if getattr(module, fn.__name__, None) is fn:
+            monkeypatch.setattr(module, fn.__name__, counted)
+
+
 def _new_bytes(before: set[int]) -> int:
     """Bytes of the live JAX arrays not among `before` (ids of arrays alive earlier)."""
     return sum(a.nbytes for a in jax.live_arrays() if id(a) not in before)
@@ -294,26 +312,30 @@ def _new_bytes(before: set[int]) -> int:
 def test_a_state_read_from_a_checkpoint_is_not_initialised_first(stage_chain, tmp_path, monkeypatch, how):
     """A resumed run and an --init-from build their model (and optimizer) from shapes and let the checkpoint
     fill it: when the checkpoint is read, nothing of a random state is on the devices (at full size a
-    throwaway state beside the one read would double the state's memory), and the run goes on from it."""
+    throwaway state beside the one read would double the state's memory), and the run goes on from it.
+    The run's phases make the mesh, check the masks and read the checkpoint's trees once each."""
+    from core.parallel.mesh import make_mesh
+    from core.train.step import check_masks
+
+    once = []
+    for fn in (make_mesh, check_masks, ckpt._read_trees):
+        _count_calls(monkeypatch, fn, once)
     at_read = []
     if how == "resume":  # the chain's sparse run without its last checkpoint: resumed from the one before
         run, stage, init = tmp_path / "sparse", "sparse", None
         shutil.copytree(stage_chain["sparse"][0], run)
         last = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
         shutil.rmtree(run / "checkpoints" / str(last))
-        restore = ckpt.RunCheckpointer.restore
-        monkeypatch.setattr(ckpt.RunCheckpointer, "restore",
-                            lambda *a, **k: at_read.append(_new_bytes(before)) or restore(*a, **k))
     else:
         run, stage, init = tmp_path / "warm", "warmup", stage_chain["pretrain"][0]
-        restore = ckpt.restore_model_state
-        monkeypatch.setattr(ckpt, "restore_model_state",
-                            lambda *a, **k: at_read.append(_new_bytes(before)) or restore(*a, **k))
+    restore = ckpt.restore
+    monkeypatch.setattr(ckpt, "restore", lambda *a, **k: at_read.append(_new_bytes(before)) or restore(*a, **k))
     cfg = tiny_config(stage, steps=CHAIN_STEPS[stage], checkpoint_period=4)  # the chain's compiled steps
     before = {id(a) for a in jax.live_arrays()}
     trainer = train.Trainer(cfg, stage=stage, run_dir=run, init_from=init)
     state_bytes = tree_bytes(trainer.state)
     assert len(at_read) == 1 and at_read[0] < 0.01 * state_bytes, (at_read, state_bytes)
+    assert sorted(once) == ["_read_trees", "check_masks", "make_mesh"], once
     rows = list(trainer.run())
     assert rows and all(np.isfinite(r["total_loss"]) for r in rows)
     if how == "resume":  # and goes on as the straight run did

@@ -8,7 +8,6 @@ import pytest
 
 from tests.conftest import tiny_config
 from core.train import program
-from core.train import step as ts
 from core.errors import ConfigError
 
 
@@ -66,5 +65,5 @@ def test_the_options_reach_the_compile(monkeypatch):
     # one SWA layer and a level no other test compiles with: this file's own step
     cfg = tiny_config("warmup", "xla_backend_optimization_level=2", "compress_ratios=[0]", "base_num_decoder_layers=1",
                       "first_num_hash_layers=0", "max_target_length=64", "per_device_batch_size=1")
-    level = _level_of(ts.compiled_step(cfg, *program.abstract_inputs(cfg, ts.abstract_model_and_optimizer(cfg))))
+    level = _level_of(program.compiled_step(cfg, *program.abstract_inputs(cfg, program.abstract_model_and_optimizer(cfg))))
     assert level == 2, f"the train step was compiled with level {level}, not the config's 2"

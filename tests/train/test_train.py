@@ -192,12 +192,13 @@ def test_the_optimizer_is_built_beside_the_parameters_not_over_a_copy():
     docs/planning.md#on-a-chip)."""
     from core.parallel.mesh import make_mesh
     from core.parallel.sharding import shard_state
+    from core.train.materialise import new_optimizer
 
     cfg = tiny_config("sparse")
     mesh = make_mesh(cfg)
     model = shard_state(init_model(cfg, cfg.init_weights_seed), mesh)
     before = tree.flatten(nnx.to_pure_dict(nnx.state(model)))
-    optimizer = train_step.new_optimizer(cfg, model, mesh)
+    optimizer = new_optimizer(cfg, model, mesh)
     after = tree.flatten(nnx.to_pure_dict(nnx.state(model)))
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before), \
         [k for k in before if after[k] is not before[k]][:3]

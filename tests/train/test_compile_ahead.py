@@ -1,4 +1,4 @@
-"""The train step compiled ahead of time beside the model build (core/train/precompile.py).
+"""The train step compiled ahead of time beside the model build (core/train/program.py `compile_ahead`).
 
 A run with `compile_ahead=true` must give bitwise the metrics of the jitted step it replaces, use
 the executable it compiled (not a fallback that compiles again), and share it with a later run of
@@ -13,12 +13,12 @@ import numpy as np
 from flax import nnx
 
 from tests.conftest import tiny_config
-from core.train import precompile, program
+from core.train import program
 from core.train import step as ts
 from core.data.batches import train_batches
 from core.parallel.sharding import shard_batch, state_shardings
+from core.train.materialise import build
 from core.train.run import Trainer
-from core.train.step import build
 
 # a learning rate no other test uses: this file's step is its own compile
 OVERRIDES = ("learning_rate=7e-3", "dataset_type=synthetic", "jax_cache_dir=")
@@ -29,7 +29,7 @@ def _jitted_rows(cfg) -> list[dict[str, float]]:
     """Metrics of STEPS steps of the plain jitted step on a fresh build (the reference path)."""
     setup = build(cfg)
     graphdef, state = nnx.split((setup.model, setup.optimizer))
-    # make_train_step's jit before core/train/precompile.py, as a new function: its own compile
+    # make_train_step's jit before its cache, as a new function: its own compile
     step = program.jit_step(ts.step_fn(cfg, graphdef, "cpu"), cfg, setup.mesh, state_shardings(state, setup.mesh))
     data, rows = train_batches(cfg, setup.batch_size), []
     for _ in range(STEPS):
@@ -40,25 +40,25 @@ def _jitted_rows(cfg) -> list[dict[str, float]]:
 
 def test_ahead_step_matches_the_jitted_step_and_is_shared(tmp_path):
     cfg = tiny_config("warmup", *OVERRIDES, steps=STEPS)
-    assert cfg.compile_ahead and not ts.has_config(cfg)
+    assert cfg.compile_ahead and not program.has_config(cfg)
     trainer = Trainer(cfg, stage="warmup", run_dir=tmp_path / "a")
     rows = list(trainer.run())
     step = trainer._step_fn
-    assert isinstance(step, precompile.AheadStep) and step.compiled is not None, "fell back to the jitted step"
+    assert isinstance(step, program.AheadStep) and step.compiled is not None, "fell back to the jitted step"
     want = _jitted_rows(cfg)
     for got, ref in zip(rows, want, strict=True):
         for k in ts.METRIC_KEYS:
             assert got[k] == ref[k], f"{k}: ahead {got[k]!r} != jitted {ref[k]!r}"
     # a second run of the config in this process starts no thread and reuses the executable
     again = Trainer(cfg, stage="warmup", run_dir=tmp_path / "b")
-    assert isinstance(again._step_fn, precompile.AheadStep) and again._step_fn.compiled is step.compiled
+    assert isinstance(again._step_fn, program.AheadStep) and again._step_fn.compiled is step.compiled
     assert [r["total_loss"] for r in again.run()] == [r["total_loss"] for r in rows]
 
 
 def test_ahead_step_falls_back_on_other_inputs():
     jitted = jax.jit(lambda x, y: x * 2 + y)
     spec = jax.ShapeDtypeStruct((2,), jnp.float32)
-    step = precompile.AheadStep(jitted.lower(spec, spec).compile(), jitted)
+    step = program.AheadStep(jitted.lower(spec, spec).compile(), jitted)
     np.testing.assert_array_equal(step(jnp.ones(2), jnp.ones(2)), [3, 3])
     assert step.compiled is not None
     np.testing.assert_array_equal(step(jnp.ones(3), jnp.ones(3)), [3, 3, 3])  # another shape: the jitted step
