@@ -44,7 +44,7 @@ GLUE = {
     "eval/metrics", "eval/evaluate", "eval/report", "eval/rows",
     "hf/names", "hf/config_json", "hf/safetensors_io", "hf/importer", "hf/exporter",
     "bench/loss", "bench/train", "bench/trace", "bench/hlo_owners", "bench/components",
-    "plan/targets", "plan/compile", "plan/report", "plan/hlo", "plan/search",
+    "plan/targets", "plan/compile", "plan/report", "plan/hlo", "plan/search", "plan/cost",
 }
 CORE = Path(__file__).resolve().parents[1]
 

@@ -124,9 +124,12 @@ def _ragged_fwd(lhs_sk, rhs_gkn, group_sizes_g, out_dtype):
 
 def _ragged_bwd(out_dtype, residual, dout_sn):
     lhs_sk, rhs_gkn, group_sizes_g = residual
-    _, pull = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, group_sizes_g, preferred_element_type=lhs_sk.dtype),
-                      lhs_sk, rhs_gkn)
-    return (*pull(dout_sn.astype(lhs_sk.dtype)), None)
+    dout_sn = dout_sn.astype(lhs_sk.dtype)
+    dot = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes_g, preferred_element_type=lhs_sk.dtype)
+    # each operand's transpose alone (no forward product is traced again)
+    (dlhs,) = jax.linear_transpose(lambda a: dot(a, rhs_gkn), lhs_sk)(dout_sn)
+    (drhs,) = jax.linear_transpose(lambda b: dot(lhs_sk, b), rhs_gkn)(dout_sn)
+    return dlhs, drhs, None
 
 
 ragged_dot.defvjp(_ragged_fwd, _ragged_bwd)

@@ -224,7 +224,7 @@ def test_grouped_matmuls_count_each_row_once(impl):
     from core.model import moe
 
     s, e, k, n = 64, 4, 128, 256
-    matmul = moe.ragged_dot(jnp.float32) if impl == "ragged" else moe.megablox_gmm(jnp.float32, moe.auto_gmm_tiling(k, n), "cpu")
+    matmul = moe.ragged(jnp.float32) if impl == "ragged" else moe.megablox_gmm(jnp.float32, moe.auto_gmm_tiling(k, n), "cpu")
     sizes = jnp.full((e,), s // e, jnp.int32)
     loss = lambda lhs, rhs: jnp.sum(matmul(lhs, rhs, sizes))  # noqa: E731
     closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(jnp.ones((s, k)), jnp.ones((e, k, n)))
