@@ -159,7 +159,8 @@ class TrainDisplay:
                 f"{info['params_trainable']:,} trainable  ·  "
                 f"tokens/step {info['tokens_per_step']:,} ({info['batch_size']} x {info['max_target_length']})  ·  "
                 f"devices {info['mesh']}")
-        c.print(f"run {info['run_dir']}  ·  data {info['data']}  ·  steps {info['start_step']}..{info['steps'] - 1}")
+        mfu = f"  ·  MFU over the {info['peak_source']}" if info.get("peak_source") else ""
+        c.print(f"run {info['run_dir']}  ·  data {info['data']}  ·  steps {info['start_step']}..{info['steps'] - 1}{mfu}")
         if info["resumed_from"] is not None:
             c.print(f"resuming from checkpoint step {info['resumed_from']}, continuing to step {info['steps'] - 1}"
                     + ("  (--init-from ignored: the run already has checkpoints)" if info["init_from_ignored"] else ""))

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from core.config.platform import resolve_here
 from core.eval.metrics import layer_sums
 from core.eval.report import IndexerEval, MetricSums, ratio, topk_warnings
 from core.eval.rows import EVAL_KEYS, EvalSet, batch_rows, eval_config, row_batches, row_keys
@@ -78,7 +79,9 @@ class StepSpec(NamedTuple):
     @classmethod
     def of(cls, cfg, ks: Sequence[int], seed: int = 0, progress: bool = False) -> "StepSpec":
         """lm_chunk: lm_loss_chunk_size, or attention_query_chunk_size where that is 0 (the
-        evaluation never builds [B, T, V] logits)."""
+        evaluation never builds [B, T, V] logits); `auto` sizes as resolved for this process's backend
+        when no entry point resolved them."""
+        cfg = resolve_here(cfg)
         return cls(tuple(ks), seed, cfg.csa_qk_head_chunk_size,
                    cfg.lm_loss_chunk_size or cfg.attention_query_chunk_size, progress)
 

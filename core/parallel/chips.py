@@ -54,7 +54,7 @@ def peak_flops(device=None, dtype: str = "float32") -> tuple[float, str]:
 
 @functools.lru_cache(maxsize=None)
 def _measured(device, dtype: str) -> float:
-    return matmul_ceiling(device, dtype, size=2048 if device.platform == "cpu" else 8192)
+    return matmul_ceiling(device, dtype, size=1024 if device.platform == "cpu" else 8192, repeats=3)
 
 
 def matmul_ceiling(device=None, dtype: str = "float32", *, size: int = 2048, repeats: int = 5) -> float:

@@ -42,7 +42,9 @@ from core.config.schema import dump
 from core.data.batches import merge_positions
 from core.data.prefetch import Prefetch
 from core.errors import ClusterError, DivergenceError, PreemptedError, RunWriteError, device_memory_error
+from core.model.flops import model_flops_per_step
 from core.parallel import peers
+from core.parallel.chips import peak_flops, utilization
 from core.parallel.mesh import describe_mesh, exchange, first_line, wait_for_peers
 from core.parallel.sharding import shard_batch
 from core.train import program, step_guard
@@ -88,11 +90,15 @@ def describe(plan: Preflight, made: Materialised, stage: str, run_dir: Path, ini
     cfg, setup, source = plan.cfg, made.setup, plan.source
     resumed_from = source.checkpoint.step if source is not None and source.resume else None
     devices = jax.devices()
+    peak, peak_source = peak_flops(jax.local_devices()[0], cfg.dtype)
     return {
         "model_name": cfg.model_name, "stage": stage, "run_dir": str(run_dir),
         "params_total": setup.params_total, "params_trainable": setup.params_trainable,
         "batch_size": setup.batch_size, "max_target_length": cfg.max_target_length,
         "tokens_per_step": setup.batch_size * cfg.max_target_length,
+        # MFU's numerator and denominator (docs/benchmarks.md#how-mfu-is-counted)
+        "model_flops_per_step": model_flops_per_step(cfg, setup.batch_size)["total"],
+        "peak_flops_per_device": peak, "peak_source": peak_source, "mesh_devices": setup.mesh.size,
         "devices": f"{len(devices)} x {devices[0].platform}", "mesh": _mesh_line(setup.mesh, step), "steps": cfg.steps,
         "start_step": made.start_step, "resumed_from": resumed_from,
         "init_from": None if init_from is None or resumed_from is not None else str(init_from),
@@ -116,7 +122,9 @@ def step_row(step: int, metrics: Mapping[str, float], elapsed: float, info: Mapp
     """The per-step record of metrics.jsonl, TensorBoard and the display: the step's metrics, its time
     (`elapsed` seconds) and throughput; `first`: the step that compiled."""
     return {"step": step, **{k: metrics[k] for k in METRIC_KEYS}, "step_time_s": elapsed,
-            "tokens_per_s": info["tokens_per_step"] / elapsed, "compile": first}
+            "tokens_per_s": info["tokens_per_step"] / elapsed,
+            **utilization(info["model_flops_per_step"], elapsed, info["mesh_devices"], info["peak_flops_per_device"]),
+            "compile": first}
 
 
 # ----------------------------------------------------------------------------- the run

@@ -204,3 +204,21 @@ def test_the_optimizer_is_built_beside_the_parameters_not_over_a_copy():
         [k for k in before if after[k] is not before[k]][:3]
     moments = jax.tree.leaves(nnx.state(optimizer))
     assert moments and all(not np.any(np.asarray(m)) for m in moments)  # zero moments, step 0
+
+
+def test_each_step_reports_model_tflops_and_mfu(warm):
+    """metrics.jsonl and the live table carry the model's TFLOP/s per device and MFU: the analytic model
+    FLOPs of the step (core.model.flops) over the step's time and, for MFU, over the device's peak (on a
+    CPU the measured matmul ceiling, named in the header)."""
+    from core.config.platform import resolve
+    from core.config.schema import loads
+    from core.model.flops import model_flops_per_step
+
+    run, output = warm
+    cfg = resolve(loads((run / run_files.CONFIG_FILE).read_text()), "cpu")
+    flops = model_flops_per_step(cfg, cfg.per_device_batch_size)["total"]
+    for r in run_files.read_metrics(run):
+        assert r["tflops_per_device"] == pytest.approx(flops / r["step_time_s"] / 1e12, rel=1e-9)
+        assert 0 < r["mfu"] < 1 and r["mfu"] * r["tflops_per_device"] > 0
+    assert "MFU over the CPU: measured f32 matmul ceiling" in output
+    assert "TFLOP/s/dev" in output and "MFU" in output
