@@ -6,6 +6,7 @@ import pytest
 
 from core.config.platform import PLATFORM_CHOICES, resolve
 from core.config.schema import load_config
+from core.config.validate import validate
 from core.model import moe
 
 
@@ -18,6 +19,8 @@ def test_auto_keys_take_the_platforms_choice(platform, expected):
         want = choice(cfg, expected) if callable(choice) else choice[expected]
         assert getattr(resolved, key) == want != getattr(cfg, key), key
     assert resolve(resolved, platform) is resolved  # nothing left to resolve
+    for stage in (None, "pretrain", "warmup", "sparse"):  # every choice passes the config's rules
+        validate(resolve(load_config("deepseek4-tiny", stage=stage), platform), stage)
 
 
 @pytest.mark.parametrize("length, topk, platform, expected", [
