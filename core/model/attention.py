@@ -64,6 +64,18 @@ from core.ops.rope import RopeSpec, apply_rope
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked
 
 
+def layer_rope(cfg, compress_ratio: int) -> RopeSpec:
+    """The RoPE of a layer with `compress_ratio` (0 = SWA): the SWA theta plainly; the compressed theta,
+    with YaRN when `rope_type: yarn`, in CSA and HCA layers."""
+    if compress_ratio == 0:
+        return RopeSpec(cfg.qk_rope_head_dim, float(cfg.rope_max_timescale))
+    yarn = cfg.rope_type == "yarn"
+    return RopeSpec(cfg.qk_rope_head_dim, float(cfg.compressed_rope_max_timescale),
+                    yarn_factor=float(cfg.rope_factor) if yarn else 1.0,
+                    original_max_positions=int(cfg.original_max_position_embeddings) if yarn else 0,
+                    beta_fast=float(cfg.beta_fast), beta_slow=float(cfg.beta_slow))
+
+
 def project_queries(c_q_btr, wq_b_rhd, positions_bt, *, eps: float, rope: RopeSpec, dtype):
     """q = RoPE(rms(c_q W_qb)) * D^-1/2 in `dtype`: [B, T, R] x [R, H, D] -> [B, T, H, D]."""
     q = jnp.einsum("btr,rhd->bthd", c_q_btr.astype(dtype), wq_b_rhd.astype(dtype))
@@ -106,7 +118,7 @@ class AttentionSpec:
         return cls(
             emb=cfg.emb, heads=cfg.num_heads, head_dim=cfg.head_dim, q_lora_rank=cfg.q_lora_rank,
             o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank, window=cfg.sliding_window_size,
-            ratio=ratio, eps=cfg.normalization_layer_epsilon, rope=RopeSpec.for_layer(cfg, ratio),
+            ratio=ratio, eps=cfg.normalization_layer_epsilon, rope=layer_rope(cfg, ratio),
             indexer_heads=cfg.indexer_n_heads if indexed else 0,
             indexer_head_dim=cfg.indexer_head_dim if indexed else 0,
             indexer_topk=cfg.indexer_topk if indexed else 0,

@@ -43,21 +43,6 @@ class RopeSpec:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
 
-    @classmethod
-    def for_layer(cls, cfg, compress_ratio: int) -> "RopeSpec":
-        """The RoPE of a layer with `compress_ratio` (0 = SWA) under config `cfg`."""
-        if compress_ratio == 0:
-            return cls(cfg.qk_rope_head_dim, float(cfg.rope_max_timescale))
-        yarn = cfg.rope_type == "yarn"
-        return cls(
-            cfg.qk_rope_head_dim,
-            float(cfg.compressed_rope_max_timescale),
-            yarn_factor=float(cfg.rope_factor) if yarn else 1.0,
-            original_max_positions=int(cfg.original_max_position_embeddings) if yarn else 0,
-            beta_fast=float(cfg.beta_fast),
-            beta_slow=float(cfg.beta_slow),
-        )
-
     @property
     def uses_yarn(self) -> bool:
         return self.yarn_factor > 1.0 and self.original_max_positions > 0

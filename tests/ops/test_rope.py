@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from core.config.schema import load_config
+from core.model.attention import layer_rope
 from core.ops.rope import RopeSpec, apply_rope, rope_frequencies
 from tests import reference as ref
 
@@ -63,10 +64,10 @@ def test_float32_rank3_and_relative_property():
 
 def test_layer_theta_and_yarn_from_config():
     cfg = load_config("deepseek4-284b")
-    swa, csa, hca = (RopeSpec.for_layer(cfg, r) for r in (0, 4, 128))
+    swa, csa, hca = (layer_rope(cfg, r) for r in (0, 4, 128))
     assert swa == RopeSpec(64, 10000.0)  # no YaRN in sliding-window layers (official code)
     assert csa == hca and csa.theta == 160000.0 and csa.uses_yarn
     assert csa.yarn_factor == 16.0 and csa.original_max_positions == 65536
     tiny = load_config("deepseek4-tiny")
-    assert not RopeSpec.for_layer(tiny, 4).uses_yarn
-    assert RopeSpec.for_layer(tiny, 4).theta == 160000.0 and RopeSpec.for_layer(tiny, 0).theta == 10000.0
+    assert not layer_rope(tiny, 4).uses_yarn
+    assert layer_rope(tiny, 4).theta == 160000.0 and layer_rope(tiny, 0).theta == 10000.0
