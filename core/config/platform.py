@@ -21,26 +21,29 @@ AUTO_INT = -1      # the value of an `auto` integer key (as xla_backend_optimiza
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 
+# The TPU's choices come from a v5e chip's profile and runs; a GPU keeps the CPU's until one is measured.
+
+
 def _topk_attention(cfg, platform: str) -> str:
-    """CSA's top-k as a mask over every compressed key on an accelerator while the W = T/4 blocks are at
-    most twice the k selected ones (dense matmuls beat a gather there); gathered keys beyond, and on CPU."""
-    if platform == "cpu" or cfg.max_target_length // 4 > 2 * cfg.indexer_topk:
+    """CSA's top-k as a mask over every compressed key on a TPU while the W = T/4 blocks are at most twice
+    the k selected ones (its dense matmuls beat the gather there); gathered keys beyond, and elsewhere."""
+    if platform != "tpu" or cfg.max_target_length // 4 > 2 * cfg.indexer_topk:
         return "gather"
     return "mask"
 
 
 def _moe_impl(cfg, platform: str) -> str:
-    """Tiles of plain einsums on XLA:CPU (which lowers ragged_dot densely) and wherever the experts are
-    spread over devices (the tiled dispatch is what expert parallelism exchanges tokens for); a grouped
-    matmul (lax.ragged_dot) on an accelerator otherwise."""
+    """A grouped matmul (lax.ragged_dot, a Mosaic kernel on a TPU) on a TPU; tiles of plain einsums
+    elsewhere (XLA:CPU lowers ragged_dot densely) and under expert parallelism (the tiled dispatch is
+    what the exchange sends tokens to)."""
     expert_parallel = cfg.ici_expert_parallelism != 1 or cfg.dcn_expert_parallelism != 1
-    return "tiled" if platform == "cpu" or expert_parallel else "ragged"
+    return "ragged" if platform == "tpu" and not expert_parallel else "tiled"
 
 
 def _attention_chunk(cfg, platform: str) -> int:
-    """128 query rows per chunk, and 512 on an accelerator where the attention's projections train: each
-    chunk adds their weight gradients into float32 accumulators, whose traffic fewer chunks divide."""
-    return 512 if platform != "cpu" and stage_of(cfg).trains_rest else 128
+    """128 query rows per chunk, and 512 on a TPU where the attention's projections train: each chunk adds
+    their weight gradients into float32 accumulators, whose traffic fewer chunks divide."""
+    return 512 if platform == "tpu" and stage_of(cfg).trains_rest else 128
 
 
 # key -> (its auto value, platform -> choice, or a function (cfg, platform) -> choice)
@@ -48,7 +51,7 @@ PLATFORM_CHOICES: dict[str, tuple[Any, Any]] = {
     "moe_impl": (AUTO, _moe_impl),
     "csa_topk_attention": (AUTO, _topk_attention),
     "attention_query_chunk_size": (AUTO_INT, _attention_chunk),
-    "lm_loss_chunk_size": (AUTO_INT, {"cpu": 256, "gpu": 1024, "tpu": 1024}),
+    "lm_loss_chunk_size": (AUTO_INT, {"cpu": 256, "gpu": 256, "tpu": 1024}),
 }
 
 

@@ -24,15 +24,16 @@ def test_auto_keys_take_the_platforms_choice(platform, expected):
 
 
 @pytest.mark.parametrize("length, topk, platform, expected", [
-    (4096, 512, "tpu", "mask"), (8192, 512, "tpu", "gather"), (4096, 512, "cpu", "gather"), (4096, 256, "gpu", "gather")])
-def test_topk_attention_is_a_mask_on_accelerators_while_the_blocks_are_at_most_twice_k(length, topk, platform, expected):
+    (4096, 512, "tpu", "mask"), (8192, 512, "tpu", "gather"), (4096, 512, "cpu", "gather"), (4096, 512, "gpu", "gather"),
+    (4096, 256, "tpu", "gather")])
+def test_topk_attention_is_a_mask_on_a_tpu_while_the_blocks_are_at_most_twice_k(length, topk, platform, expected):
     cfg = load_config("deepseek4-tiny", [f"max_target_length={length}", f"indexer_topk={topk}"])
     assert resolve(cfg, platform).csa_topk_attention == expected
 
 
-@pytest.mark.parametrize("stage, platform, chunk", [("sparse", "tpu", 512), ("pretrain", "gpu", 512),
+@pytest.mark.parametrize("stage, platform, chunk", [("sparse", "tpu", 512), ("pretrain", "tpu", 512), ("sparse", "gpu", 128),
                                                     ("warmup", "tpu", 128), ("sparse", "cpu", 128)])
-def test_attention_chunks_grow_on_accelerators_where_the_attention_trains(stage, platform, chunk):
+def test_attention_chunks_grow_on_a_tpu_where_the_attention_trains(stage, platform, chunk):
     assert resolve(load_config("deepseek4-tiny", stage=stage), platform).attention_query_chunk_size == chunk
 
 
@@ -52,3 +53,9 @@ def test_unknown_platform_and_unresolved_auto_are_refused():
     w = (jnp.zeros((4, 8, 4)), jnp.zeros((4, 4, 8)), jnp.zeros((4, 8, 4)))
     with pytest.raises(ValueError, match="moe_impl=auto reached the model unresolved"):
         moe.routed_experts(spec, x, idx, jnp.ones((1, 2, 2)), w, None)
+
+
+@pytest.mark.parametrize("platform, impl", [("tpu", "ragged"), ("gpu", "tiled"), ("cpu", "tiled")])
+def test_moe_is_a_grouped_matmul_on_a_tpu_and_tiled_under_expert_parallelism(platform, impl):
+    assert resolve(load_config("deepseek4-tiny"), platform).moe_impl == impl
+    assert resolve(load_config("deepseek4-tiny", ["ici_expert_parallelism=4"]), platform).moe_impl == "tiled"
