@@ -21,16 +21,18 @@ Semantics follow the official DeepSeek-V4 inference code (`inference/model.py`, 
 The modules take one flat frozen `MoESpec` (`MoESpec.from_config(cfg, layer)`), as gemma passes
 its flat hyper-parameters down.
 
-Expert computation (`MoESpec.impl`, IMPLS):
-- "tiled" (default): the B*T*k (token, expert) slots sorted by expert into whole tiles of
-  `tile_size` rows, batched einsums over tiles, summed back per token (core/ops/moe_dispatch.py):
-  drop-free, about the slots' own FLOPs plus padding. tile_size 0 picks `auto_tile`. The
-  fastest of the three on CPU (docs/benchmarks.md#why-the-defaults).
+Expert computation (`MoESpec.impl`, IMPLS; `auto` is resolved per platform before the build,
+core/config/platform.py: tiled on CPU and GPU, ragged on TPU, docs/benchmarks.md#why-the-defaults):
+- "tiled": the B*T*k (token, expert) slots sorted by expert into whole tiles of `tile_size` rows,
+  batched einsums over tiles, summed back per token (core/ops/moe_dispatch.py): drop-free, about
+  the slots' own FLOPs plus padding. tile_size 0 picks `auto_tile`. The fastest on CPU.
 - "dense" runs every expert on every token and combines with a [B, T, E] weight matrix: E/k times
   the FLOPs, plain einsums that shard over an `experts` mesh axis without token permutations.
-- "ragged" sorts the slots by expert and uses `jax.lax.ragged_dot`: the FLOP-optimal path on
-  accelerators with a grouped-matmul kernel (XLA CPU lowers it densely).
-All three agree to float32 rounding in value and gradient (tests/model/test_moe.py, test_moe_dispatch.py).
+- "ragged" and "gmm" (`grouped_experts`) move each token's k copies into expert order by a
+  permutation and run one grouped matmul per weight: `jax.lax.ragged_dot` (a Mosaic kernel on a
+  TPU; XLA CPU lowers it densely) or the Pallas megablox kernels with their own tiles per pass
+  (core/ops/grouped_matmul.py).
+All four agree to float32 rounding in value and gradient (tests/model/test_moe.py, test_moe_dispatch.py).
 On a mesh whose `expert` axis is larger than 1 (`jax.sharding.get_abstract_mesh()` during the trace:
 traced under `jax.set_mesh` or `jax.sharding.use_abstract_mesh`), "tiled" becomes expert parallelism that moves tokens:
 an all-to-all sends each token to its experts' devices (once per device, in rounds), which run the tiled
@@ -307,7 +309,8 @@ def grouped_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: 
 
 def auto_gmm_tiling(emb: int, mlp: int) -> GmmTiling:
     """Tiles of the megablox kernels for experts of width M -> F -> M: rows in tiles of 512 and the two
-    widths in tiles of up to 1024 in every pass (docs/benchmarks.md#why-the-defaults)."""
+    widths in tiles of up to 1024 in every pass, MaxText's sizes; not yet tuned on a chip
+    (tools/moe_kernels.py times the alternatives)."""
     wide = lambda n: min(n, 1024)  # noqa: E731
     tile = (512, wide(emb), wide(mlp))
     return GmmTiling(tile, tile, tile)
