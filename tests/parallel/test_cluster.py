@@ -231,7 +231,8 @@ def test_the_most_severe_stop_reason_wins():
 # per process starts and steps faster). One uninterrupted reference run
 # serves every comparison: the Ctrl-C run, resumed and then stopped by SIGTERM, resumed again to the
 # end, must log the reference's metrics bitwise. A third run loses a process to kill -9.
-MULTI_STEPS = 40  # JAX's preemption sync point comes a few steps after SIGTERM, later under load
+MULTI_STEPS = 80  # JAX's preemption sync point comes a few steps after SIGTERM, later under load; and a signal
+# sent once step 0 is logged must find the run still going on a loaded machine
 MULTI = (*SMALL[:-2], "checkpoint_period=100", f"learning_rate_schedule_steps={MULTI_STEPS}", "async_checkpointing=false")
 # DSV4_HEARTBEAT_TIMEOUT_S of the kill -9 run: a heartbeat RPC that misses it ends a process, so a few
 # seconds are too few on a heavily loaded machine; the wait overlaps the other runs.
