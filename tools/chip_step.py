@@ -49,11 +49,12 @@ def main() -> None:
     from core.bench.train import compiled_shape
     from core.config.platform import resolve
     from core.config.schema import load_config
+    from core.parallel.mesh import make_mesh
 
     for n, variant in enumerate(args.variants):
         overrides = [] if variant == "-" else variant.split()
-        cfg = resolve(load_config(args.model, ["dataset_type=synthetic", "enable_tensorboard=false", *overrides],
-                                  stage=args.stage), jax.default_backend())
+        cfg = load_config(args.model, ["dataset_type=synthetic", "enable_tensorboard=false", *overrides], stage=args.stage)
+        cfg = resolve(cfg, jax.default_backend(), make_mesh(cfg).shape)
         row = {"variant": variant, "stage": args.stage, "model": args.model}
         try:
             run = compiled_shape(cfg, 2 + args.steps + args.trace)

@@ -263,7 +263,11 @@ def sweep_config(stage: str, seq: int, batch: int, overrides: Sequence[str] = ()
 
     cfg = load_config(model, ["dataset_type=synthetic", f"max_target_length={seq}", f"per_device_batch_size={batch}",
                               *overrides], stage=stage)
-    return cfg if platform is None else resolve(cfg, platform)
+    if platform is None:
+        return cfg
+    from core.parallel.mesh import make_mesh
+
+    return resolve(cfg, platform, make_mesh(cfg).shape)
 
 
 def run_train_sweep(stages: Sequence[str], seqs: Sequence[int], batches: Sequence[int], *, steps: int = 3,

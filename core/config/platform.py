@@ -12,7 +12,8 @@ Nothing below `resolve` ever sees `auto`: the model's specs refuse it (`require_
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+from typing import Any, Mapping
 
 from core.config.stages import stage_of
 
@@ -24,7 +25,7 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 # The TPU's choices come from a v5e chip's profile and runs; a GPU keeps the CPU's until one is measured.
 
 
-def _topk_attention(cfg, platform: str) -> str:
+def _topk_attention(cfg, platform: str, axes) -> str:
     """CSA's top-k as a mask over every compressed key on a TPU while the W = T/4 blocks are at most twice
     the k selected ones (its dense matmuls beat the gather there); gathered keys beyond, and elsewhere."""
     if platform != "tpu" or cfg.max_target_length // 4 > 2 * cfg.indexer_topk:
@@ -32,21 +33,31 @@ def _topk_attention(cfg, platform: str) -> str:
     return "mask"
 
 
-def _moe_impl(cfg, platform: str) -> str:
-    """A grouped matmul (lax.ragged_dot, a Mosaic kernel on a TPU) on a TPU; tiles of plain einsums
-    elsewhere (XLA:CPU lowers ragged_dot densely) and under expert parallelism (the tiled dispatch is
-    what the exchange sends tokens to)."""
-    expert_parallel = cfg.ici_expert_parallelism != 1 or cfg.dcn_expert_parallelism != 1
-    return "ragged" if platform == "tpu" and not expert_parallel else "tiled"
+def _moe_impl(cfg, platform: str, axes) -> str:
+    """A grouped matmul (lax.ragged_dot, a Mosaic kernel on a TPU) on a TPU whose experts are whole on
+    every device; tiles of plain einsums elsewhere: XLA:CPU lowers ragged_dot densely; under expert
+    parallelism the tiled dispatch is what the exchange sends tokens to; and with the experts split
+    over fsdp or tensor, a Mosaic kernel (which XLA cannot partition) would need each layer's experts
+    gathered whole on every device (V4-Flash's sparse stage on v5p-128 then exceeds the chip)."""
+    return "ragged" if platform == "tpu" and _split(cfg, axes, ("expert", "fsdp", "tensor")) == 1 else "tiled"
 
 
-def _attention_chunk(cfg, platform: str) -> int:
+def _split(cfg, axes, names) -> int:
+    """How many ways the mesh splits over `names`: from its shape when known, else from the config's
+    ici_/dcn_ keys, where a -1 (fill with the remaining devices) counts as a split."""
+    if axes is not None:
+        return math.prod(axes.get(name, 1) for name in names)
+    sizes = [getattr(cfg, f"{level}_{name}_parallelism") for level in ("ici", "dcn") for name in names]
+    return 2 if any(n != 1 for n in sizes) else 1
+
+
+def _attention_chunk(cfg, platform: str, axes) -> int:
     """128 query rows per chunk, and 512 on a TPU where the attention's projections train: each chunk adds
     their weight gradients into float32 accumulators, whose traffic fewer chunks divide."""
     return 512 if platform == "tpu" and stage_of(cfg).trains_rest else 128
 
 
-# key -> (its auto value, platform -> choice, or a function (cfg, platform) -> choice)
+# key -> (its auto value, platform -> choice, or a function (cfg, platform, mesh axes or None) -> choice)
 PLATFORM_CHOICES: dict[str, tuple[Any, Any]] = {
     "moe_impl": (AUTO, _moe_impl),
     "csa_topk_attention": (AUTO, _topk_attention),
@@ -60,18 +71,20 @@ def platform_name(platform: str) -> str:
     return "gpu" if platform in ("cuda", "rocm") else platform
 
 
-def resolve(cfg, platform: str):
+def resolve(cfg, platform: str, mesh_axes: Mapping[str, int] | None = None):
     """`cfg` with every `auto` key set to `platform`'s choice (the same Config when none is `auto`).
 
     Args:
       cfg: a Config (core.config.schema).
       platform: the platform of the mesh the step runs on (`core.parallel.mesh.mesh_platform`),
         or of the planner's target.
+      mesh_axes: that mesh's axis sizes (`mesh.shape`); without them, a choice that depends on how the
+        weights are split reads the config's ici_/dcn_ keys, a fill (-1) counting as a split.
     """
     platform = platform_name(platform)
     if platform not in PLATFORMS:
         raise ValueError(f"unknown platform {platform!r}: one of {', '.join(PLATFORMS)}")
-    changes = {key: choice(cfg, platform) if callable(choice) else choice[platform]
+    changes = {key: choice(cfg, platform, mesh_axes) if callable(choice) else choice[platform]
                for key, (auto, choice) in PLATFORM_CHOICES.items() if getattr(cfg, key) == auto}
     # every choice is a valid value of its key (tests/config/test_platform.py validates them all)
     return dataclasses.replace(cfg, **changes) if changes else cfg

@@ -358,7 +358,7 @@ def prepare(path, *, step: int | None = None, overrides: Sequence[str] = (), eva
     check_indexer(cfg)
     ks = parse_ks(ks, cfg.indexer_topk, cfg.max_target_length // 4)
     mesh = make_mesh(cfg)  # a mesh that does not fit these devices: ConfigError naming the ici_* keys
-    cfg = resolve(cfg, mesh_platform(mesh))
+    cfg = resolve(cfg, mesh_platform(mesh), mesh.shape)
     batch = batch_rows(eval_set, mesh)
     model, cfg, meta = ckpt.restore_model(ckpt_dir, step, cfg, mesh=mesh)
     context = {"checkpoint": str(ckpt_dir / str(step)), "step": step, "stage": meta.get("stage"),

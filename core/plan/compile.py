@@ -242,7 +242,8 @@ def _child(args: dict[str, Any]) -> dict[str, Any]:
 
     try:
         target = tg.parse_target(args["target"])
-        cfg = resolve(load(args["model"], args["stage"], args["overrides"], args["config_file"]), target.platform)
+        cfg = load(args["model"], args["stage"], args["overrides"], args["config_file"])
+        cfg = resolve(cfg, target.platform, device_mesh(cfg, tg.compile_devices(target)).shape)
         return compile_plan(cfg, target, top=args["top"], analytic=args["analytic"],
                             dump=args.get("dump"), stage=args["stage"], batch_rows=args.get("batch_rows"))
     except DsvError as e:

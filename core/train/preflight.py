@@ -76,7 +76,7 @@ def preflight(cfg, stage: str, run_dir: Path, init_from: str | Path | None = Non
       run_dir: the run directory; its latest checkpoint, if any, is resumed and `init_from` ignored.
     """
     mesh = make_mesh(cfg)
-    cfg = resolve(cfg, mesh_platform(mesh))
+    cfg = resolve(cfg, mesh_platform(mesh), mesh.shape)
     notices: list[str] = []
     resumed = _resumed(run_dir, stage)
     kept = ()

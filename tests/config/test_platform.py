@@ -16,7 +16,7 @@ def test_auto_keys_take_the_platforms_choice(platform, expected):
     assert all(getattr(cfg, key) == auto for key, (auto, _) in PLATFORM_CHOICES.items())
     resolved = resolve(cfg, platform)
     for key, (_, choice) in PLATFORM_CHOICES.items():
-        want = choice(cfg, expected) if callable(choice) else choice[expected]
+        want = choice(cfg, expected, None) if callable(choice) else choice[expected]
         assert getattr(resolved, key) == want != getattr(cfg, key), key
     assert resolve(resolved, platform) is resolved  # nothing left to resolve
     for stage in (None, "pretrain", "warmup", "sparse"):  # every choice passes the config's rules
@@ -56,6 +56,14 @@ def test_unknown_platform_and_unresolved_auto_are_refused():
 
 
 @pytest.mark.parametrize("platform, impl", [("tpu", "ragged"), ("gpu", "tiled"), ("cpu", "tiled")])
-def test_moe_is_a_grouped_matmul_on_a_tpu_and_tiled_under_expert_parallelism(platform, impl):
-    assert resolve(load_config("deepseek4-tiny"), platform).moe_impl == impl
+def test_moe_is_a_grouped_matmul_on_a_tpu_whose_experts_are_whole_on_each_device(platform, impl):
+    """ragged on a TPU mesh that splits the experts over no device (data parallelism only, or one chip);
+    tiled where they are split: expert parallelism, fsdp or tensor, from the mesh or, without one, the keys."""
+    tiny, flash = load_config("deepseek4-tiny"), load_config("deepseek4-284b")  # data -1; fsdp -1
+    assert resolve(tiny, platform).moe_impl == impl
+    assert resolve(tiny, platform, {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1}).moe_impl == impl
+    assert resolve(flash, platform, {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}).moe_impl == impl  # one chip
+    assert resolve(flash, platform).moe_impl == "tiled"  # fsdp fills the devices: split unless the mesh says not
+    for axes in ({"fsdp": 64}, {"tensor": 2}, {"expert": 4}):
+        assert resolve(flash, platform, {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1, **axes}).moe_impl == "tiled"
     assert resolve(load_config("deepseek4-tiny", ["ici_expert_parallelism=4"]), platform).moe_impl == "tiled"
