@@ -90,9 +90,9 @@ def test_chunked_attention_equals_dense_float32(case):
     _compare(case, jnp.float32, 1e-5)
 
 
-@pytest.mark.parametrize("case", CASES[1:2], ids=[c[0] for c in CASES[1:2]])
-def test_chunked_attention_equals_dense_float64(x64, case):
-    _compare(case, jnp.float64, 1e-12)
+@pytest.mark.parametrize("as_mask", [False, True], ids=["gathered", "mask"])
+def test_chunked_attention_equals_dense_float64(x64, as_mask):
+    _compare(CASES[1], jnp.float64, 1e-12, as_mask=as_mask)
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=[CASES[1][0], CASES[3][0]])
