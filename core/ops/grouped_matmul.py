@@ -10,10 +10,10 @@ Two ways to run `out[rows of group g] = lhs[rows of group g] @ rhs[g]`:
   machine without a TPU the kernels run in Pallas' interpret mode (`interpret=True`): the tests'
   way to check them against `ragged_dot` on the CPU.
 
-The slots reach the matmul through `sort_slots` / `unsort_slots`: permutations whose gradients are
-the inverse permutations (gathers both ways), never the scatter-add that autodiff of a gather
-gives. A token's k slots are its k copies, so no slot is ever dropped and the combine is a sum
-over k (`combine_slots`).
+The slots reach the matmul through `SlotOrder.sort` / `SlotOrder.unsort` (`copy_rows`,
+`permute_rows`): gathers whose gradients are gathers too (the inverse permutation, then a sum over
+each token's k copies), never the scatter-add that autodiff of a gather gives. A token's k slots are
+its k copies, so no slot is ever dropped; core/model/moe.py's `grouped_experts` sums them back.
 """
 
 from __future__ import annotations
