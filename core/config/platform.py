@@ -1,12 +1,14 @@
 """Per-platform choices: the keys whose value `auto` is decided by the platform a step runs on.
 
 A config is read before JAX knows its devices, so a key that is fastest one way on a CPU and
-another on a TPU says `auto` (-1 for an integer key), and `resolve(cfg, platform)` turns every `auto` into the platform's
-choice once the mesh is known, before anything is built or traced: the training run's preflight,
-the planner (for its target's platform), the benchmarks and the evaluation. An explicit value
-always wins. Why each choice: docs/benchmarks.md#why-the-defaults.
+another on a TPU says `auto` (-1 for an integer key), and `resolve(cfg, platform, mesh_axes)` turns
+every `auto` into the platform's choice once the mesh is known, before anything is built or traced:
+the training run's preflight, the planner (for its target), the benchmarks' and the evaluation's
+step processes. An explicit value always wins. Why each choice: docs/benchmarks.md#why-the-defaults.
 
-Nothing below `resolve` ever sees `auto`: the model's specs refuse it (`require_resolved`).
+Code that builds a model or a step from a config no entry point resolved (tests, tools) falls back
+to `resolve_here` (JAX's default backend, no mesh: a fill counts as a split); the MoE refuses an
+`auto` that still reaches it (`require_resolved`).
 """
 
 from __future__ import annotations

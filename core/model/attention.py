@@ -17,8 +17,10 @@ gradient (tests/ops/test_sparse_attention.py). What lives at once, per layer cal
   chunks of C = attention_query_chunk_size positions, each rematerialised in the backward pass.
   Whole-T tensors are per-token only: x, c_q [B, T, q_lora], raw kv [B, T, D], the output
   [B, T, M], the selection [B, T, k]. Per chunk: queries [B, C, H, D]; window logits
-  [B, H, C, C + S - 1]; CSA top-k: the k selected blocks' keys [B, C, k, D], logits [B, H, C, k];
-  HCA and CSA over every visible block: logits [B, H, C, W]. The indexer's top-k is chunked the
+  [B, H, C, C + S - 1]; CSA top-k: the k selected blocks' keys [B, C, k, D], logits [B, H, C, k]
+  (`csa_topk_attention: gather`), or every block's logits [B, H, C, W] masked to the selection, a
+  bool [B, T, W] (`mask`: no gather, dense work over W); HCA and CSA over every visible block:
+  logits [B, H, C, W]. The indexer's top-k is chunked the
   same way (`select_topk_chunked`), and the streamed indexer loss builds its indexer and teacher
   queries per block of csa_query_chunk_size rows or, when that is 0, of the largest divisor of
   T <= C. Memory O(T (M + D + k) + C (S + k) H D); work O(T (C + S + k) H D) with top-k,

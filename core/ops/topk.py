@@ -86,6 +86,11 @@ def indexer_scores(q_btid, k_bwd, weights_bti, visible_btw, *, head_chunk: int =
     return jnp.where(visible_btw, scores_btw, NEG)
 
 
+def _ranked(scores_btw, visible_btw):
+    """float32 scores, -inf where a block is not visible: what both selections rank."""
+    return jnp.where(visible_btw, scores_btw.astype(jnp.float32), -jnp.inf)
+
+
 def select_topk(scores_btw, visible_btw, k: int):
     """Top-k visible blocks per query; k_eff = min(k, #visible), ties to the lower index.
 
@@ -99,7 +104,7 @@ def select_topk(scores_btw, visible_btw, k: int):
       the visible count are marked invalid; an invisible block is never a valid selection.
     """
     k = min(k, scores_btw.shape[-1])
-    ranked_btw = jnp.where(visible_btw, scores_btw.astype(jnp.float32), -jnp.inf)
+    ranked_btw = _ranked(scores_btw, visible_btw)
     top_btk, idx_btk = jax.lax.top_k(ranked_btw, k)  # lax.top_k puts the lower index first on ties
     # a selected slot is valid iff its block is visible, i.e. ranked above -inf: no gather of the mask
     return Selection(idx_btk.astype(jnp.int32), top_btk > -jnp.inf)
@@ -129,7 +134,7 @@ def topk_mask(scores_btw, visible_btw, k: int):
       3. mask = above | (tied & cumsum_w(tied) <= k - #above)
     """
     k = min(k, scores_btw.shape[-1])
-    ranked_btw = jnp.where(visible_btw, scores_btw.astype(jnp.float32), -jnp.inf)
+    ranked_btw = _ranked(scores_btw, visible_btw)
     top_btk, _ = jax.lax.top_k(ranked_btw, k)
     thr_bt1 = top_btk[..., k - 1:]
     above_btw = ranked_btw > thr_bt1
@@ -153,8 +158,9 @@ def select_topk_chunked(index: IndexerInputs, packing: Packing, *, ratio: int, k
                         head_chunk: int = 0, as_mask: bool = False):
     """`select_topk(indexer_scores(...), visible, k)` one query chunk at a time.
 
-    Never holds [B, T, W, HI] nor [B, T, W]: each chunk of C queries builds its own indexer
-    queries, visibility rows, scores and selection. No gradient flows (the selection is discrete;
+    Never holds [B, T, W, HI] nor the [B, T, W] scores: each chunk of C queries builds its own indexer
+    queries, visibility rows, scores and selection (only the `as_mask` result is [B, T, W], a
+    boolean per block: auto chooses it while W <= 2k, core/config/platform.py). No gradient flows (the selection is discrete;
     the indexer loss recomputes its own scores), so the inputs are detached and nothing is kept
     for a backward.
 
