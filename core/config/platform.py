@@ -17,7 +17,6 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from core.config.stages import stage_of
 
 AUTO = "auto"      # the value of an `auto` string key
 AUTO_INT = -1      # the value of an `auto` integer key (as xla_backend_optimization_level's -1)
@@ -54,9 +53,10 @@ def _split(cfg, axes, names) -> int:
 
 
 def _attention_chunk(cfg, platform: str, axes) -> int:
-    """128 query rows per chunk, and 512 on a TPU where the attention's projections train: each chunk adds
-    their weight gradients into float32 accumulators, whose traffic fewer chunks divide."""
-    return 512 if platform == "tpu" and stage_of(cfg).trains_rest else 128
+    """128 query rows per chunk, and 512 on a TPU: fewer chunks divide the scan's per-chunk traffic (where
+    the projections train, their weight gradients' float32 accumulators), and the banded window keeps
+    a chunk's window work at 2 x 128 keys per query whatever its size."""
+    return 512 if platform == "tpu" else 128
 
 
 # key -> (its auto value, platform -> choice, or a function (cfg, platform, mesh axes or None) -> choice)

@@ -23,8 +23,9 @@ gradient (tests/ops/test_sparse_attention.py). What lives at once, per layer cal
   logits [B, H, C, W]. The indexer's top-k is chunked the
   same way (`select_topk_chunked`), and the streamed indexer loss builds its indexer and teacher
   queries per block of csa_query_chunk_size rows or, when that is 0, of the largest divisor of
-  T <= C. Memory O(T (M + D + k) + C (S + k) H D); work O(T (C + S + k) H D) with top-k,
-  O(T W H D) over every visible block.
+  T <= C. Memory O(T (M + D + k) + C (S + k) H D); work O(T (S + k) H D) with top-k,
+  O(T W H D) over every visible block (the window banded per run of about S queries where a chunk
+  holds two, else C + S keys per query: core.ops.chunked_attention).
 - `masked` (the reference): `masked_attention`, dense booleans over [T, T] (window) and [T, W]
   (blocks), the top-k selection entering as `allowed = visible & selected`; logits [B, H, T, T]
   and [B, H, T, W]; the indexer scores [B, T, W] are built whole.

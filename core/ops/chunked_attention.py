@@ -10,7 +10,10 @@ at a time; the chunk body is `jax.checkpoint`ed, so the backward pass recomputes
 nothing of chunk size between steps. Per chunk, at once:
 
   window   its C queries meet only keys [t0 - (S - 1), t0 + C): logits [B, H, C, C + S - 1]
-           (the keys are front-padded with invisible padding, so chunk 0 needs no special case)
+           (the keys are front-padded with invisible padding, so chunk 0 needs no special case);
+           banded when C holds at least two runs of u >= S - 1 queries (u the smallest such
+           divisor of C, `band_run`): each run meets its own 2u keys (`Band`), logits
+           [B, C / u, H, u, 2u], so the window's work stays O(S) per query at any C
   CSA      top-k as indices (`Selection`): the k selected blocks' keys gathered per query,
            [B, C, k, D] and logits [B, H, C, k]; top-k as a mask (`SelectionMask`): every block,
            logits [B, H, C, W] masked to the selected ones (no gather: dense work O(W) per query,
@@ -28,14 +31,15 @@ by one inside a document, so the keys of a query's window are among its S - 1 pr
 Queries arrive as `RowQueries`: a pure function of per-token inputs (e.g. the low-rank c_q) run
 for any run of rows, so the chunked path builds the [B, C, H, D] queries of one chunk at a time
 and the [B, T, H, D] queries never exist whole. The output projection runs per chunk as well
-(`out_fn`). Work is O(T (C + S + k) H D) with top-k, O(T (C + S + W) H D) over every block.
+(`out_fn`). Work is O(T (S + k) H D) with top-k, O(T (S + W) H D) over every block; without a banded
+window (fewer than two runs in a chunk) the window's S becomes C + S.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +100,49 @@ class Keys:
     ratio: int = 0              # tokens per compressed entry (4 CSA, 128 HCA)
 
 
+class Band(NamedTuple):
+    """Window keys per run of u consecutive queries: keys [B, n, K, D] for a chunk's n = C / u runs.
+
+    A key part of `merged_softmax` whose mask is [B, C, K], the run of query c being c // u.
+    """
+
+    keys_bnkd: Any
+
+
+def band_run(c: int, window: int) -> int:
+    """The run u of the banded window in a chunk of c queries: the smallest divisor of c with
+    u >= window - 1, when c holds at least two runs; 0 where none does (the chunk's queries then
+    share one band of c + window - 1 keys)."""
+    return next((u for u in range(max(window - 1, 1), c // 2 + 1) if c % u == 0), 0)
+
+
+def banded_window(kv_band, pos_band, seg_band, pos_bc, seg_bc, window: int, run: int):
+    """A chunk's window part as `Band`: run j of the c queries meets band keys [j u, (j + 2) u).
+
+    Args:
+      kv_band, pos_band, seg_band: the chunk's band, keys [B, c + window - 1, D] and their
+        positions and segment ids, starting window - 1 rows before the chunk.
+      pos_bc, seg_bc: the chunk's queries' positions and segment ids [B, c].
+      window, run: S and u (`band_run`; u >= S - 1 and u divides c).
+
+    Returns:
+      (Band(keys [B, c / u, 2u, D]), mask bool [B, c, 2u]): query j u + i needs band rows
+      [j u + i, j u + i + S - 1], inside [j u, (j + 2) u) because S - 1 <= u; the rows past the band
+      are padding (segment 0), never visible.
+    """
+    b, c = pos_bc.shape
+    n = c // run
+    pad = (n + 1) * run - kv_band.shape[1]
+
+    def pairs(x):  # [B, c + S - 1, ...] -> [B, n, 2u, ...]: blocks j and j + 1 of u rows side by side
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(b, n + 1, run, *x.shape[2:])
+        return jnp.concatenate([x[:, :-1], x[:, 1:]], axis=2)
+
+    kpos, kseg = pairs(pos_band).reshape(b * n, 2 * run), pairs(seg_band).reshape(b * n, 2 * run)
+    mask = window_rows(pos_bc.reshape(b * n, run), seg_bc.reshape(b * n, run), kpos, kseg, window)
+    return Band(pairs(kv_band)), mask.reshape(b, c, 2 * run)
+
+
 def _identity_out(o_bthd, positions_bt):
     del positions_bt
     return o_bthd
@@ -142,31 +189,55 @@ def merged_softmax(q_bchd, sink_h, parts):
       q_bchd: queries [B, C, H, D] (compute dtype).
       sink_h: per-head sink logit [H] (float32).
       parts: (keys, mask) pairs: keys [B, U, D] shared by the chunk's queries with mask
-        bool [B, C, U], or keys [B, C, U, D] per query (gathered blocks) with mask bool [B, C, U].
+        bool [B, C, U], keys [B, C, U, D] per query (gathered blocks) with mask bool [B, C, U], or
+        `Band` keys [B, n, U, D] per run of C / n queries with mask bool [B, C, U].
 
     Returns:
       o_bchd [B, C, H, D] in the accumulation dtype: sum over parts of p * v (a row with nothing
       allowed gives 0).
     """
-    def einsums(keys):
-        return ("bchd,bud->bhcu", "bhcu,bud->bchd") if keys.ndim == 3 else \
-               ("bchd,bcud->bhcu", "bhcu,bcud->bchd")
-
     acc = jnp.promote_types(q_bchd.dtype, jnp.float32)
+    b, c, h, d = q_bchd.shape
+    # Logits [B, H, C, U] for keys shared or gathered per query; [B, n, H, C / n, U] for a `Band`, its
+    # runs a batch axis of both products and its mask [B, n, 1, C / n, U] a free reshape of [B, C, U]
+    # (the two minor axes kept); the max and the sum meet in [B, H, C].
+
+    def masked_logits(k, mask):  # (logits, the mask broadcast to them)
+        if isinstance(k, Band):
+            n = k.keys_bnkd.shape[1]
+            l_bnhqu = jnp.einsum("bnqhd,bnud->bnhqu", q_bchd.reshape(b, n, c // n, h, d), k.keys_bnkd,
+                                 preferred_element_type=acc)
+            mask_bn1qu = mask.reshape(b, n, 1, c // n, -1)
+            return jnp.where(mask_bn1qu, l_bnhqu, NEG), mask_bn1qu
+        l_bhcu = jnp.einsum("bchd,bud->bhcu" if k.ndim == 3 else "bchd,bcud->bhcu", q_bchd, k, preferred_element_type=acc)
+        return jnp.where(mask[:, None], l_bhcu, NEG), mask[:, None]
+
+    def to_bhc(x, k):  # a part's array reduced over U -> [B, H, C]
+        return jnp.transpose(x, (0, 2, 1, 3)).reshape(b, h, c) if isinstance(k, Band) else x
+
+    def from_bhc(x_bhc, k):  # [B, H, C] -> the part's layout, U as 1
+        if isinstance(k, Band):
+            n = k.keys_bnkd.shape[1]
+            return jnp.transpose(x_bhc.reshape(b, h, n, c // n), (0, 2, 1, 3))[..., None]
+        return x_bhc[..., None]
+
+    def values(e, k):  # [B, C, H, D]
+        if isinstance(k, Band):
+            o_bnqhd = jnp.einsum("bnhqu,bnud->bnqhd", e.astype(k.keys_bnkd.dtype), k.keys_bnkd, preferred_element_type=acc)
+            return o_bnqhd.reshape(b, c, h, d)
+        return jnp.einsum("bhcu,bud->bchd" if k.ndim == 3 else "bhcu,bcud->bchd", e.astype(k.dtype), k,
+                          preferred_element_type=acc)
+
     parts = [(k, mask) for k, mask in parts if mask.shape[-1]]  # no block complete yet: no part
-    logits = [jnp.where(mask[:, None], jnp.einsum(einsums(k)[0], q_bchd, k, preferred_element_type=acc), NEG)
-              for k, mask in parts]
-    b, c, h, _ = q_bchd.shape
+    logits = [masked_logits(k, mask) for k, mask in parts]
     sink_bhc = jnp.broadcast_to(sink_h.astype(acc)[None, :, None], (b, h, c))
     mx_bhc = sink_bhc
-    for l_bhcu in logits:
-        mx_bhc = jnp.maximum(mx_bhc, jnp.max(l_bhcu, axis=-1))
+    for (l, _), (k, _) in zip(logits, parts):
+        mx_bhc = jnp.maximum(mx_bhc, to_bhc(jnp.max(l, axis=-1), k))
     mx_bhc = jax.lax.stop_gradient(mx_bhc)  # any shift gives the same softmax; this one is stable
-    exps = [jnp.where(mask[:, None], jnp.exp(l - mx_bhc[..., None]), 0.0)
-            for l, (_, mask) in zip(logits, parts)]
-    denom_bhc = jnp.exp(sink_bhc - mx_bhc) + sum(jnp.sum(e, axis=-1) for e in exps)
-    o_bchd = sum((jnp.einsum(einsums(k)[1], e.astype(k.dtype), k, preferred_element_type=acc)
-                  for e, (k, _) in zip(exps, parts)), jnp.zeros(q_bchd.shape, acc))
+    exps = [jnp.where(m, jnp.exp(l - from_bhc(mx_bhc, k)), 0.0) for (l, m), (k, _) in zip(logits, parts)]
+    denom_bhc = jnp.exp(sink_bhc - mx_bhc) + sum(to_bhc(jnp.sum(e, axis=-1), k) for e, (k, _) in zip(exps, parts))
+    o_bchd = sum((values(e, k) for e, (k, _) in zip(exps, parts)), jnp.zeros(q_bchd.shape, acc))
     return o_bchd / jnp.transpose(denom_bhc, (0, 2, 1))[..., None]
 
 
@@ -256,6 +327,7 @@ def chunked_attention(queries: RowQueries, keys: Keys, packing: Packing, selecti
     b, t = positions_bt.shape
     c, n = num_chunks(t, chunk)
     band = (window - 1) if n > 1 else 0  # previous keys a chunk can see; one chunk has none before it
+    run = band_run(c, window) if n > 1 else 0  # the banded window (see the module's docstring)
     pad_end = n * c - t
     pad_kv = lambda x: jnp.pad(x, [(0, 0), (band, pad_end)] + [(0, 0)] * (x.ndim - 2))
     kv_pad, pos_pad, seg_pad = pad_kv(keys.raw_bsd), pad_kv(positions_bt), pad_kv(segment_ids_bt)
@@ -275,7 +347,10 @@ def chunked_attention(queries: RowQueries, keys: Keys, packing: Packing, selecti
     def body(q_in, pos_bc, seg_bc, t0, *sel):
         q = queries.of(q_in, pos_bc)
         sl = lambda x: jax.lax.dynamic_slice_in_dim(x, t0, c + band, axis=1)
-        parts = [(sl(kv_pad).astype(q.dtype), window_rows(pos_bc, seg_bc, sl(pos_pad), sl(seg_pad), window))]
+        if run:
+            parts = [banded_window(sl(kv_pad).astype(q.dtype), sl(pos_pad), sl(seg_pad), pos_bc, seg_bc, window, run)]
+        else:
+            parts = [(sl(kv_pad).astype(q.dtype), window_rows(pos_bc, seg_bc, sl(pos_pad), sl(seg_pad), window))]
         if ckv_bwd is not None:
             ckv = ckv_bwd.astype(q.dtype)
             if gathered:

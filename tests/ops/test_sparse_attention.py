@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from core.model.attention import Attention
-from core.ops.chunked_attention import Keys, RowQueries, chunked_attention, softmax_attention
+from core.ops.chunked_attention import Keys, RowQueries, band_run, chunked_attention, softmax_attention
 from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
 from core.ops.topk import (IndexerInputs, SelectionMask, indexer_scores, select_topk, select_topk_chunked,
                            selection_mask, topk_mask)
@@ -26,6 +26,10 @@ CASES = [
     ("hca-like ratio 8", [[17, 5], [22]], 22, 5, 4, 8, 0),
     ("T < S, several chunks", [[7], [4, 3]], 7, 9, 3, 4, 1),
     ("T < ratio: no block", [[6], [2, 3]], 6, 5, 4, 8, 0),
+    # the banded window (band_run): runs of u >= S - 1 queries, at least two per chunk
+    ("banded window u = S - 1, top-k", [[11, 13], [30]], 30, 3, 8, 4, 2),
+    ("banded window u > S - 1, T % C != 0", [[17, 9], [26]], 26, 4, 12, 4, 0),
+    ("banded window, hca-like, S - 1 = u", [[20, 12], [5, 27]], 32, 5, 8, 8, 0),
 ]
 
 
@@ -93,6 +97,18 @@ def test_chunked_attention_equals_dense_float32(case):
 @pytest.mark.parametrize("as_mask", [False, True], ids=["gathered", "mask"])
 def test_chunked_attention_equals_dense_float64(x64, as_mask):
     _compare(CASES[1], jnp.float64, 1e-12, as_mask=as_mask)
+
+
+def test_banded_window_equals_dense_float64(x64):
+    _compare(CASES[5], jnp.float64, 1e-12, as_mask=True)
+
+
+def test_band_run_is_the_smallest_divisor_covering_the_window():
+    """Run u >= S - 1 dividing C with two runs at least; 0 (the shared band) where none exists; the
+    cases above take the banded path."""
+    assert [band_run(c, s) for c, s in ((512, 128), (128, 32), (12, 4), (8, 5), (4, 5), (8, 9), (6, 1))] == \
+        [128, 32, 3, 4, 0, 0, 1]
+    assert all(band_run(c[4], c[3]) for c in CASES[5:]) and not any(band_run(c[4], c[3]) for c in CASES[:5])
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=[CASES[1][0], CASES[3][0]])
