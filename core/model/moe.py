@@ -310,7 +310,7 @@ def grouped_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: 
 def auto_gmm_tiling(emb: int, mlp: int) -> GmmTiling:
     """Tiles of the megablox kernels for experts of width M -> F -> M: rows in tiles of 512 and the two
     widths in tiles of up to 1024 in every pass, MaxText's sizes and the fastest of those timed on a
-    v5e chip (tools/moe_kernels.py; docs/benchmarks.md#on-a-tpu-v5e-chip)."""
+    v5e chip (tools/moe_kernels.py; docs/tpu.md#the-routed-experts-alone)."""
     wide = lambda n: min(n, 1024)  # noqa: E731
     tile = (512, wide(emb), wide(mlp))
     return GmmTiling(tile, tile, tile)
