@@ -347,10 +347,9 @@ def chunked_attention(queries: RowQueries, keys: Keys, packing: Packing, selecti
     def body(q_in, pos_bc, seg_bc, t0, *sel):
         q = queries.of(q_in, pos_bc)
         sl = lambda x: jax.lax.dynamic_slice_in_dim(x, t0, c + band, axis=1)
-        if run:
-            parts = [banded_window(sl(kv_pad).astype(q.dtype), sl(pos_pad), sl(seg_pad), pos_bc, seg_bc, window, run)]
-        else:
-            parts = [(sl(kv_pad).astype(q.dtype), window_rows(pos_bc, seg_bc, sl(pos_pad), sl(seg_pad), window))]
+        kv_b, pos_b, seg_b = sl(kv_pad).astype(q.dtype), sl(pos_pad), sl(seg_pad)
+        parts = [banded_window(kv_b, pos_b, seg_b, pos_bc, seg_bc, window, run) if run else
+                 (kv_b, window_rows(pos_bc, seg_bc, pos_b, seg_b, window))]
         if ckv_bwd is not None:
             ckv = ckv_bwd.astype(q.dtype)
             if gathered:
