@@ -44,8 +44,8 @@ class DeviceMemoryError(DsvError):
     """A compile, a step or a save ran out of accelerator memory (XLA's RESOURCE_EXHAUSTED)."""
 
 
-DEVICE_MEMORY_FIX = ("lower per_device_batch_size or max_target_length, or shard the state further "
-                     "(ici_fsdp_parallelism=-1), and check a config first with `dsv4 plan --target <target>`")
+DEVICE_MEMORY_FIX = ("lower per_device_batch_size or max_target_length, set remat_policy=full, or shard the state "
+                     "further (ici_fsdp_parallelism=-1), and check a config first with `dsv4 plan --target <target>`")
 _OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED\b.*?(out of memory|allocat)", re.I)  # XLA:GPU, XLA:TPU wordings
 
 

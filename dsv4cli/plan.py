@@ -73,7 +73,8 @@ def render(console, r: dict[str, Any]) -> None:
 
     mesh = " x ".join(f"{a} {n}" for a, n in r["mesh"].items() if n > 1) or "single device"
     console.print(f"[bold]{r['model']} {r['stage']} step on {r['target']}[/bold]  ·  {r['devices']} {r['platform']} "
-                  f"devices, mesh {mesh}  ·  batch {r['per_device_batch_size']} x {r['max_target_length']} per device")
+                  f"devices, mesh {mesh}  ·  batch {r['per_device_batch_size']} x {r['max_target_length']} per device"
+                  + (f"  ·  remat {r['remat_policy']}" if r.get("remat_policy") else ""))
     d = r["per_device"]
     table = Table(box=None, pad_edge=False, header_style="bold", title_justify="left")
     table.add_column("per device")

@@ -184,14 +184,15 @@ def compiled_shape(cfg, batches: int) -> dict[str, Any]:
     from core.data.batches import train_batches
     from core.parallel.sharding import shard_batch
     from core.train.materialise import build
-    from core.train.program import make_train_step
+    from core.train.program import cached_compiled, make_train_step, step_key
 
     setup = build(cfg)
     graphdef, state = nnx.split((setup.model, setup.optimizer))
     data = train_batches(cfg, setup.batch_size)
     drawn = [shard_batch(next(data), setup.mesh) for _ in range(batches)]
     start = time.perf_counter()
-    step = make_train_step(cfg, graphdef, state, setup.mesh).lower(state, drawn[0]).compile()
+    step = (cached_compiled(step_key(cfg, graphdef, setup.mesh))  # remat_that_fits compiled it
+            or make_train_step(cfg, graphdef, state, setup.mesh).lower(state, drawn[0]).compile())
     return {"step": step, "state": state, "batches": drawn, "tokens_per_step": setup.batch_size * cfg.max_target_length,
             "batch_rows": setup.batch_size, "devices": setup.mesh.size, "compile_s": time.perf_counter() - start,
             "temp_bytes": int(step.memory_analysis().temp_size_in_bytes)}
@@ -265,9 +266,14 @@ def sweep_config(stage: str, seq: int, batch: int, overrides: Sequence[str] = ()
                               *overrides], stage=stage)
     if platform is None:
         return cfg
-    from core.parallel.mesh import make_mesh
+    import jax
 
-    return resolve(cfg, platform, make_mesh(cfg).shape)
+    from core.parallel.mesh import make_mesh
+    from core.train.memory import device_memory_bytes
+    from core.train.program import remat_that_fits
+
+    mesh = make_mesh(cfg)
+    return remat_that_fits(cfg, resolve(cfg, platform, mesh.shape), mesh, device_memory_bytes(jax.local_devices()[0])[0])
 
 
 def run_train_sweep(stages: Sequence[str], seqs: Sequence[int], batches: Sequence[int], *, steps: int = 3,

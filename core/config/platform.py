@@ -17,6 +17,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from core.config.stages import stage_of
 
 AUTO = "auto"      # the value of an `auto` string key
 AUTO_INT = -1      # the value of an `auto` integer key (as xla_backend_optimization_level's -1)
@@ -53,10 +54,10 @@ def _split(cfg, axes, names) -> int:
 
 
 def _attention_chunk(cfg, platform: str, axes) -> int:
-    """128 query rows per chunk, and 512 on a TPU: fewer chunks divide the scan's per-chunk traffic (where
-    the projections train, their weight gradients' float32 accumulators), and the banded window keeps
-    a chunk's window work at 2 x 128 keys per query whatever its size."""
-    return 512 if platform == "tpu" else 128
+    """128 query rows per chunk, and 512 on a TPU where the attention's projections train: each chunk adds
+    their weight gradients into float32 accumulators, whose traffic fewer chunks divide. In the warm-up
+    nothing of the attention trains and 128 measured faster on the chip, banded window or not."""
+    return 512 if platform == "tpu" and stage_of(cfg).trains_rest else 128
 
 
 # key -> (its auto value, platform -> choice, or a function (cfg, platform, mesh axes or None) -> choice)
@@ -65,6 +66,10 @@ PLATFORM_CHOICES: dict[str, tuple[Any, Any]] = {
     "csa_topk_attention": (AUTO, _topk_attention),
     "attention_query_chunk_size": (AUTO_INT, _attention_chunk),
     "lm_loss_chunk_size": (AUTO_INT, {"cpu": 256, "gpu": 256, "tpu": 1024}),
+    # `full` here; an entry point that compiles the step (the run's preflight, the planner, the
+    # benchmarks) takes `none` instead on a TPU where that step compiles within the chip
+    # (core/train/program.py `remat_that_fits`)
+    "remat_policy": (AUTO, {"cpu": "full", "gpu": "full", "tpu": "full"}),
 }
 
 

@@ -64,6 +64,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from core.config.platform import require_resolved
 from core.config.stages import stage_of
 from core.model.attention import Attention, AttentionSpec
 from core.model.layers import RMSNorm, dense_init, hold_frozen, param
@@ -320,6 +321,7 @@ class Transformer(nnx.Module):
         args = (tokens, positions, segment_ids)
         x = expand(self.embed[...].astype(self.dtype)[tokens], self.n)  # cast first: FSDP gathers in dtype
 
+        require_resolved(self.remat_policy, "remat_policy")
         policy = REMAT_POLICIES[self.remat_policy]
         auxes = []  # per segment: [aux per unit position], arrays [repeats, ...] when scanned
         for (_, _, reps), layer in zip(self.segments, self.layers):

@@ -111,7 +111,8 @@ def _header(cfg, target: Target, mesh, global_batch: int | None = None) -> dict[
     return {"target": target.name, "platform": target.platform, "devices": target.devices,
             "mesh": {a: int(n) for a, n in mesh.shape.items()}, "model": cfg.model_name, "stage": stage_of(cfg).name,
             "per_device_batch_size": rows // target.devices if rows % target.devices == 0 else rows / target.devices,
-            "max_target_length": cfg.max_target_length, "global_batch": rows, "approximate": target.approximate}
+            "max_target_length": cfg.max_target_length, "global_batch": rows, "remat_policy": cfg.remat_policy,
+            "approximate": target.approximate}
 
 
 def compiled_report(cfg, target: Target, mesh, state_info: dict[str, int], compiled, *, top: int = 10,

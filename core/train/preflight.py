@@ -76,7 +76,7 @@ def preflight(cfg, stage: str, run_dir: Path, init_from: str | Path | None = Non
       run_dir: the run directory; its latest checkpoint, if any, is resumed and `init_from` ignored.
     """
     mesh = make_mesh(cfg)
-    cfg = resolve(cfg, mesh_platform(mesh), mesh.shape)
+    asked, cfg = cfg, resolve(cfg, mesh_platform(mesh), mesh.shape)
     notices: list[str] = []
     resumed = _resumed(run_dir, stage)
     kept = ()
@@ -102,6 +102,13 @@ def preflight(cfg, stage: str, run_dir: Path, init_from: str | Path | None = Non
     check_fits(cfg, stage, mesh, abstract[0])  # a model that cannot fit stops here, in one line
     labels = check_masks(cfg, abstract[0])
     warnings = tuple(w for w in (topk_warning(cfg),) if w)
+    # last, once every cheap check passed: on a TPU, remat_policy=auto compiles the step without remat
+    # and keeps it where it fits (the run then finds it compiled)
+    fitted = program.remat_that_fits(asked, cfg, mesh, memory.device_memory_bytes(jax.local_devices()[0])[0])
+    if fitted is not cfg:
+        cfg, abstract = fitted, program.abstract_model_and_optimizer(fitted)
+        notices.append("remat_policy=auto: none (the step without layer remat fits the chip, compiled; "
+                       "remat_policy=full keeps the layer remat)")
     return Preflight(cfg, mesh, abstract, labels, data, source, kept, tuple(notices), warnings)
 
 

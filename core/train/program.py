@@ -283,6 +283,44 @@ class AheadStep:
         return self.jitted(state, batch)
 
 
+# ----------------------------------------------------------------------------- remat_policy=auto
+
+
+def remat_that_fits(asked, cfg, mesh, usable_bytes: int | None):
+    """The config a run of `asked` (the config before `resolve`) trains with on `mesh`: `cfg` (resolved:
+    `remat_policy=auto` is `full` there) or, where `asked` says `auto` and the mesh is a TPU's, `cfg`
+    with `remat_policy=none` when that step compiles within `usable_bytes` per device. Without layer
+    remat the backward runs no layer's forward again; XLA:TPU then recomputes by itself what it
+    must to fit its limit. A compile that fits is kept for the run (`compiled_step`'s cache), so the
+    run does not compile again; `core.train.memory.no_remat_worth_compiling` spares one that cannot fit.
+
+    Args:
+      mesh: a `jax.sharding.Mesh` of the run's devices, or of the planner's target's (an ahead-of-time
+        topology); usable_bytes: one device's memory (None: unknown, `cfg` is kept).
+    """
+    from core.errors import resource_exhausted
+    from core.parallel.mesh import mesh_platform
+    from core.train import memory
+
+    if asked.remat_policy != "auto" or cfg.remat_policy != "full" or usable_bytes is None:
+        return cfg
+    if mesh_platform(mesh) != "tpu" or not memory.no_remat_worth_compiling(cfg, dict(mesh.shape), usable_bytes):
+        return cfg
+    light = cfg.replace(remat_policy="none")
+    inputs = abstract_inputs(light, abstract_model_and_optimizer(light), mesh)
+    try:
+        compiled = compiled_step(light, *inputs)
+    except Exception as e:  # noqa: BLE001  (XLA:TPU refuses a program over its limit at compile)
+        if resource_exhausted(e) is None:
+            raise
+        return cfg
+    if memory.compiled_memory(compiled)["total_bytes"] > usable_bytes:
+        with _CACHE_LOCK:
+            _COMPILED.pop(step_key(light, inputs.graphdef, mesh), None)
+        return cfg
+    return light
+
+
 # ----------------------------------------------------------------------------- ahead of time
 
 

@@ -123,13 +123,21 @@ def check_masks(cfg, model) -> dict[str, bool]:
 # ----------------------------------------------------------------------------- the step
 
 
+def training_loss(cfg, model, batch):
+    """The step's loss of `model` on `batch`: (total, (lm_loss, the model's aux)); lm_loss is 0.0 in a
+    stage-table row without one (the warm-up: the model returns no hidden states for the head)."""
+    h, aux = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], mode="train")
+    lm = (lm_loss_from_hidden(h, model.head[...].astype(model.dtype), batch["targets"], batch["loss_mask"],
+                              chunk=cfg.lm_loss_chunk_size) if stage_of(cfg).lm_loss else jnp.zeros((), jnp.float32))
+    return lm + aux["indexer_loss"] + aux["moe_lb_loss"], (lm, aux)
+
+
 def step_fn(cfg, graphdef, platform: str | None = None):
     """The train step `(state, batch) -> (state, metrics)` (module docstring), traced for `platform`'s
     compiler (the mesh's devices; default `jax.default_backend()`), which picks how the non-finite
     guard keeps the state (core/train/step_guard.py `apply_if_ok`)."""
     cfg = resolve(cfg, platform or jax.default_backend())  # a no-op when the entry point resolved it
     trainable = config_matcher(cfg)
-    lm_loss = stage_of(cfg).lm_loss  # False in the warm-up: the model returns no hidden states for the head
     grad_filter = nnx.All(nnx.Param, lambda path, _: trainable(path))
     frozen_filter = nnx.All(nnx.Param, nnx.Not(grad_filter))
     # A router bias moves unless its router is frozen: neither it nor the router weight is trainable.
@@ -139,14 +147,8 @@ def step_fn(cfg, graphdef, platform: str | None = None):
 
     def step(state, batch):
         model, optimizer = nnx.merge(graphdef, state)
-
-        def loss_fn(model):
-            h, aux = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], mode="train")
-            lm = (lm_loss_from_hidden(h, model.head[...].astype(model.dtype), batch["targets"], batch["loss_mask"],
-                                      chunk=cfg.lm_loss_chunk_size) if lm_loss else jnp.zeros((), jnp.float32))
-            return lm + aux["indexer_loss"] + aux["moe_lb_loss"], (lm, aux)
-
-        grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, grad_filter), has_aux=True)
+        grad_fn = nnx.value_and_grad(lambda model: training_loss(cfg, model, batch),
+                                     argnums=nnx.DiffState(0, grad_filter), has_aux=True)
         (total, (lm, aux)), grads = grad_fn(model)
         zeros = jax.tree.map(jnp.zeros_like, nnx.state(model, frozen_filter))
         metrics = {"total_loss": total, "lm_loss": lm, "indexer_loss": aux["indexer_loss"],

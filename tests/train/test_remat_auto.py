@@ -1,0 +1,121 @@
+"""remat_policy=auto (core/train/program.py `remat_that_fits`, core/train/memory.py): `full` by the platform rule;
+on a TPU mesh, `none` where the step without layer remat compiles within the device's memory, its executable kept
+for the run; `full` where the screen rules it out, the compiler refuses it or its memory analysis exceeds the
+device. The TPU's branches run here on a CPU mesh with the platform patched; the planner's through libtpu."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from core.config.platform import resolve
+from core.config.schema import load_config
+from core.train import memory, program
+
+# one CSA layer of 64 tokens: every part of the sparse step, a compile of seconds
+SMALL = ("compress_ratios=[4]", "base_num_decoder_layers=1", "first_num_hash_layers=0", "vocab_size=512",
+         "max_target_length=64", "per_device_batch_size=2")
+HUGE = 1 << 50
+
+
+def _configs(*extra, stage="sparse"):
+    asked = load_config("deepseek4-tiny", [*SMALL, *extra], stage=stage)
+    from core.parallel.mesh import make_mesh
+
+    mesh = make_mesh(asked)
+    return asked, resolve(asked, "tpu", mesh.shape), mesh
+
+
+@pytest.fixture
+def on_a_tpu(monkeypatch):
+    """`remat_that_fits` sees a TPU mesh (it asks core.parallel.mesh.mesh_platform at call time)."""
+    import core.parallel.mesh as mesh_module
+
+    monkeypatch.setattr(mesh_module, "mesh_platform", lambda mesh: "tpu")
+
+
+def test_auto_is_full_until_a_compile_says_otherwise():
+    for platform in ("cpu", "gpu", "tpu"):
+        assert resolve(load_config("deepseek4-tiny", ["remat_policy=auto"]), platform).remat_policy == "full"
+    asked, cfg, mesh = _configs("remat_policy=auto")
+    assert program.remat_that_fits(asked, cfg, mesh, HUGE) is cfg  # a CPU mesh: nothing compiled
+
+
+def test_no_remat_where_it_fits_and_its_compile_is_kept_for_the_run(on_a_tpu):
+    asked, cfg, mesh = _configs("remat_policy=auto")
+    light = program.remat_that_fits(asked, cfg, mesh, HUGE)
+    assert light.remat_policy == "none" and light.replace(remat_policy="full") == cfg
+    inputs = program.abstract_inputs(light, program.abstract_model_and_optimizer(light), mesh)
+    assert program.cached_compiled(program.step_key(light, inputs.graphdef, mesh)) is not None
+    assert program.has_config(light)  # the run's compile_ahead starts no second compile
+
+
+def test_full_where_the_step_without_remat_exceeds_the_device(on_a_tpu, monkeypatch):
+    asked, cfg, mesh = _configs("remat_policy=auto", "per_device_batch_size=4")
+    light = program.remat_that_fits(asked, cfg, mesh, HUGE)
+    inputs = program.abstract_inputs(light, program.abstract_model_and_optimizer(light), mesh)
+    key = program.step_key(light, inputs.graphdef, mesh)
+    total = memory.compiled_memory(program.cached_compiled(key))["total_bytes"]
+    monkeypatch.setattr(memory, "no_remat_worth_compiling", lambda *a: True)  # past the screen, the compile decides
+    assert program.remat_that_fits(asked, cfg, mesh, total - 1) is cfg
+    assert program.cached_compiled(key) is None  # the executable that does not fit is not kept
+    assert program.remat_that_fits(asked, cfg, mesh, total).remat_policy == "none"
+
+
+def test_full_where_the_screen_rules_it_out_or_the_compiler_refuses(on_a_tpu, monkeypatch):
+    asked, cfg, mesh = _configs("remat_policy=auto", "per_device_batch_size=8")
+    calls = []
+    real = program.compiled_step
+    monkeypatch.setattr(program, "compiled_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert program.remat_that_fits(asked, cfg, mesh, 1 << 20) is cfg and not calls  # the state alone is larger
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 20.77G of 15.75G hbm.")
+
+    monkeypatch.setattr(program, "compiled_step", refuse)
+    assert program.remat_that_fits(asked, cfg, mesh, HUGE) is cfg
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("INTERNAL: a compiler bug")
+
+    monkeypatch.setattr(program, "compiled_step", broken)
+    with pytest.raises(RuntimeError, match="compiler bug"):  # only a refusal for memory is a verdict
+        program.remat_that_fits(asked, cfg, mesh, HUGE)
+
+
+def test_the_warm_up_keeps_full_without_compiling(on_a_tpu, monkeypatch):
+    """Its backward keeps nothing across layers under any policy: no remat to save, no compile to spend."""
+    asked, cfg, mesh = _configs("remat_policy=auto", stage="warmup")
+    monkeypatch.setattr(program, "compiled_step", lambda *a, **k: pytest.fail("compiled"))
+    assert program.remat_that_fits(asked, cfg, mesh, HUGE) is cfg and cfg.remat_policy == "full"
+
+
+@pytest.mark.parametrize("policy", ["none", "minimal", "full"])
+def test_an_explicit_policy_is_kept(on_a_tpu, monkeypatch, policy):
+    asked, cfg, mesh = _configs(f"remat_policy={policy}")
+    monkeypatch.setattr(program, "compiled_step", lambda *a, **k: pytest.fail("compiled"))
+    assert program.remat_that_fits(asked, cfg, mesh, HUGE) is cfg and cfg.remat_policy == policy
+
+
+def test_what_the_backward_keeps_per_row():
+    """More without remat than with either policy; none at all in the warm-up, whose indexer takes its gradient
+    within each layer (core/model/transformer.py: no gradient crosses a layer, under any policy)."""
+    def kept(policy, stage):
+        return memory.kept_bytes_per_row(resolve(load_config("deepseek4-tiny", [*SMALL, f"remat_policy={policy}"],
+                                                             stage=stage), "tpu"))
+
+    sparse = {p: kept(p, "sparse") for p in ("none", "minimal", "full")}
+    assert sparse["none"] > sparse["minimal"] > sparse["full"] > 0, sparse
+    assert kept("none", "warmup") == kept("full", "warmup") == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install "dsv4[tpu]"')
+def test_the_plan_for_a_tpu_takes_no_remat_where_it_fits():
+    from core.plan.compile import plan
+
+    auto = plan("deepseek4-tiny", "sparse", "v5e-1", (*SMALL, "remat_policy=auto"), top=1, analytic=False)
+    assert auto["fits"] and auto["remat_policy"] == "none", auto.get("error")
+    full = plan("deepseek4-tiny", "sparse", "v5e-1", (*SMALL, "remat_policy=full"), top=1, analytic=False)
+    assert full["remat_policy"] == "full" and full["flops_per_step"] > auto["flops_per_step"]  # no layer runs twice
