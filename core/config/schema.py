@@ -109,6 +109,7 @@ class Config:
     mhc_expansion_rate: int
     hc_sinkhorn_iters: int
     hc_eps: float
+    hc_mix_form: str                  # einsum | slices (core/model/mhc.py)
     # training
     steps: int
     per_device_batch_size: int        # sequences

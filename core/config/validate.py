@@ -45,6 +45,7 @@ _CHOICES = {
     "frozen_weight_dtype": ("float32", "bfloat16"),
     "mu_dtype": ("float32", "bfloat16"),
     "nu_dtype": ("float32", "bfloat16"),
+    "hc_mix_form": ("einsum", "slices"),
     "remat_policy": ("auto", "none", "minimal", "full"),
     "moe_impl": ("auto", "tiled", "dense", "ragged", "gmm"),
     "rope_type": ("default", "yarn"),

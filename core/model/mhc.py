@@ -20,9 +20,11 @@ Implementation (XLA CPU runs this op-count bound: many tiny [B, T, 4, 4] ops in 
 docs/benchmarks.md#why-the-defaults):
 Sinkhorn runs on the token-minor layout [n, n, B*T], its row / column sums as adds of n slices,
 so one iteration is one elementwise fusion, with a custom VJP (the analytic backward of each
-normalisation in one reverse loop); the mixes are scaled after the projection, and the post's
-outer product is an einsum. Values and gradients equal the plain formulation to float32 rounding
-(tests/model/test_mhc.py).
+normalisation in one reverse loop); the mixes are scaled after the projection. The copies are
+weighted, mixed and filled (`hc_mix_form`) by einsums, XLA CPU's fastest, or as `slices`,
+elementwise sums of n products, for XLA:TPU, which runs the einsums as batched matmuls of a few
+rows per token (docs/tpu.md). Values and gradients equal the plain formulation to float32
+rounding (tests/model/test_mhc.py).
 
 Parameter layout (per HyperConnection): fn [n, M, (2+n)n] (the official [(2+n)n, n*M] with its
 input axis unflattened copy-major: official[j, i*M + m] = ours[i, m, j]), base [(2+n)n],
@@ -157,6 +159,43 @@ def sinkhorn(logits_bnn, iters: int, eps: float):
     return jnp.moveaxis(comb_ijt, -1, 0).reshape(*lead, n, n)
 
 
+MIX_FORMS = ("einsum", "slices")
+
+
+def _einsum(form: str) -> bool:
+    """Whether `form` (hc_mix_form) is the einsum one; refuses an unknown one."""
+    if form not in MIX_FORMS:
+        raise ValueError(f"hc_mix_form={form!r}: one of {', '.join(MIX_FORMS)}")
+    return form == "einsum"
+
+
+def weighted_copies(w_btn, x_btnm, form: str):
+    """sum_n w[b, t, n] x[b, t, n, :] -> [B, T, M] (float32): an einsum, or `slices` (n products of
+    slices added: one elementwise fusion, where XLA:TPU runs the einsum as a batched matmul of
+    [1, n] x [n, M] per token)."""
+    w_btn, x_btnm = upcast(w_btn), upcast(x_btnm)
+    if _einsum(form):
+        return jnp.einsum("btn,btnm->btm", w_btn, x_btnm)
+    return sum_copies(w_btn[..., None] * x_btnm, axis=2)
+
+
+def mixed_copies(comb_btji, x_btjm, form: str):
+    """[B, T, i, M] = sum_j comb[b, t, j, i] x[b, t, j, :] (float32), an einsum or `slices`."""
+    comb_btji, x_btjm = upcast(comb_btji), upcast(x_btjm)
+    if _einsum(form):
+        return jnp.einsum("btji,btjm->btim", comb_btji, x_btjm)
+    return sum_copies(comb_btji[..., None] * x_btjm[:, :, :, None, :], axis=2)
+
+
+def filled_copies(post_btn, out_btm, form: str):
+    """[B, T, n, M] = post[b, t, n] out[b, t, :] (float32): an einsum (its transpose is then a dot, not a
+    reduce over n, a slow library thunk on XLA CPU), or `slices`, a broadcast product."""
+    post_btn, out_btm = upcast(post_btn), upcast(out_btm)
+    if _einsum(form):
+        return jnp.einsum("btn,btm->btnm", post_btn, out_btm)
+    return post_btn[..., None] * out_btm[:, :, None, :]
+
+
 def hc_mixes(x_btnm, fn_nmj, norm_eps: float):
     """float32 [B, T, J]: the flattened copies projected by fn, times their rsqrt(mean square + eps).
 
@@ -195,8 +234,9 @@ def _pre_base_logit(n: int) -> float:
 class HyperConnection(nnx.Module):
     """The mHC around one sublayer: parameters fn, base, scale; `pre` and `post` as in DESIGN.md."""
 
-    def __init__(self, emb, n, sinkhorn_iters, eps, norm_eps, *, rngs, param_dtype=jnp.float32):
+    def __init__(self, emb, n, sinkhorn_iters, eps, norm_eps, *, rngs, param_dtype=jnp.float32, form="einsum"):
         self.n = int(n)
+        self.form = form  # MIX_FORMS: how `pre` weights the copies and `post` mixes and fills them
         self.iters = int(sinkhorn_iters)
         self.eps = float(eps)
         self.norm_eps = float(norm_eps)
@@ -224,25 +264,22 @@ class HyperConnection(nnx.Module):
         mixes_btj = hc_mixes(x_btnm, self.fn[...], self.norm_eps)
         pre_btn, post_btn, comb_btnn = hc_split(mixes_btj, self.scale[...], self.base[...],
                                                 self.n, self.iters, self.eps)
-        y_btm = jnp.einsum("btn,btnm->btm", pre_btn, upcast(x_btnm))
+        y_btm = weighted_copies(pre_btn, x_btnm, self.form)
         return y_btm.astype(x_btnm.dtype), post_btn, comb_btnn
 
     @staticmethod
-    def post(out_btm, x_btnm, post_btn, comb_btnn):
+    def post(out_btm, x_btnm, post_btn, comb_btnn, form: str = "einsum"):
         """X'[i] = post_i F(y) + sum_j comb[j, i] X[j], in float32; returns x's dtype [B,T,n,M]."""
-        mixed_btnm = jnp.einsum("btji,btjm->btim", upcast(comb_btnn),
-                                upcast(x_btnm))
-        # an outer product as einsum, not a broadcast: its transpose is then a dot, not a reduce
-        # over n (a slow library thunk on XLA CPU)
-        new_btnm = jnp.einsum("btn,btm->btnm", upcast(post_btn), upcast(out_btm))
-        return (new_btnm + mixed_btnm).astype(x_btnm.dtype)
+        mixed_btnm = mixed_copies(comb_btnn, x_btnm, form)
+        return (filled_copies(post_btn, out_btm, form) + mixed_btnm).astype(x_btnm.dtype)
 
 
 class HeadCollapse(nnx.Module):
     """Collapse the n copies before the final norm: y = sum_i (sigmoid(mix_i*scale + base_i) + eps) X[i]."""
 
-    def __init__(self, emb, n, eps, norm_eps, *, rngs, param_dtype=jnp.float32):
+    def __init__(self, emb, n, eps, norm_eps, *, rngs, param_dtype=jnp.float32, form="einsum"):
         self.n = int(n)
+        self.form = form
         self.eps = float(eps)
         self.norm_eps = float(norm_eps)
         self.fn = param(rngs, dense_init(in_axis=(0, 1), out_axis=2), (n, emb, n),
@@ -257,5 +294,5 @@ class HeadCollapse(nnx.Module):
         mixes_btn = hc_mixes(x_btnm, self.fn[...], self.norm_eps)
         scale = upcast(self.scale[...])[0]
         pre_btn = jax.nn.sigmoid(mixes_btn * scale + upcast(self.base[...])) + self.eps
-        y_btm = jnp.einsum("btn,btnm->btm", pre_btn, upcast(x_btnm))
+        y_btm = weighted_copies(pre_btn, x_btnm, self.form)
         return y_btm.astype(x_btnm.dtype)

@@ -64,7 +64,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from core.config.platform import require_resolved
+from core.config.platform import require_resolved, resolve_here
 from core.config.stages import stage_of
 from core.model.attention import Attention, AttentionSpec
 from core.model.layers import RMSNorm, dense_init, hold_frozen, param
@@ -105,11 +105,13 @@ class BlockSpec:
     hc_iters: int
     hc_eps: float
     moe: MoESpec
+    hc_form: str = "einsum"
 
     @classmethod
     def from_config(cls, cfg, layer: int) -> "BlockSpec":
         return cls(AttentionSpec.from_config(cfg, layer), cfg.emb, cfg.normalization_layer_epsilon,
-                   cfg.mhc_expansion_rate, cfg.hc_sinkhorn_iters, cfg.hc_eps, MoESpec.from_config(cfg, layer))
+                   cfg.mhc_expansion_rate, cfg.hc_sinkhorn_iters, cfg.hc_eps, MoESpec.from_config(cfg, layer),
+                   cfg.hc_mix_form)
 
 
 def hash_seed(cfg, layer: int) -> int:
@@ -127,8 +129,8 @@ class Block(nnx.Module):
         self.attn = Attention(spec.attn, dtype=dtype, **kw)
         self.ffn_norm = RMSNorm(spec.emb, spec.eps, **kw)
         self.ffn = MoE(spec.moe, seed_for_hash_table=seed_for_hash_table, dtype=dtype, **kw)
-        self.hc_attn = HyperConnection(spec.emb, spec.hc_n, spec.hc_iters, spec.hc_eps, spec.eps, **kw)
-        self.hc_ffn = HyperConnection(spec.emb, spec.hc_n, spec.hc_iters, spec.hc_eps, spec.eps, **kw)
+        self.hc_attn = HyperConnection(spec.emb, spec.hc_n, spec.hc_iters, spec.hc_eps, spec.eps, form=spec.hc_form, **kw)
+        self.hc_ffn = HyperConnection(spec.emb, spec.hc_n, spec.hc_iters, spec.hc_eps, spec.eps, form=spec.hc_form, **kw)
 
     def __call__(self, x_btnm, tokens_bt, positions_bt, segment_ids_bt, *, dense: bool,
                  indexer_loss: bool, collect: bool, observe=None):
@@ -136,10 +138,10 @@ class Block(nnx.Module):
         y_btm, post_btn, comb_btnn = self.hc_attn.pre(x_btnm)
         out_btm, aux = self.attn(self.attn_norm(y_btm), positions_bt, segment_ids_bt, dense=dense,
                                  indexer_loss=indexer_loss, collect=collect, observe=observe)
-        x_btnm = HyperConnection.post(out_btm, x_btnm, post_btn, comb_btnn)
+        x_btnm = HyperConnection.post(out_btm, x_btnm, post_btn, comb_btnn, self.hc_attn.form)
         y_btm, post_btn, comb_btnn = self.hc_ffn.pre(x_btnm)
         out_btm, moe_aux = self.ffn(self.ffn_norm(y_btm), tokens_bt, segment_ids_bt > 0)
-        x_btnm = HyperConnection.post(out_btm, x_btnm, post_btn, comb_btnn)
+        x_btnm = HyperConnection.post(out_btm, x_btnm, post_btn, comb_btnn, self.hc_ffn.form)
         return x_btnm, {**aux, "lb_loss": moe_aux["lb_loss"], "load": moe_aux["load"], "dropped": moe_aux["dropped"]}
 
 
@@ -258,7 +260,7 @@ class Transformer(nnx.Module):
         self.joint = cfg.indexer_teacher == "joint"
         # a gradient crosses the layers unless only the indexer trains, from its local loss (the warm-up)
         self.cross_layer_gradient = self.stage.trains_rest or cfg.indexer_gradient != "local"
-        self.remat_policy = cfg.remat_policy
+        self.remat_policy = resolve_here(cfg).remat_policy  # a resolved config's own; `full` for an unresolved auto
         specs = [BlockSpec.from_config(cfg, i) for i in range(cfg.num_layers)]
         self.segments = layer_plan(specs, cfg.scan_layers)
         kw = dict(param_dtype=pdt, dtype=dt)
@@ -266,7 +268,7 @@ class Transformer(nnx.Module):
                            ("vocab", "embed"), pdt)
         self.layers = nnx.List([_segment(cfg, specs, *seg, rngs, kw) for seg in self.segments])
         self.hc_head = HeadCollapse(cfg.emb, self.n, cfg.hc_eps, cfg.normalization_layer_epsilon,
-                                    rngs=rngs, param_dtype=pdt)
+                                    rngs=rngs, param_dtype=pdt, form=cfg.hc_mix_form)
         self.norm = RMSNorm(cfg.emb, cfg.normalization_layer_epsilon, rngs=rngs, param_dtype=pdt)
         self.head = param(rngs, dense_init(), (cfg.emb, cfg.vocab_size), ("embed", "vocab"), pdt)
         trainable = mask_matcher(cfg.trainable_parameters_mask, cfg.frozen_parameters_mask)

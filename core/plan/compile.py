@@ -234,7 +234,7 @@ def no_remat_to_try(asked, cfg, target: tg.Target, mesh) -> bool:
     first, as a run on `target` would (core/train/program.py `remat_that_fits`: `remat_policy=auto` on
     a TPU, where the screen does not rule it out); it is the plan when it fits."""
     from core.plan.report import usable_memory
-    from core.train.memory import no_remat_worth_compiling
+    from core.train.program import no_remat_worth_compiling
 
     return (asked.remat_policy == "auto" and cfg.remat_policy == "full" and target.platform == "tpu"
             and no_remat_worth_compiling(cfg, dict(mesh.shape), usable_memory(target)[0]))

@@ -23,6 +23,9 @@ compares the lowered programs).
   The executable is cached like the jitted step; when the real state does not match what was
   compiled (another graphdef, sharding or shape) the jitted step runs, which compiles on its first
   call: the values of every step are the same either way.
+- `remat_that_fits(asked, cfg, mesh, usable)`: `remat_policy=auto` on a TPU, the step without layer
+  remat compiled and taken where it fits a chip (its executable cached for the run), after a
+  screen (`no_remat_worth_compiling`) that spares a compile that cannot fit or changes nothing.
 """
 
 from __future__ import annotations
@@ -286,13 +289,83 @@ class AheadStep:
 # ----------------------------------------------------------------------------- remat_policy=auto
 
 
+def kept_bytes_per_row(cfg) -> int:
+    """Bytes the backward keeps from the forward per batch row under `cfg`'s remat_policy.
+
+    jax.vjp's residuals of the step's loss (core/train/step.py `training_loss`, gradients to the
+    trainable parameters) traced abstractly (`jax.eval_shape`: nothing compiled or allocated) for one
+    and for two rows of max_target_length tokens; the difference is one row's. What the backward reads
+    besides (the parameters, their casts) is the same for both and cancels. It is the jaxpr's count:
+    XLA keeps at most that (it may recompute a cheap elementwise result instead of keeping it).
+    """
+    import math
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from core.data.batches import BATCH_KEYS
+    from core.train.step import config_matcher, training_loss
+
+    model, _ = abstract_model_and_optimizer(cfg)
+    trainable = config_matcher(cfg)
+    graphdef, params, rest = nnx.split(model, nnx.All(nnx.Param, lambda path, _: trainable(path)), ...)
+
+    def residuals(params, rest, batch):
+        loss = lambda p: training_loss(cfg, nnx.merge(graphdef, p, rest), batch)[0]  # noqa: E731
+        return jax.vjp(loss, params)[1]
+
+    def kept(rows: int) -> int:
+        row = jax.ShapeDtypeStruct((rows, cfg.max_target_length), jnp.int32)
+        out = jax.eval_shape(residuals, params, rest, {k: row for k in BATCH_KEYS})
+        return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(out))
+
+    return kept(2) - kept(1)
+
+
+# About the largest share of `kept_bytes_per_row` that XLA:TPU kept in the steps without layer remat
+# measured (docs/benchmarks.md#why-the-defaults; far less where the layers are not scanned).
+KEPT_SHARE_SCREEN = 0.6
+
+
+def no_remat_worth_compiling(cfg, mesh_axes, usable_bytes: int) -> bool:
+    """Whether the step without layer remat may fit one device of `usable_bytes`, before compiling it:
+    the parameters and AdamW's moments per device (`state_bytes_needed` on an abstract mesh of
+    `mesh_axes`) plus KEPT_SHARE_SCREEN of what the backward keeps without remat for the rows a device
+    holds (`kept_bytes_per_row`); and False where the backward keeps no more without layer remat than
+    with it (the warm-up: no gradient crosses a layer), so that nothing changes. A screen, not the
+    verdict: XLA:TPU recomputes what it must to fit its limit by itself, so the compile decides
+    (`remat_that_fits`); the screen spares a compile that cannot fit (V4-Flash's 43 layers at full
+    size) or would change nothing."""
+    import math
+
+    from flax import nnx
+    from jax.sharding import AbstractMesh, AxisType
+
+    from core.parallel.sharding import BATCH_AXES, abstract_state
+    from core.train import memory
+    from core.train.step import config_matcher
+
+    names = tuple(mesh_axes)
+    mesh = AbstractMesh(tuple(mesh_axes[n] for n in names), names, axis_types=(AxisType.Auto,) * len(names))
+    model, _ = abstract_model_and_optimizer(cfg)
+    state = memory.state_bytes_needed(abstract_state(nnx.state(model), mesh), config_matcher(cfg), cfg.mu_dtype,
+                                      cfg.nu_dtype)
+    shards = math.prod(mesh_axes.get(a, 1) for a in BATCH_AXES)
+    rows = cfg.per_device_batch_size * math.prod(mesh_axes.values()) // max(shards, 1)  # a device's batch shard
+    kept = kept_bytes_per_row(cfg.replace(remat_policy="none"))
+    if kept <= kept_bytes_per_row(cfg.replace(remat_policy="full")):  # layer remat changes nothing (the warm-up)
+        return False
+    return state + KEPT_SHARE_SCREEN * rows * kept <= usable_bytes
+
+
 def remat_that_fits(asked, cfg, mesh, usable_bytes: int | None):
     """The config a run of `asked` (the config before `resolve`) trains with on `mesh`: `cfg` (resolved:
     `remat_policy=auto` is `full` there) or, where `asked` says `auto` and the mesh is a TPU's, `cfg`
     with `remat_policy=none` when that step compiles within `usable_bytes` per device. Without layer
     remat the backward runs no layer's forward again; XLA:TPU then recomputes by itself what it
     must to fit its limit. A compile that fits is kept for the run (`compiled_step`'s cache), so the
-    run does not compile again; `core.train.memory.no_remat_worth_compiling` spares one that cannot fit.
+    run does not compile again; `no_remat_worth_compiling` spares one that cannot fit.
 
     Args:
       mesh: a `jax.sharding.Mesh` of the run's devices, or of the planner's target's (an ahead-of-time
@@ -304,7 +377,7 @@ def remat_that_fits(asked, cfg, mesh, usable_bytes: int | None):
 
     if asked.remat_policy != "auto" or cfg.remat_policy != "full" or usable_bytes is None:
         return cfg
-    if mesh_platform(mesh) != "tpu" or not memory.no_remat_worth_compiling(cfg, dict(mesh.shape), usable_bytes):
+    if mesh_platform(mesh) != "tpu" or not no_remat_worth_compiling(cfg, dict(mesh.shape), usable_bytes):
         return cfg
     light = cfg.replace(remat_policy="none")
     inputs = abstract_inputs(light, abstract_model_and_optimizer(light), mesh)

@@ -31,16 +31,16 @@ def _normal(seed, shape, dtype=jnp.float32, scale=1.0):
 sinkhorn = jax.jit(mhc.sinkhorn, static_argnums=(1, 2))
 
 
-def _hc(dtype, seed=0):
+def _hc(dtype, seed=0, form="einsum"):
     """A HyperConnection with seeded NumPy weights (scales ~ 0.5 so every term matters)."""
     abstract = nnx.eval_shape(lambda: mhc.HyperConnection(M, N, ITERS, EPS, NORM_EPS,
-                                                          rngs=nnx.Rngs(0), param_dtype=dtype))
+                                                          rngs=nnx.Rngs(0), param_dtype=dtype, form=form))
     return ref.materialize(abstract, seed)
 
 
-def _head(dtype, seed=0):
+def _head(dtype, seed=0, form="einsum"):
     abstract = nnx.eval_shape(lambda: mhc.HeadCollapse(M, N, EPS, NORM_EPS, rngs=nnx.Rngs(0),
-                                                       param_dtype=dtype))
+                                                       param_dtype=dtype, form=form))
     return ref.materialize(abstract, seed)
 
 
@@ -49,7 +49,7 @@ def _pre(hc, x):
     return hc.pre(x)
 
 
-_post = jax.jit(mhc.HyperConnection.post)
+_post = jax.jit(mhc.HyperConnection.post, static_argnums=4)
 
 
 @nnx.jit
@@ -127,11 +127,12 @@ def _ref_pre(hc, x):
     return tuple(np.array([[o[i] for o in row] for row in out]) for i in range(3))
 
 
+@pytest.mark.parametrize("form", mhc.MIX_FORMS)
 @pytest.mark.parametrize("dtype, tol", [(jnp.float64, 1e-10), (jnp.float32, 1e-5)])
-def test_pre_and_post_match_reference(request, dtype, tol):
+def test_pre_and_post_match_reference(request, dtype, tol, form):
     if dtype == jnp.float64:
         request.getfixturevalue("x64")
-    hc = _hc(dtype)
+    hc = _hc(dtype, form=form)
     x = _stream(dtype)
     y, post, comb = _pre(hc, x)
     r_y, r_post, r_comb = _ref_pre(hc, x)
@@ -139,7 +140,7 @@ def test_pre_and_post_match_reference(request, dtype, tol):
     _close(comb, r_comb, tol, "comb")
     _close(y, r_y, tol * 10, "y")
     out = _normal(5, y.shape, dtype)
-    new = _post(out, x, post, comb)
+    new = _post(out, x, post, comb, form)
     xs, outs = np.asarray(x, np.float64), np.asarray(out, np.float64)
     r_new = np.array([[ref.hc_post(outs[b, t], xs[b, t], r_post[b, t], r_comb[b, t])
                        for t in range(x.shape[1])] for b in range(x.shape[0])])
@@ -147,11 +148,12 @@ def test_pre_and_post_match_reference(request, dtype, tol):
     assert new.dtype == x.dtype and y.dtype == x.dtype
 
 
+@pytest.mark.parametrize("form", mhc.MIX_FORMS)
 @pytest.mark.parametrize("dtype, tol", [(jnp.float64, 1e-10), (jnp.float32, 1e-5)])
-def test_head_collapse_matches_reference(request, dtype, tol):
+def test_head_collapse_matches_reference(request, dtype, tol, form):
     if dtype == jnp.float64:
         request.getfixturevalue("x64")
-    head = _head(dtype)
+    head = _head(dtype, form=form)
     x = _stream(dtype, seed=6)
     y = _collapse(head, x)
     fn = ref.fn_official(np.asarray(head.fn[...]))
@@ -160,6 +162,29 @@ def test_head_collapse_matches_reference(request, dtype, tol):
     r_y = np.array([[ref.head_collapse(xs[b, t], fn, scale, base, EPS, NORM_EPS)
                      for t in range(x.shape[1])] for b in range(x.shape[0])])
     _close(y, r_y, tol * 10, "head collapse")
+
+
+def test_the_mix_forms_agree_in_value_and_gradient():
+    """`slices` (TPU) against `einsum` (CPU): a layer's pre, post and the head collapse, float32, on fresh
+    seeded inputs; the gradients of every parameter and of the stream."""
+
+    def loss(form, x, out):
+        hc, head = _hc(jnp.float32, form=form), _head(jnp.float32, form=form)
+
+        def f(hc, head, x):
+            y, post, comb = hc.pre(x)
+            new = mhc.HyperConnection.post(out + y, x, post, comb, form)
+            return jnp.sum(jnp.sin(head(new))) + jnp.sum(jnp.cos(new))
+
+        return nnx.value_and_grad(f, argnums=(0, 1, 2))(hc, head, x)
+
+    x, out = _stream(jnp.float32, seed=11, shape=(3, 5)), _normal(12, (3, 5, M))
+    (v_e, g_e), (v_s, g_s) = loss("einsum", x, out), loss("slices", x, out)
+    _close(v_s, v_e, 1e-5, "value")
+    for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_e)):
+        _close(a, b, 1e-4, "gradient")
+    with pytest.raises(ValueError, match="hc_mix_form='dots': one of einsum, slices"):
+        mhc.weighted_copies(x[..., 0], x, "dots")
 
 
 def test_real_init_and_shapes():

@@ -1,4 +1,4 @@
-"""remat_policy=auto (core/train/program.py `remat_that_fits`, core/train/memory.py): `full` by the platform rule;
+"""remat_policy=auto (core/train/program.py `remat_that_fits` and its screen): `full` by the platform rule;
 on a TPU mesh, `none` where the step without layer remat compiles within the device's memory, its executable kept
 for the run; `full` where the screen rules it out, the compiler refuses it or its memory analysis exceeds the
 device. The TPU's branches run here on a CPU mesh with the platform patched; the planner's through libtpu."""
@@ -57,7 +57,7 @@ def test_full_where_the_step_without_remat_exceeds_the_device(on_a_tpu, monkeypa
     inputs = program.abstract_inputs(light, program.abstract_model_and_optimizer(light), mesh)
     key = program.step_key(light, inputs.graphdef, mesh)
     total = memory.compiled_memory(program.cached_compiled(key))["total_bytes"]
-    monkeypatch.setattr(memory, "no_remat_worth_compiling", lambda *a: True)  # past the screen, the compile decides
+    monkeypatch.setattr(program, "no_remat_worth_compiling", lambda *a: True)  # past the screen, the compile decides
     assert program.remat_that_fits(asked, cfg, mesh, total - 1) is cfg
     assert program.cached_compiled(key) is None  # the executable that does not fit is not kept
     assert program.remat_that_fits(asked, cfg, mesh, total).remat_policy == "none"
@@ -102,7 +102,7 @@ def test_what_the_backward_keeps_per_row():
     """More without remat than with either policy; none at all in the warm-up, whose indexer takes its gradient
     within each layer (core/model/transformer.py: no gradient crosses a layer, under any policy)."""
     def kept(policy, stage):
-        return memory.kept_bytes_per_row(resolve(load_config("deepseek4-tiny", [*SMALL, f"remat_policy={policy}"],
+        return program.kept_bytes_per_row(resolve(load_config("deepseek4-tiny", [*SMALL, f"remat_policy={policy}"],
                                                              stage=stage), "tpu"))
 
     sparse = {p: kept(p, "sparse") for p in ("none", "minimal", "full")}
