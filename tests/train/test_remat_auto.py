@@ -117,5 +117,3 @@ def test_the_plan_for_a_tpu_takes_no_remat_where_it_fits():
 
     auto = plan("deepseek4-tiny", "sparse", "v5e-1", (*SMALL, "remat_policy=auto"), top=1, analytic=False)
     assert auto["fits"] and auto["remat_policy"] == "none", auto.get("error")
-    full = plan("deepseek4-tiny", "sparse", "v5e-1", (*SMALL, "remat_policy=full"), top=1, analytic=False)
-    assert full["remat_policy"] == "full" and full["flops_per_step"] > auto["flops_per_step"]  # no layer runs twice
