@@ -1,5 +1,5 @@
 """A training run's preflight (DESIGN.md, "Training, checkpoints, runs"): every check that needs no
-array, each done once, before anything is built or compiled, handed on as one frozen `Preflight`.
+array, each done once, before anything is built, handed on as one frozen `Preflight`.
 
 In order, each stopping the run in one line before the long phases start:
 1. the mesh, made once; the config resolved for its platform (core/config/platform.py), so every
@@ -12,7 +12,9 @@ In order, each stopping the run in one line before the long phases start:
    released on one side only are bridged (core/model/quant.py), a resume's optimizer state must
    have this config's structure (core/train/resume_checks.py);
 5. the parameters and AdamW's moments against one device's memory (core/train/memory.py);
-6. the masks against the stage table (core/train/step.py `check_masks`).
+6. the masks against the stage table (core/train/step.py `check_masks`);
+7. last, on a TPU with `remat_policy=auto`: the step without layer remat compiled, and taken where it
+   fits the chip (core/train/program.py `remat_that_fits`; the run then finds it compiled).
 The notices (what a resume changes, a dropped metrics line, a fresh indexer) and the warnings
 (top-k that never binds) travel in the record.
 """
