@@ -52,15 +52,15 @@ def test_no_remat_where_it_fits_and_its_compile_is_kept_for_the_run(on_a_tpu):
 
 
 def test_full_where_the_step_without_remat_exceeds_the_device(on_a_tpu, monkeypatch):
-    asked, cfg, mesh = _configs("remat_policy=auto", "per_device_batch_size=4")
+    asked, cfg, mesh = _configs("remat_policy=auto")  # the previous test's: its compile is cached (or made here)
     light = program.remat_that_fits(asked, cfg, mesh, HUGE)
     inputs = program.abstract_inputs(light, program.abstract_model_and_optimizer(light), mesh)
     key = program.step_key(light, inputs.graphdef, mesh)
     total = memory.compiled_memory(program.cached_compiled(key))["total_bytes"]
     monkeypatch.setattr(program, "no_remat_worth_compiling", lambda *a: True)  # past the screen, the compile decides
+    assert program.remat_that_fits(asked, cfg, mesh, total).remat_policy == "none"  # exactly the device: fits
     assert program.remat_that_fits(asked, cfg, mesh, total - 1) is cfg
     assert program.cached_compiled(key) is None  # the executable that does not fit is not kept
-    assert program.remat_that_fits(asked, cfg, mesh, total).remat_policy == "none"
 
 
 def test_full_where_the_screen_rules_it_out_or_the_compiler_refuses(on_a_tpu, monkeypatch):
