@@ -50,15 +50,13 @@ def main() -> None:
     from core.config.platform import resolve
     from core.config.schema import load_config
     from core.parallel.mesh import make_mesh
-    from core.train.memory import device_memory_bytes
     from core.train.program import remat_that_fits
 
     for n, variant in enumerate(args.variants):
         overrides = [] if variant == "-" else variant.split()
         cfg = load_config(args.model, ["dataset_type=synthetic", "enable_tensorboard=false", *overrides], stage=args.stage)
         mesh, start = make_mesh(cfg), time.perf_counter()
-        cfg = remat_that_fits(cfg, resolve(cfg, jax.default_backend(), mesh.shape), mesh,
-                              device_memory_bytes(jax.local_devices()[0])[0])
+        cfg = remat_that_fits(cfg, resolve(cfg, jax.default_backend(), mesh.shape), mesh)
         chosen_s = time.perf_counter() - start  # with remat_policy=auto on a TPU: the compile without remat
         row = {"variant": variant, "stage": args.stage, "model": args.model, "remat_policy": cfg.remat_policy}
         try:

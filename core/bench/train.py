@@ -266,14 +266,11 @@ def sweep_config(stage: str, seq: int, batch: int, overrides: Sequence[str] = ()
                               *overrides], stage=stage)
     if platform is None:
         return cfg
-    import jax
-
     from core.parallel.mesh import make_mesh
-    from core.train.memory import device_memory_bytes
     from core.train.program import remat_that_fits
 
     mesh = make_mesh(cfg)
-    return remat_that_fits(cfg, resolve(cfg, platform, mesh.shape), mesh, device_memory_bytes(jax.local_devices()[0])[0])
+    return remat_that_fits(cfg, resolve(cfg, platform, mesh.shape), mesh)
 
 
 def run_train_sweep(stages: Sequence[str], seqs: Sequence[int], batches: Sequence[int], *, steps: int = 3,

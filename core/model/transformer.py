@@ -64,7 +64,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from core.config.platform import require_resolved, resolve_here
+from core.config.platform import resolve_here
 from core.config.stages import stage_of
 from core.model.attention import Attention, AttentionSpec
 from core.model.layers import RMSNorm, dense_init, hold_frozen, param
@@ -105,13 +105,19 @@ class BlockSpec:
     hc_iters: int
     hc_eps: float
     moe: MoESpec
-    hc_form: str = "einsum"
+    hc_form: str
 
     @classmethod
     def from_config(cls, cfg, layer: int) -> "BlockSpec":
         return cls(AttentionSpec.from_config(cfg, layer), cfg.emb, cfg.normalization_layer_epsilon,
                    cfg.mhc_expansion_rate, cfg.hc_sinkhorn_iters, cfg.hc_eps, MoESpec.from_config(cfg, layer),
                    cfg.hc_mix_form)
+
+
+def crosses_layers(cfg) -> bool:
+    """Whether a gradient crosses the layers: unless only the indexer trains, from its local loss (the
+    warm-up), where the backward keeps no layer's input and runs no layer again under any remat policy."""
+    return stage_of(cfg).trains_rest or cfg.indexer_gradient != "local"
 
 
 def hash_seed(cfg, layer: int) -> int:
@@ -258,8 +264,7 @@ class Transformer(nnx.Module):
         self.csa_layers = cfg.csa_layers if cfg.use_indexer else ()
         self.stage = stage_of(cfg)  # what "train" switches on and off (core.config.stages)
         self.joint = cfg.indexer_teacher == "joint"
-        # a gradient crosses the layers unless only the indexer trains, from its local loss (the warm-up)
-        self.cross_layer_gradient = self.stage.trains_rest or cfg.indexer_gradient != "local"
+        self.cross_layer_gradient = crosses_layers(cfg)
         self.remat_policy = resolve_here(cfg).remat_policy  # a resolved config's own; `full` for an unresolved auto
         specs = [BlockSpec.from_config(cfg, i) for i in range(cfg.num_layers)]
         self.segments = layer_plan(specs, cfg.scan_layers)
@@ -323,7 +328,6 @@ class Transformer(nnx.Module):
         args = (tokens, positions, segment_ids)
         x = expand(self.embed[...].astype(self.dtype)[tokens], self.n)  # cast first: FSDP gathers in dtype
 
-        require_resolved(self.remat_policy, "remat_policy")
         policy = REMAT_POLICIES[self.remat_policy]
         auxes = []  # per segment: [aux per unit position], arrays [repeats, ...] when scanned
         for (_, _, reps), layer in zip(self.segments, self.layers):

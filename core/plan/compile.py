@@ -229,17 +229,6 @@ def compile_plan(cfg, target: tg.Target, *, top: int = 10, analytic: bool = True
                                   buffer_text=read_buffer_assignment(dump))
 
 
-def no_remat_to_try(asked, cfg, target: tg.Target, mesh) -> bool:
-    """Whether the plan of `asked` (the config before `resolve`) compiles the step without layer remat
-    first, as a run on `target` would (core/train/program.py `remat_that_fits`: `remat_policy=auto` on
-    a TPU, where the screen does not rule it out); it is the plan when it fits."""
-    from core.plan.report import usable_memory
-    from core.train.program import no_remat_worth_compiling
-
-    return (asked.remat_policy == "auto" and cfg.remat_policy == "full" and target.platform == "tpu"
-            and no_remat_worth_compiling(cfg, dict(mesh.shape), usable_memory(target)[0]))
-
-
 def read_buffer_assignment(dump: str | None, module: str = "jit_step") -> str:
     """The train step's (or `module`'s) buffer assignment text from an XLA dump directory ("" if none)."""
     if not dump:
@@ -250,6 +239,8 @@ def read_buffer_assignment(dump: str | None, module: str = "jit_step") -> str:
 
 def _child(args: dict[str, Any]) -> dict[str, Any]:
     from core.errors import DsvError
+    from core.plan.report import usable_memory
+    from core.train.program import no_remat_candidate
 
     try:
         target = tg.parse_target(args["target"])
@@ -258,7 +249,8 @@ def _child(args: dict[str, Any]) -> dict[str, Any]:
         asked, cfg = cfg, resolve(cfg, target.platform, mesh.shape)
         kw = dict(top=args["top"], analytic=args["analytic"], dump=args.get("dump"), stage=args["stage"],
                   batch_rows=args.get("batch_rows"))
-        if args["stage"] != EVAL and no_remat_to_try(asked, cfg, target, mesh):
+        if args["stage"] != EVAL and no_remat_candidate(asked, cfg, target.platform, dict(mesh.shape),
+                                                        usable_memory(target)[0]):
             light = compile_plan(cfg.replace(remat_policy="none"), target, **kw)  # the run's choice, as the run makes it
             if light["fits"]:
                 return light

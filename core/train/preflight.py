@@ -106,7 +106,7 @@ def preflight(cfg, stage: str, run_dir: Path, init_from: str | Path | None = Non
     warnings = tuple(w for w in (topk_warning(cfg),) if w)
     # last, once every cheap check passed: on a TPU, remat_policy=auto compiles the step without remat
     # and keeps it where it fits (the run then finds it compiled)
-    fitted = program.remat_that_fits(asked, cfg, mesh, memory.device_memory_bytes(jax.local_devices()[0])[0])
+    fitted = program.remat_that_fits(asked, cfg, mesh)
     if fitted is not cfg:
         cfg, abstract = fitted, program.abstract_model_and_optimizer(fitted)
         notices.append("remat_policy=auto: none (the step without layer remat fits the chip, compiled; "

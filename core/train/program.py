@@ -330,11 +330,11 @@ KEPT_SHARE_SCREEN = 0.6
 
 def no_remat_worth_compiling(cfg, mesh_axes, usable_bytes: int) -> bool:
     """Whether the step without layer remat may fit one device of `usable_bytes`, before compiling it:
-    the parameters and AdamW's moments per device (`state_bytes_needed` on an abstract mesh of
-    `mesh_axes`) plus KEPT_SHARE_SCREEN of what the backward keeps without remat for the rows a device
-    holds (`kept_bytes_per_row`); and False where the backward keeps no more without layer remat than
-    with it (the warm-up: no gradient crosses a layer), so that nothing changes. A screen, not the
-    verdict: XLA:TPU recomputes what it must to fit its limit by itself, so the compile decides
+    False where no gradient crosses the layers (the warm-up: layer remat changes nothing,
+    `core.model.transformer.crosses_layers`), else whether the parameters and AdamW's moments per
+    device (`state_bytes_needed` on an abstract mesh of `mesh_axes`) plus KEPT_SHARE_SCREEN of what the
+    backward keeps without remat for the rows a device holds (`kept_bytes_per_row`) fit. A screen, not
+    the verdict: XLA:TPU recomputes what it must to fit its limit by itself, so the compile decides
     (`remat_that_fits`); the screen spares a compile that cannot fit (V4-Flash's 43 layers at full
     size) or would change nothing."""
     import math
@@ -342,10 +342,13 @@ def no_remat_worth_compiling(cfg, mesh_axes, usable_bytes: int) -> bool:
     from flax import nnx
     from jax.sharding import AbstractMesh, AxisType
 
+    from core.model.transformer import crosses_layers
     from core.parallel.sharding import BATCH_AXES, abstract_state
     from core.train import memory
     from core.train.step import config_matcher
 
+    if not crosses_layers(cfg):
+        return False
     names = tuple(mesh_axes)
     mesh = AbstractMesh(tuple(mesh_axes[n] for n in names), names, axis_types=(AxisType.Auto,) * len(names))
     model, _ = abstract_model_and_optimizer(cfg)
@@ -353,31 +356,38 @@ def no_remat_worth_compiling(cfg, mesh_axes, usable_bytes: int) -> bool:
                                       cfg.nu_dtype)
     shards = math.prod(mesh_axes.get(a, 1) for a in BATCH_AXES)
     rows = cfg.per_device_batch_size * math.prod(mesh_axes.values()) // max(shards, 1)  # a device's batch shard
-    kept = kept_bytes_per_row(cfg.replace(remat_policy="none"))
-    if kept <= kept_bytes_per_row(cfg.replace(remat_policy="full")):  # layer remat changes nothing (the warm-up)
-        return False
-    return state + KEPT_SHARE_SCREEN * rows * kept <= usable_bytes
+    return state + KEPT_SHARE_SCREEN * rows * kept_bytes_per_row(cfg.replace(remat_policy="none")) <= usable_bytes
 
 
-def remat_that_fits(asked, cfg, mesh, usable_bytes: int | None):
+def no_remat_candidate(asked, cfg, platform: str, mesh_axes, usable_bytes: int | None) -> bool:
+    """Whether the step without layer remat is compiled first for `asked` (the config before `resolve`;
+    `cfg`, after it): `remat_policy=auto` on a TPU of known memory, past `no_remat_worth_compiling`. The
+    run (`remat_that_fits`) and `dsv4 plan` (core/plan/compile.py) ask this one question."""
+    return (asked.remat_policy == "auto" and cfg.remat_policy == "full" and platform == "tpu"
+            and usable_bytes is not None and no_remat_worth_compiling(cfg, mesh_axes, usable_bytes))
+
+
+def remat_that_fits(asked, cfg, mesh, usable_bytes: int | None = None):
     """The config a run of `asked` (the config before `resolve`) trains with on `mesh`: `cfg` (resolved:
-    `remat_policy=auto` is `full` there) or, where `asked` says `auto` and the mesh is a TPU's, `cfg`
-    with `remat_policy=none` when that step compiles within `usable_bytes` per device. Without layer
-    remat the backward runs no layer's forward again; XLA:TPU then recomputes by itself what it
-    must to fit its limit. A compile that fits is kept for the run (`compiled_step`'s cache), so the
-    run does not compile again; `no_remat_worth_compiling` spares one that cannot fit.
+    `remat_policy=auto` is `full` there) or, where `no_remat_candidate`, `cfg` with `remat_policy=none`
+    when that step compiles within `usable_bytes` per device. Without layer remat the backward runs no
+    layer's forward again; XLA:TPU then recomputes by itself what it must to fit its limit. A compile
+    that fits is kept for the run (`compiled_step`'s cache), so the run does not compile again.
 
     Args:
       mesh: a `jax.sharding.Mesh` of the run's devices, or of the planner's target's (an ahead-of-time
-        topology); usable_bytes: one device's memory (None: unknown, `cfg` is kept).
+        topology); usable_bytes: one device's memory, by default this process's first device's
+        (`core.train.memory.device_memory_bytes`; unknown: `cfg` is kept).
     """
+    import jax
+
     from core.errors import resource_exhausted
     from core.parallel.mesh import mesh_platform
     from core.train import memory
 
-    if asked.remat_policy != "auto" or cfg.remat_policy != "full" or usable_bytes is None:
-        return cfg
-    if mesh_platform(mesh) != "tpu" or not no_remat_worth_compiling(cfg, dict(mesh.shape), usable_bytes):
+    if usable_bytes is None:
+        usable_bytes = memory.device_memory_bytes(jax.local_devices()[0])[0]
+    if not no_remat_candidate(asked, cfg, mesh_platform(mesh), dict(mesh.shape), usable_bytes):
         return cfg
     light = cfg.replace(remat_policy="none")
     inputs = abstract_inputs(light, abstract_model_and_optimizer(light), mesh)
