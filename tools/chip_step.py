@@ -7,8 +7,10 @@ For each variant (one argument of space-separated KEY=VALUE overrides; "-" for n
 process: build the training command's own model, optimizer and step (core/bench/train.py's
 `compiled_shape`, the step `dsv4 STAGE` runs), run one untimed step, time `--steps` more, then run
 `--trace` steps under jax.profiler. The variant's state is freed before the next one is built, so
-each may use the whole accelerator. Prints one JSON line per variant (median and minimum step,
-tokens/s, compile seconds, XLA's temporaries, the last losses) and, with `--out`, writes into
+each may use the whole accelerator. Prints one JSON line per variant as soon as it is timed (median
+and minimum step, tokens/s, compile seconds, XLA's temporaries, the last losses), so that a trace
+cut short by a time limit loses no timing, then with `--trace` one more (`traced_step_s`, the traced
+steps' mean); with `--out` it writes into
 DIR/<n>/: `hlo.txt.gz` (the compiled step's optimised HLO) and `trace.xplane.pb.gz` (the profile),
 the inputs of core/bench/trace.py and core/plan/hlo.py, for reading on any machine.
 
@@ -79,6 +81,7 @@ def main() -> None:
         row.update(step_s=median, min_step_s=min(times), tokens_per_s=run["tokens_per_step"] / median,
                    compile_s=run["compile_s"] + chosen_s, temp_bytes=run["temp_bytes"],
                    last={k: float(v) for k, v in jax.device_get(metrics).items()})
+        print(json.dumps(row), flush=True)
         if args.out:
             folder = Path(args.out) / str(n)
             folder.mkdir(parents=True, exist_ok=True)
@@ -92,12 +95,12 @@ def main() -> None:
                     for batch in batches[1 + args.steps:]:
                         state, metrics = step(state, batch)
                         jax.block_until_ready(metrics)
-                    row["traced_step_s"] = (time.perf_counter() - start) / args.trace
+                    traced_s = (time.perf_counter() - start) / args.trace
                     jax.profiler.stop_trace()
                     for path in glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)[:1]:
                         with open(path, "rb") as src, gzip.open(folder / "trace.xplane.pb.gz", "wb") as dst:
                             shutil.copyfileobj(src, dst)
-        print(json.dumps(row), flush=True)
+                print(json.dumps({"variant": variant, "traced_step_s": traced_s}), flush=True)
         del run, step, state, batches, metrics
         gc.collect()
         jax.clear_caches()

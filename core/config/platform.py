@@ -53,11 +53,30 @@ def _split(cfg, axes, names) -> int:
     return 2 if any(n != 1 for n in sizes) else 1
 
 
+# W_qb's float32 weight gradient above this many bytes does not stay on a TPU core across the chunks
+# (XLA:TPU's default scoped VMEM): each chunk then adds it to its accumulator through HBM
+_ACCUMULATOR_ON_CHIP_BYTES = 16 * 2**20
+
+
+def _attention_projections(cfg, platform: str, axes) -> str:
+    """The attention's query and output projections once over the whole sequence on a TPU where they
+    train and W_qb's float32 gradient exceeds the on-chip scratch: one matmul per weight gradient,
+    where per chunk each would read and write its float32 accumulator in HBM. Per chunk elsewhere,
+    in the warm-up (where they only run forward) and for small projections (deepseek4-tiny's)."""
+    accumulator = 4 * cfg.q_lora_rank * cfg.num_heads * cfg.head_dim
+    trains = platform == "tpu" and stage_of(cfg).trains_rest
+    return "whole" if trains and accumulator > _ACCUMULATOR_ON_CHIP_BYTES else "chunked"
+
+
 def _attention_chunk(cfg, platform: str, axes) -> int:
-    """128 query rows per chunk, and 512 on a TPU where the attention's projections train: each chunk adds
-    their weight gradients into float32 accumulators, whose traffic fewer chunks divide. In the warm-up
-    nothing of the attention trains and 128 measured faster on the chip, banded window or not."""
-    return 512 if platform == "tpu" and stage_of(cfg).trains_rest else 128
+    """128 query rows per chunk, and 512 on a TPU where the attention's projections train per chunk:
+    each chunk adds their weight gradients into float32 accumulators, whose traffic fewer chunks
+    divide. With the projections whole, 128 measured fastest on the chip, as in the warm-up."""
+    projections = cfg.attention_projections
+    if projections == AUTO:
+        projections = _attention_projections(cfg, platform, axes)
+    per_chunk = platform == "tpu" and stage_of(cfg).trains_rest and projections == "chunked"
+    return 512 if per_chunk else 128
 
 
 # key -> (its auto value, platform -> choice, or a function (cfg, platform, mesh axes or None) -> choice)
@@ -65,6 +84,7 @@ PLATFORM_CHOICES: dict[str, tuple[Any, Any]] = {
     "moe_impl": (AUTO, _moe_impl),
     "csa_topk_attention": (AUTO, _topk_attention),
     "attention_query_chunk_size": (AUTO_INT, _attention_chunk),
+    "attention_projections": (AUTO, _attention_projections),
     "lm_loss_chunk_size": (AUTO_INT, {"cpu": 256, "gpu": 256, "tpu": 1024}),
     # `full` here; an entry point that compiles the step (the run's preflight, the planner, the
     # benchmarks) takes `none` instead on a TPU where that step compiles within the chip

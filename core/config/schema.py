@@ -84,6 +84,7 @@ class Config:
     attention: str                    # chunked (banded window, gathered top-k) | masked (dense reference)
     attention_query_chunk_size: int   # query positions per chunk of the chunked attention and top-k; -1 = per platform
     csa_topk_attention: str           # auto | gather | mask (CSA's top-k keys gathered, or all keys masked)
+    attention_projections: str        # auto | chunked | whole (core/model/attention.py)
     jax_cache_dir: str                # persistent compilation cache: "" off, "default" = ~/.cache/dsv4/jax, or a path
     compile_ahead: bool               # training runs compile the step from abstract state while the model builds
     xla_backend_optimization_level: int  # LLVM level of the train step's compile: 0-3, -1 = 1 on CPU, XLA's default elsewhere

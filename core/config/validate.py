@@ -56,6 +56,7 @@ _CHOICES = {
     "indexer_init": ("random", "teacher"),
     "attention": ("chunked", "masked"),
     "csa_topk_attention": ("auto", "gather", "mask"),
+    "attention_projections": ("auto", "chunked", "whole"),
     "routed_score_func": ("sqrtsoftplus",),
     "dataset_type": ("hf", "synthetic"),
 }

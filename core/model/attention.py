@@ -15,17 +15,21 @@ gradient (tests/ops/test_sparse_attention.py). What lives at once, per layer cal
 
 - `chunked` (default): `chunked_attention` (core.ops.chunked_attention), a `lax.scan` over query
   chunks of C = attention_query_chunk_size positions, each rematerialised in the backward pass.
-  Whole-T tensors are per-token only: x, c_q [B, T, q_lora], raw kv [B, T, D], the output
-  [B, T, M], the selection [B, T, k]. Per chunk: queries [B, C, H, D]; window logits
-  [B, H, C, C + S - 1]; CSA top-k: the k selected blocks' keys [B, C, k, D], logits [B, H, C, k]
-  (`csa_topk_attention: gather`), or every block's logits [B, H, C, W] masked to the selection, a
-  bool [B, T, W] (`mask`: no gather, dense work over W); HCA and CSA over every visible block:
-  logits [B, H, C, W]. The indexer's top-k is chunked the
+  With `attention_projections: chunked`, whole-T tensors are per-token only: x, c_q [B, T, q_lora],
+  raw kv [B, T, D], the output [B, T, M], the selection [B, T, k]; the queries are built and the
+  output projected per chunk, so each chunk adds the projections' weight gradients into float32
+  accumulators. With `whole`, the queries [B, T, H, D] are built and the attention's output
+  [B, T, H, D] projected once over the sequence (two more whole-T tensors of H D per token, one
+  matmul per weight gradient), and the chunks run the attention alone. Per chunk: queries
+  [B, C, H, D]; window logits [B, H, C, C + S - 1]; CSA top-k: the k selected blocks' keys
+  [B, C, k, D], logits [B, H, C, k] (`csa_topk_attention: gather`), or every block's logits
+  [B, H, C, W] masked to the selection, a bool [B, T, W] (`mask`: no gather, dense work over W);
+  HCA and CSA over every visible block: logits [B, H, C, W]. The indexer's top-k is chunked the
   same way (`select_topk_chunked`), and the streamed indexer loss builds its indexer and teacher
   queries per block of csa_query_chunk_size rows or, when that is 0, of the largest divisor of
-  T <= C. Memory O(T (M + D + k) + C (S + k) H D); work O(T (S + k) H D) with top-k,
-  O(T W H D) over every visible block (the window banded per run of about S queries where a chunk
-  holds two, else C + S keys per query: core.ops.chunked_attention).
+  T <= C. Memory O(T (M + D + k) + C (S + k) H D), plus O(T H D) with `whole`; work
+  O(T (S + k) H D) with top-k, O(T W H D) over every visible block (the window banded per run of
+  about S queries where a chunk holds two, else C + S keys per query: core.ops.chunked_attention).
 - `masked` (the reference): `masked_attention`, dense booleans over [T, T] (window) and [T, W]
   (blocks), the top-k selection entering as `allowed = visible & selected`; logits [B, H, T, T]
   and [B, H, T, W]; the indexer scores [B, T, W] are built whole.
@@ -65,6 +69,7 @@ from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
 from core.ops.order import einsum_after_cotangent
 from core.ops.rope import RopeSpec, apply_rope
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked
+from core.parallel.sharding import constrain_activation
 
 
 def layer_rope(cfg, compress_ratio: int) -> RopeSpec:
@@ -111,6 +116,7 @@ class AttentionSpec:
     attention: str = "chunked"  # "chunked" (core.ops.chunked_attention) | "masked" (dense reference)
     attention_chunk: int = 128  # query positions per chunk of the chunked path
     topk_attention: str = "gather"  # chunked CSA top-k: "gather" (the selected keys) | "mask" (all keys, masked)
+    projections: str = "chunked"  # W_qb and the output projection: "chunked" (per query chunk) | "whole" (once)
     indexer_gradient: str = "local"  # "local": the streamed loss's gradient taken in the forward | "backward"
 
     @classmethod
@@ -129,7 +135,7 @@ class AttentionSpec:
             indexer_weights_init=cfg.indexer_weights_init,
             head_chunk=cfg.csa_qk_head_chunk_size, query_chunk=cfg.csa_query_chunk_size,
             attention=cfg.attention, attention_chunk=cfg.attention_query_chunk_size,
-            topk_attention=cfg.csa_topk_attention,
+            topk_attention=cfg.csa_topk_attention, projections=cfg.attention_projections,
             indexer_gradient=cfg.indexer_gradient)
 
     def indexer_spec(self) -> IndexerSpec:
@@ -247,6 +253,11 @@ class Attention(nnx.Module):
         selection, aux = None, {}
         if s.indexer_heads:
             selection, aux = self._index(mode, x_btm, queries, keys, packing, Flags(dense, indexer_loss, collect, observe))
+        if s.projections == "whole":  # one matmul per projection and weight gradient, [B, T, H, D] whole
+            rows = lambda x: constrain_activation(x, ("batch", None, "heads", "kv"))  # batch-split, as x is
+            q = RowQueries.given(rows(queries.of(queries.inputs, positions_bt)))
+            o_bthd = rows(mode.attend(q, keys, packing, selection, None))
+            return self._output(o_bthd, positions_bt), aux
         return mode.attend(queries, keys, packing, selection, self._output), aux
 
     def _output(self, o_bthd, positions_bt):

@@ -31,10 +31,22 @@ def test_topk_attention_is_a_mask_on_a_tpu_while_the_blocks_are_at_most_twice_k(
     assert resolve(cfg, platform).csa_topk_attention == expected
 
 
-@pytest.mark.parametrize("stage, platform, chunk", [("sparse", "tpu", 512), ("pretrain", "tpu", 512), ("sparse", "gpu", 128),
-                                                    ("warmup", "tpu", 128), ("sparse", "cpu", 128)])
-def test_attention_chunks_grow_on_a_tpu(stage, platform, chunk):
-    assert resolve(load_config("deepseek4-tiny", stage=stage), platform).attention_query_chunk_size == chunk
+@pytest.mark.parametrize("model, stage, platform, projections, chunk", [
+    ("deepseek4-284b", "sparse", "tpu", "whole", 128), ("deepseek4-284b", "pretrain", "tpu", "whole", 128),
+    ("deepseek4-284b", "warmup", "tpu", "chunked", 128), ("deepseek4-284b", "sparse", "cpu", "chunked", 128),
+    ("deepseek4-284b", "sparse", "gpu", "chunked", 128),
+    # deepseek4-tiny's W_qb gradient (8 KiB) stays on the chip: per chunk, in chunks of 512 where it trains
+    ("deepseek4-tiny", "sparse", "tpu", "chunked", 512), ("deepseek4-tiny", "pretrain", "tpu", "chunked", 512),
+    ("deepseek4-tiny", "warmup", "tpu", "chunked", 128), ("deepseek4-tiny", "sparse", "cpu", "chunked", 128)])
+def test_attention_projections_run_whole_on_a_tpu_where_large_ones_train(model, stage, platform, projections, chunk):
+    resolved = resolve(load_config(model, ["max_target_length=4096"], stage=stage), platform)
+    assert (resolved.attention_projections, resolved.attention_query_chunk_size) == (projections, chunk)
+
+
+@pytest.mark.parametrize("model, given, chunk", [("deepseek4-tiny", "whole", 128), ("deepseek4-284b", "chunked", 512)])
+def test_the_chunk_follows_explicit_projections(model, given, chunk):
+    cfg = load_config(model, ["max_target_length=4096", f"attention_projections={given}"], stage="sparse")
+    assert resolve(cfg, "tpu").attention_query_chunk_size == chunk
 
 
 def test_an_explicit_value_wins_on_every_platform():

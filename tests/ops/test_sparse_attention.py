@@ -171,6 +171,10 @@ LAYER_CASES = [  # (ratio, dense, indexer_loss, extra spec fields); SWA and HCA:
     (4, False, True, dict(loss_scale=0.1)),  # csa_query_chunk_size=0: streams in blocks of 4 (24 % 5)
     (4, True, True, dict(loss_scale=0.1, query_chunk=8, teacher="joint")),
     (4, False, True, dict(loss_scale=0.1, topk_attention="mask")),  # the top-k as a mask over every block
+    # the projections once over the sequence (attention_projections: whole), gathered and masked top-k, HCA-like
+    (4, False, True, dict(loss_scale=0.1, projections="whole")),
+    (4, False, True, dict(loss_scale=0.1, topk_attention="mask", projections="whole")),
+    (8, False, False, dict(projections="whole")),
 ]
 
 
@@ -219,11 +223,12 @@ def test_layer_chunked_collect_equals_masked():
 
 
 def test_layer_memory_grows_linearly_in_t():
-    """CSA layer with top-k: doubling T doubles the compiled temp memory of its train step; the
-    masked reference quadruples it, so the check can fail. (The Flash test below compiles the
-    streamed indexer loss too.)"""
-    chunked = [layer_train_temp_bytes(spec(4, attention_chunk=32), t) for t in (512, 1024)]
-    assert chunked[1] <= 2.1 * chunked[0], f"temp {chunked[0]} -> {chunked[1]} bytes for T 512 -> 1024"
+    """CSA layer with top-k: 4 x T makes about 4 x the compiled temp memory of its train step, with the
+    projections per chunk or whole; the masked reference's doubles 2 x T's, so the check can fail. (The
+    Flash test below compiles the streamed indexer loss too.)"""
+    for projections in ("chunked", "whole"):  # 4 x T: 16 x the temp if it grew as T^2
+        chunked = [layer_train_temp_bytes(spec(4, attention_chunk=32, projections=projections), t) for t in (512, 2048)]
+        assert chunked[1] <= 4.4 * chunked[0], f"{projections}: temp {chunked[0]} -> {chunked[1]} bytes for T 512 -> 2048"
     masked = [layer_train_temp_bytes(spec(4, attention="masked"), t) for t in (512, 1024)]
     assert masked[1] > 3.5 * masked[0], f"masked temp {masked[0]} -> {masked[1]} bytes"
 
@@ -239,3 +244,26 @@ def test_flash_csa_layer_memory_at_32k():
                                          "csa_query_chunk_size=256", "csa_qk_head_chunk_size=8"])
     temp = layer_train_temp_bytes(AttentionSpec.from_config(cfg, 2), 32768, indexer_loss=True)
     assert temp <= 4 * 2**30, f"temp {temp / 2**30:.2f} GiB"
+
+
+def test_whole_projections_pin_queries_and_outputs_to_the_batch_split():
+    """On a mesh, `attention_projections: whole` constrains the whole-sequence queries and attention output
+    to the rule sharding (batch over data x fsdp x expert, heads over tensor): left to the compiler, V4-Flash's
+    sparse step on v5p-128 (fsdp 64) replicated the output over the batch and exceeded the chip. Without a
+    mesh, nothing is added."""
+    from jax.sharding import AbstractMesh, PartitionSpec
+
+    from core.parallel.mesh import MESH_AXES
+
+    layer, _ = make_layer(spec(4, attention="chunked", attention_chunk=8, projections="whole"), jnp.float32)
+    pos, seg = (jnp.asarray(a) for a in packed([[16], [16]], 16))
+    x = jnp.zeros((2, 16, 16))
+
+    def constraints(mesh):
+        with jax.sharding.use_abstract_mesh(mesh):
+            jaxpr = jax.make_jaxpr(lambda x: nnx.merge(*nnx.split(layer))(x, pos, seg)[0])(x)
+        return [e.params["sharding"].spec for e in jaxpr.jaxpr.eqns if e.primitive.name == "sharding_constraint"]
+
+    want = PartitionSpec(("data", "fsdp", "expert"), None, "tensor", None)
+    assert constraints(AbstractMesh((1, 2, 2, 1), MESH_AXES)) == [want, want]  # the queries, the output
+    assert constraints(AbstractMesh((1, 1, 1, 1), MESH_AXES)) == []
