@@ -67,9 +67,9 @@ from core.model.layers import RMSNorm, dense_init, param, rms_normalize
 from core.ops.chunked_attention import Keys, RowQueries, chunked_attention, masked_attention
 from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
 from core.ops.order import einsum_after_cotangent
+from core.ops.placement import pin_rows
 from core.ops.rope import RopeSpec, apply_rope
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked
-from core.parallel.sharding import constrain_activation
 
 
 def layer_rope(cfg, compress_ratio: int) -> RopeSpec:
@@ -254,9 +254,8 @@ class Attention(nnx.Module):
         if s.indexer_heads:
             selection, aux = self._index(mode, x_btm, queries, keys, packing, Flags(dense, indexer_loss, collect, observe))
         if s.projections == "whole":  # one matmul per projection and weight gradient, [B, T, H, D] whole
-            rows = lambda x: constrain_activation(x, ("batch", None, "heads", "kv"))  # batch-split, as x is
-            q = RowQueries.given(rows(queries.of(queries.inputs, positions_bt)))
-            o_bthd = rows(mode.attend(q, keys, packing, selection, None))
+            q = RowQueries.given(pin_rows(queries.of(queries.inputs, positions_bt), heads_axis=2))  # split as x is
+            o_bthd = pin_rows(mode.attend(q, keys, packing, selection, None), heads_axis=2)
             return self._output(o_bthd, positions_bt), aux
         return mode.attend(queries, keys, packing, selection, self._output), aux
 

@@ -5,6 +5,7 @@ chunked_attention (banded window, gathered top-k, chunked visible blocks), topk 
 top-k block selection), moe_dispatch (drop-free sorted, tiled expert dispatch), grouped_matmul (the
 megablox kernels with per-pass tiles, slot permutations), expert_parallel (tokens sent to their
 experts' devices and back), quant (the released FP8/FP4 formats), order (data
-dependencies that fix the order of collectives on XLA:CPU).
+dependencies that fix the order of collectives on XLA:CPU), placement (an activation pinned to the
+batch split on the trace's mesh).
 May import: core.config, core.errors, core.tree. No parameters, no nnx modules.
 """

@@ -92,17 +92,6 @@ def logical_to_spec(axes: Sequence[str | None] | None, shape: Sequence[int], mes
     return PartitionSpec(*entries)
 
 
-def constrain_activation(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-    """`x` pinned to the rule sharding of its logical `axes` (e.g. ("batch", None, "heads", "kv")) on the
-    abstract mesh of the trace (core/train/program.py `with_mesh`); unchanged without one or on one
-    device. For an activation whose sharding the compiler would otherwise pick from its operands
-    alone (the attention's whole-sequence queries and outputs: core/model/attention.py)."""
-    mesh = jax.sharding.get_abstract_mesh()  # the axes of core.parallel.mesh.MESH_AXES, when there is one
-    if mesh is None or mesh.empty or mesh.size == 1:
-        return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh)))
-
-
 def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 

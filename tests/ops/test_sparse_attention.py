@@ -248,7 +248,7 @@ def test_flash_csa_layer_memory_at_32k():
 
 def test_whole_projections_pin_queries_and_outputs_to_the_batch_split():
     """On a mesh, `attention_projections: whole` constrains the whole-sequence queries and attention output
-    to the rule sharding (batch over data x fsdp x expert, heads over tensor): left to the compiler, V4-Flash's
+    to the rules' sharding (core.ops.placement: batch over data x fsdp x expert, heads over tensor): left to the compiler, V4-Flash's
     sparse step on v5p-128 (fsdp 64) replicated the output over the batch and exceeded the chip. Without a
     mesh, nothing is added."""
     from jax.sharding import AbstractMesh, PartitionSpec
@@ -266,4 +266,6 @@ def test_whole_projections_pin_queries_and_outputs_to_the_batch_split():
 
     want = PartitionSpec(("data", "fsdp", "expert"), None, "tensor", None)
     assert constraints(AbstractMesh((1, 2, 2, 1), MESH_AXES)) == [want, want]  # the queries, the output
+    # what does not divide stays whole: B = 2 over data 1 x fsdp 2 x expert 2 keeps data and fsdp
+    assert constraints(AbstractMesh((1, 2, 1, 2), MESH_AXES))[0] == PartitionSpec(("data", "fsdp"), None, "tensor", None)
     assert constraints(AbstractMesh((1, 1, 1, 1), MESH_AXES)) == []

@@ -198,6 +198,15 @@ def test_logical_to_spec_resolves_rules_and_divisibility():
         logical_to_spec(("embed",), (4, 4), mesh)
 
 
+def test_the_ops_pin_activations_by_the_same_rules():
+    """core.ops may not import core.parallel, so the placement and the expert exchange name the batch's
+    and the heads' mesh axes themselves: the rules' own."""
+    from core.ops.placement import HEADS_AXIS, TOKEN_AXES
+    from core.parallel.sharding import BATCH_AXES, LOGICAL_AXIS_RULES
+
+    assert TOKEN_AXES == BATCH_AXES and dict(LOGICAL_AXIS_RULES)["heads"] == HEADS_AXIS
+
+
 def test_every_logical_axis_of_the_model_has_a_rule():
     """A new axis name in the model must be placed deliberately, not silently replicated."""
     from flax import nnx

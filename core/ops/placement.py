@@ -1,0 +1,41 @@
+"""Where an activation lives on the mesh of the trace (docs/scaling.md).
+
+The compiler propagates shardings from a step's inputs and weights; an activation built from a weight
+sharded one way and rows sharded another can come out replicated, and then every device holds and
+computes the whole batch's. `pin_rows` states the split the rules give an activation of rows:
+core.parallel.sharding's `batch` rule (BATCH_AXES) on its first axis and `heads` (`tensor`) on one
+more, on the abstract mesh a step is traced under (core/train/program.py `with_mesh`).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from core.ops.expert_parallel import MLP_AXIS, TOKEN_AXES
+
+HEADS_AXIS = MLP_AXIS  # the `heads` rule's mesh axis ("heads" -> "tensor"), as the experts' hidden axis
+
+
+def _split(size: int, names, mesh):
+    """The longest prefix of mesh axes `names` whose sizes divide `size` (None for none), as the rules keep."""
+    kept, ways = [], 1
+    for name in names:
+        if name not in mesh.axis_names or size % (ways * mesh.shape[name]):
+            break
+        kept.append(name)
+        ways *= mesh.shape[name]
+    return None if not kept else kept[0] if len(kept) == 1 else tuple(kept)
+
+
+def pin_rows(x: jax.Array, heads_axis: int | None = None) -> jax.Array:
+    """`x` [B, ...] with B split over the batch's mesh axes and `heads_axis` (if given) over `tensor`,
+    where they divide, on the trace's abstract mesh; unchanged without one or on one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or mesh.size == 1:
+        return x
+    spec = [None] * x.ndim
+    spec[0] = _split(x.shape[0], TOKEN_AXES, mesh)
+    if heads_axis is not None:
+        spec[heads_axis] = _split(x.shape[heads_axis], (HEADS_AXIS,), mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
