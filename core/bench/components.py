@@ -30,7 +30,7 @@ OWNERS = {
     "train/optimizer": "optimizer", "train/step_guard": "optimizer",  # the guard tests the update it keeps or drops
 }
 # shared building blocks: their work belongs to the caller
-HELPERS = {"model/layers", "model/init_draws", "model/quant", "ops/quant", "ops/rope", "ops/masks", "parallel/sharding", "parallel/mesh", "ops/order", "tree"}
+HELPERS = {"model/layers", "model/init_draws", "model/quant", "ops/quant", "ops/rope", "ops/masks", "parallel/sharding", "parallel/mesh", "ops/order", "ops/placement", "tree"}
 # wiring and drivers: no arithmetic of their own beyond what they call (their frames pass up too)
 GLUE = {
     "errors", "process", "model/transformer", "model/params", "model/flops", "parallel/chips", "parallel/peers", "parallel/collective_order",
