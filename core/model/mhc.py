@@ -21,9 +21,9 @@ docs/benchmarks.md#why-the-defaults):
 Sinkhorn runs on the token-minor layout [n, n, B*T], its row / column sums as adds of n slices,
 so one iteration is one elementwise fusion, with a custom VJP (the analytic backward of each
 normalisation in one reverse loop); the mixes are scaled after the projection. The copies are
-weighted, mixed and filled (`hc_mix_form`) by einsums, XLA CPU's fastest, or as `slices`,
-elementwise sums of n products, for XLA:TPU, which runs the einsums as batched matmuls of a few
-rows per token (docs/tpu.md). Values and gradients equal the plain formulation to float32
+weighted, mixed and filled (`hc_mix_form`) by einsums, the default, or as `slices`, elementwise
+sums of n products; XLA:TPU runs the einsums as batched matmuls of a few rows per token, yet the
+slices measured slower there too (docs/tpu.md). Values and gradients equal the plain formulation to float32
 rounding (tests/model/test_mhc.py).
 
 Parameter layout (per HyperConnection): fn [n, M, (2+n)n] (the official [(2+n)n, n*M] with its

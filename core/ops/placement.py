@@ -17,11 +17,13 @@ from core.ops.expert_parallel import MLP_AXIS, TOKEN_AXES
 HEADS_AXIS = MLP_AXIS  # the `heads` rule's mesh axis ("heads" -> "tensor"), as the experts' hidden axis
 
 
-def _split(size: int, names, mesh):
-    """The longest prefix of mesh axes `names` whose sizes divide `size` (None for none), as the rules keep."""
+def divisible_prefix(size: int, names, mesh):
+    """The longest prefix of mesh axes `names` whose sizes multiply to a divisor of `size`: None for none,
+    a name for one, else a tuple (a PartitionSpec entry). The rule every sharding here follows: a
+    dimension its mesh axes do not divide stays replicated over them (core.parallel.sharding)."""
     kept, ways = [], 1
     for name in names:
-        if name not in mesh.axis_names or size % (ways * mesh.shape[name]):
+        if name not in mesh.shape or size % (ways * mesh.shape[name]):
             break
         kept.append(name)
         ways *= mesh.shape[name]
@@ -35,7 +37,7 @@ def pin_rows(x: jax.Array, heads_axis: int | None = None) -> jax.Array:
     if mesh is None or mesh.empty or mesh.size == 1:
         return x
     spec = [None] * x.ndim
-    spec[0] = _split(x.shape[0], TOKEN_AXES, mesh)
+    spec[0] = divisible_prefix(x.shape[0], TOKEN_AXES, mesh)
     if heads_axis is not None:
-        spec[heads_axis] = _split(x.shape[heads_axis], (HEADS_AXIS,), mesh)
+        spec[heads_axis] = divisible_prefix(x.shape[heads_axis], (HEADS_AXIS,), mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))

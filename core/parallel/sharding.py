@@ -34,6 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from core.errors import ConfigError
+from core.ops.placement import divisible_prefix
 
 T = TypeVar("T")
 
@@ -79,16 +80,8 @@ def logical_to_spec(axes: Sequence[str | None] | None, shape: Sequence[int], mes
     if len(axes) != len(shape):
         raise ValueError(f"logical axes {tuple(axes)} do not match the array's shape {tuple(shape)}: one name per dimension.")
     spec = nn.logical_to_mesh_axes(tuple(axes), rules)
-    entries = []
-    for dim, entry in zip(shape, spec):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        kept, size = [], 1
-        for name in names:  # keep the longest prefix of mesh axes that divides the dimension
-            if dim % (size * mesh.shape[name]):
-                break
-            kept.append(name)
-            size *= mesh.shape[name]
-        entries.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    entries = [divisible_prefix(dim, () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry), mesh)
+               for dim, entry in zip(shape, spec)]
     return PartitionSpec(*entries)
 
 

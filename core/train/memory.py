@@ -89,4 +89,3 @@ def step_memory_note(compiled, device) -> str | None:
     except Exception:  # noqa: BLE001  (a backend without memory statistics or analysis)
         return None
     return memory_note(total, usable) if usable else None
-
