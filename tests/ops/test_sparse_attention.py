@@ -269,3 +269,27 @@ def test_whole_projections_pin_queries_and_outputs_to_the_batch_split():
     # what does not divide stays whole: B = 2 over data 1 x fsdp 2 x expert 2 keeps data and fsdp
     assert constraints(AbstractMesh((1, 2, 1, 2), MESH_AXES))[0] == PartitionSpec(("data", "fsdp"), None, "tensor", None)
     assert constraints(AbstractMesh((1, 1, 1, 1), MESH_AXES)) == []
+
+
+@pytest.mark.parametrize("topk_attention", ["gather", "mask"])
+def test_layer_whole_projections_equal_the_masked_reference_float64(x64, topk_attention):
+    """`attention_projections: whole` in float64: the CSA layer's output and every parameter's gradient equal
+    the masked reference's (which builds its queries and projects its output whole) to float64 rounding."""
+    base, _ = make_layer(spec(4, attention="masked", topk_attention=topk_attention), jnp.float64, seed=11)
+    whole_spec = spec(4, attention="chunked", attention_chunk=5, topk_attention=topk_attention, projections="whole")
+    whole = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Attention(whole_spec, rngs=nnx.Rngs(0), param_dtype=jnp.float64,
+                                                                     dtype=jnp.float64))), nnx.state(base))
+    pos, seg = (jnp.asarray(a) for a in packed([[13, 9], [24]], 24))
+    x = jax.random.normal(jax.random.key(4), (2, 24, 16), jnp.float64)
+    cot = jax.random.normal(jax.random.key(8), (2, 24, 16), jnp.float64)
+
+    @nnx.jit
+    def run(layer, x):
+        return nnx.value_and_grad(lambda layer, x: jnp.sum(layer(x, pos, seg)[0] * cot), argnums=(0, 1))(layer, x)
+
+    (v_w, (g_w, gx_w)), (v_m, (g_m, gx_m)) = run(whole, x), run(base, x)
+    assert abs(float(v_m)) > 1e-3 and abs(float(v_w - v_m)) < 1e-10 and float(jnp.max(jnp.abs(gx_w - gx_m))) < 1e-10
+    flat_m = dict(nnx.to_flat_state(g_m))
+    for path, v in nnx.to_flat_state(g_w):
+        err = float(jnp.max(jnp.abs(v[...] - flat_m[path][...])))
+        assert err < 1e-10, f"d{'.'.join(map(str, path))} max diff {err}"
