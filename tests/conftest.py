@@ -39,21 +39,32 @@ os.environ.update(JAX_COMPILATION_CACHE_DIR=_COMPILE_CACHE, JAX_PERSISTENT_CACHE
 # The suite is compile-bound (dozens of small programs, each run for a few steps). XLA's CPU
 # backend compiles them much faster at optimisation level 0 and with its older fusion emitters
 # (`xla_cpu_use_fusion_emitters=false`); the tests' programs run no slower so
-# (docs/development.md#tests). Set before any test imports jax; every program of the session, the
-# subprocesses that inherit this environment, and those given FAST_COMPILE use the same flags.
+# (docs/development.md#tests). It also splits each program's LLVM module into parts it compiles on
+# several threads (`xla_cpu_parallel_codegen_split_count`): on the suite's two busy cores the parts
+# only add work (the shrunken deepseek4-tiny's sparse step: about a fifth of its compile's CPU
+# seconds), so the suite keeps one part (the buffer assignment is the same). Set before any test
+# imports jax; every program of the session, the subprocesses that inherit this environment, and
+# those given FAST_COMPILE use the same flags.
 # XLA aborts on a flag it does not know, so the first process of the session asks a child whether
-# this jaxlib knows the emitters' flag, and every later one inherits the answer.
+# this jaxlib knows these two flags, and every later one inherits the answer.
 _EMITTERS, _KNOWS_EMITTERS = "--xla_cpu_use_fusion_emitters=false", "DSV4_TEST_XLA_KNOWS_EMITTERS"
-if os.environ.get(_KNOWS_EMITTERS) is None:
+_ONE_PART, _KNOWS_ONE_PART = "--xla_cpu_parallel_codegen_split_count=1", "DSV4_TEST_XLA_KNOWS_ONE_PART"
+if os.environ.get(_KNOWS_EMITTERS) is None or os.environ.get(_KNOWS_ONE_PART) is None:
     import subprocess
     import sys
 
-    _probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True,
-                            env={**os.environ, "XLA_FLAGS": _EMITTERS, "JAX_PLATFORMS": "cpu"})
-    os.environ[_KNOWS_EMITTERS] = "1" if _probe.returncode == 0 else "0"
+    def _knows(*flags: str) -> bool:
+        probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True,
+                               env={**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"})
+        return probe.returncode == 0
+
+    _both = _knows(_EMITTERS, _ONE_PART)  # one child when this jaxlib knows both, as it should
+    os.environ[_KNOWS_EMITTERS] = "1" if _both or _knows(_EMITTERS) else "0"
+    os.environ[_KNOWS_ONE_PART] = "1" if _both or _knows(_ONE_PART) else "0"
 _OLDER_EMITTERS = os.environ[_KNOWS_EMITTERS] == "1"
 FAST_COMPILE = " ".join(["--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
-                         *([_EMITTERS] if _OLDER_EMITTERS else [])])
+                         *([_EMITTERS] if _OLDER_EMITTERS else []),
+                         *([_ONE_PART] if os.environ[_KNOWS_ONE_PART] == "1" else [])])
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), FAST_COMPILE]))
 # Compiler options (`jax.jit(..., compiler_options=)`, over XLA_FLAGS) that restore XLA:CPU's own
 # fusion emitters, as `dsv4` compiles with them: for the tests whose claim is that two programs
