@@ -30,8 +30,8 @@ from tests.plan import invoke_plan
 # a program of its own). Run alone, this file compiles it itself.
 WARMUP_TINY = (*TINY_OVERRIDES, f"steps={CHAIN_STEPS['warmup']}")
 # One sliding-window layer: the cpu:1 comparison with the training command's own figures holds for
-# any model (the 8-device one below compares the shrunken deepseek4-tiny's scanned layers), and the
-# top-temporaries test after it reads this step from the compilation cache its child wrote.
+# any model (the 8-device one below compares the shrunken deepseek4-tiny's scanned layers); one child
+# plans it for both cpu:1 tests (`cpu1_plan`).
 ONE_LAYER = (*TINY_OVERRIDES, "compress_ratios=[0]", "base_num_decoder_layers=1", "first_num_hash_layers=0")
 
 FIELDS = ("parameter_bytes", "optimizer_bytes", "batch_bytes", "argument_bytes", "temp_bytes", "code_bytes",
@@ -150,36 +150,43 @@ def test_out_of_memory_refusal_is_a_verdict():
 # ----------------------------------------------------------------------------- cpu:1 and cpu:8
 
 
-@pytest.mark.slow
-def test_cpu1_state_bytes_and_temp_equal_the_training_commands_own():
+@pytest.fixture(scope="module")
+def cpu1_plan():
+    """(config, temp bytes of the training command's own step, the cpu:1 plan with --top 3) for ONE_LAYER's
+    sparse step: one child serves both tests below. The step compiles in this process first, so it is in
+    JAX's persistent cache when the child plans it (tests/conftest.py sets JAX_COMPILATION_CACHE_DIR, as
+    a user may); the child compiles it again with the cache off, for the buffer assignment it dumps."""
     from core.config.schema import load_config
     from core.plan.compile import plan
+
+    cfg = load_config("deepseek4-tiny", list(ONE_LAYER), stage="sparse")
+    temp = ahead_temp_bytes(cfg)  # now in the cache
+    return cfg, temp, plan("deepseek4-tiny", "sparse", "cpu:1", ONE_LAYER, top=3, analytic=False)
+
+
+@pytest.mark.slow
+def test_cpu1_state_bytes_and_temp_equal_the_training_commands_own(cpu1_plan):
     from core.train.materialise import build
 
-    result = plan("deepseek4-tiny", "sparse", "cpu:1", ONE_LAYER, top=0, analytic=False)  # the child writes the cache
+    cfg, temp, result = cpu1_plan
     assert set(FIELDS) <= set(result["per_device"]), sorted(result["per_device"])
     assert {"target", "devices", "mesh", "fits", "flops_per_step", "estimated_step_s", "estimated_tokens_per_s",
             "top_temporaries"} <= set(result)
-    cfg = load_config("deepseek4-tiny", list(ONE_LAYER), stage="sparse")
     setup = build(cfg)
     d = result["per_device"]
     state = d["parameter_bytes"] + d["optimizer_bytes"]
     assert state == real_state_bytes(setup), (state, real_state_bytes(setup))
     assert d["argument_bytes"] == state + d["batch_bytes"]
-    assert d["temp_bytes"] == ahead_temp_bytes(cfg)
+    assert d["temp_bytes"] == temp
     assert result["fits"] and result["flops_per_step"] > 0 and result["approximate"]
 
 
-def test_top_temporaries_survive_a_warm_persistent_cache():
+def test_top_temporaries_survive_a_warm_persistent_cache(cpu1_plan):
     """The top temporaries come from the buffer assignment XLA dumps while it compiles. With the
-    step already in JAX's persistent cache (tests/conftest.py sets JAX_COMPILATION_CACHE_DIR, as a
-    user may), a child that read it back dumped nothing and listed no temporaries; with --top the
-    child compiles with the cache off."""
-    from core.config.schema import load_config
-    from core.plan.compile import plan
-
-    temp = ahead_temp_bytes(load_config("deepseek4-tiny", list(ONE_LAYER), stage="sparse"))  # now in the cache
-    result = plan("deepseek4-tiny", "sparse", "cpu:1", ONE_LAYER, top=3, analytic=False)
+    step already in JAX's persistent cache (`cpu1_plan` compiled it in this process first), a child
+    that read it back dumped nothing and listed no temporaries; with --top the child compiles with
+    the cache off."""
+    _, temp, result = cpu1_plan
     assert result["per_device"]["temp_bytes"] == temp
     top = result["top_temporaries"]
     assert len(top) == 3 and all(t["bytes"] > 0 and t["shape"] and t["component"] for t in top), top
