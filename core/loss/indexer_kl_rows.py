@@ -106,13 +106,11 @@ def slice_t(x, t0, size):
     return jax.lax.dynamic_slice_in_dim(x, t0, size, axis=1)
 
 
-def scan_blocks(block_fn, init, num_blocks: int, block: int, first: int = 0):
-    """carry = block_fn(carry, t0) for t0 = first * block, (first + 1) * block, ... (num_blocks of
-    them); a plain call when there is one block."""
+def scan_blocks(block_fn, init, num_blocks: int, block: int):
+    """carry = block_fn(carry, t0) for t0 = 0, block, ...; a plain call when there is one block."""
     if num_blocks == 1:
-        return block_fn(init, first * block)
-    blocks = jnp.arange(num_blocks) + first if first else jnp.arange(num_blocks)
-    carry, _ = jax.lax.scan(lambda c, j: (block_fn(c, j * block), None), init, blocks)
+        return block_fn(init, 0)
+    carry, _ = jax.lax.scan(lambda c, j: (block_fn(c, j * block), None), init, jnp.arange(num_blocks))
     return carry
 
 

@@ -21,7 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from core.loss.indexer_kl_rows import (Spec, Teacher, check_teacher, compute_dtype, kl_rows, per_valid_row,
                                        resolve_chunk, scan_blocks, slice_t, teacher_input, teacher_rows)
-from core.ops.chunked_attention import RowQueries, first_entries, prefix_runs
+from core.ops.chunked_attention import RowQueries
 from core.ops.masks import Packing, block_last_positions, block_segment_ids, visible_rows, window_rows
 from core.ops.topk import IndexerInputs, indexer_scores, topk_mask
 
@@ -91,50 +91,28 @@ def _stream_block(spec: Spec, t0, inputs, block_masks, with_grad: bool):
 
 
 def _streamed_pass(spec: Spec, inputs, with_grad: bool):
-    """(mean KL over valid rows, its gradients ((d q inputs, d q params), d k_idx, d w_idx) or None).
-
-    The blocks run in prefix runs (core.ops.chunked_attention.`prefix_runs`) where the compressed
-    blocks outnumber a query block: each run meets only the blocks complete before its last query,
-    the rest being invisible to it (they add nothing to its KL rows nor to its gradients); a run
-    that sees no block at all has no valid row and is skipped.
-    """
+    """(mean KL over valid rows, its gradients ((d q inputs, d q params), d k_idx, d w_idx) or None)."""
     (queries_i, k_idx, w_idx), teacher, positions, segment_ids = inputs
-    t, w = positions.shape[1], k_idx.shape[1]
-    ratio = t // w
+    t, ratio = positions.shape[1], positions.shape[1] // k_idx.shape[1]
     block_masks = (block_segment_ids(segment_ids, ratio), block_last_positions(positions, ratio))
     qc = spec.query_chunk
 
-    def block_of(w_run: int):
-        query, kv, raw_kv, sink = teacher
-        cut = ((queries_i, first_entries(k_idx, w_run), w_idx), (query, first_entries(kv, w_run), raw_kv, sink),
-               positions, segment_ids)
-        masks = tuple(first_entries(m, w_run) for m in block_masks)
-
-        def block(carry, t0):
-            kl, n, grads = carry
-            kl_j, n_j, grads_j = _stream_block(spec, t0, cut, masks, with_grad)
-            if with_grad:  # accumulate in (at least) float32 whatever the inputs' dtype
-                (dq_in, dq_params), dk, dw = grads
-                (dq_in_j, dq_params_j), dk_j, dw_j = jax.tree.map(lambda g, z: g.astype(z.dtype), grads_j,
-                                                                   ((dq_in, dq_params), first_entries(dk, w_run), dw))
-                put = lambda acc, g: jax.lax.dynamic_update_slice_in_dim(acc, g, t0, axis=1)
-                # per-token inputs get their rows, the parameters and the keys a sum over blocks
-                dq = (put(dq_in, dq_in_j), jax.tree.map(jnp.add, dq_params, dq_params_j))
-                if w_run < w:  # the blocks past the run's get no gradient from it
-                    dk_j = jnp.pad(dk_j, [(0, 0), (0, w - w_run), (0, 0)])
-                grads = (dq, dk + dk_j, put(dw, dw_j))
-            return kl + kl_j, n + n_j, grads
-
-        return block
+    def block(carry, t0):
+        kl, n, grads = carry
+        kl_j, n_j, grads_j = _stream_block(spec, t0, inputs, block_masks, with_grad)
+        if with_grad:  # accumulate in (at least) float32 whatever the inputs' dtype
+            grads_j = jax.tree.map(lambda g, z: g.astype(z.dtype), grads_j, grads)
+            (dq_in, dq_params), dk, dw = grads
+            put = lambda acc, g: jax.lax.dynamic_update_slice_in_dim(acc, g, t0, axis=1)
+            # per-token inputs get their rows, the parameters a sum over blocks
+            dq = (put(dq_in, grads_j[0][0]), jax.tree.map(jnp.add, dq_params, grads_j[0][1]))
+            grads = (dq, dk + grads_j[1], put(dw, grads_j[2]))
+        return kl + kl_j, n + n_j, grads
 
     primal = ((queries_i.inputs, queries_i.params), k_idx, w_idx)
     dtype = teacher[1].dtype  # the teacher's compute dtype
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, compute_dtype(x)), primal) if with_grad else None
-    carry = (jnp.zeros((), dtype), jnp.int32(0), zeros)
-    for first, end, w_run in prefix_runs(t // qc, qc, w, ratio, qc):
-        if w_run:
-            carry = scan_blocks(block_of(w_run), carry, end - first, qc, first=first)
-    kl, n, grads = carry
+    kl, n, grads = scan_blocks(block, (jnp.zeros((), dtype), jnp.int32(0), zeros), t // qc, qc)
     inv = per_valid_row(n, dtype)
     if grads is None:
         return kl * inv, None

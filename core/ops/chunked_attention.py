@@ -22,11 +22,6 @@ nothing of chunk size between steps. Per chunk, at once:
   HCA      every block, [B, H, C, W] (W = T / 128)
   sink     [H]
 
-Where every block meets a chunk (a top-k as a mask, every visible block, HCA) and the entries
-outnumber a chunk's window keys, the chunks run in up to four prefix runs (`prefix_runs`), each
-over only the entries complete before its last query: [B, H, C, W_r], W_r <= W, which drops most
-of the causal triangle's invisible half (5/8 of the work of one run over all W).
-
 and the parts merge in one softmax by log-sum-exp (one max over every part and the sink, one
 sum of exponentials), so a fully masked part adds exactly 0. Visibility follows DESIGN.md to
 the letter from positions and segment ids: the window test is `sliding_window_mask`'s and the
@@ -346,64 +341,28 @@ def chunked_attention(queries: RowQueries, keys: Keys, packing: Packing, selecti
         xs += [to_chunks(selection.idx_btk, c, n), to_chunks(selection.valid_btk, c, n)]
     elif selection is not None:  # a SelectionMask: every block, masked to the selected ones
         xs += [to_chunks(selection.mask_btw, c, n)]
-    runs = [(0, n, 0)]
-    if ckv_bwd is not None:
-        w = seg_bw.shape[1]
-        runs = [(0, n, w)] if gathered else prefix_runs(n, c, w, keys.ratio, c + band)
 
-    def body_of(w_run: int):  # a chunk's attention, meeting the first w_run compressed entries
-        @backward_after_cotangent  # its recompute follows its cotangent (docs/scaling.md#collective-order-on-the-cpu)
-        @jax.checkpoint
-        def body(q_in, pos_bc, seg_bc, t0, *sel):
-            q = queries.of(q_in, pos_bc)
-            sl = lambda x: jax.lax.dynamic_slice_in_dim(x, t0, c + band, axis=1)
-            kv_b, pos_b, seg_b = sl(kv_pad).astype(q.dtype), sl(pos_pad), sl(seg_pad)
-            parts = [banded_window(kv_b, pos_b, seg_b, pos_bc, seg_bc, window, run) if run else
-                     (kv_b, window_rows(pos_bc, seg_bc, pos_b, seg_b, window))]
-            if ckv_bwd is not None:
-                ckv = first_entries(ckv_bwd, w_run).astype(q.dtype)
-                if gathered:
-                    idx_bck, valid_bck = sel
-                    parts.append((jax.vmap(lambda kv_wd, i_ck: kv_wd[i_ck])(ckv, idx_bck), valid_bck))
-                else:
-                    visible_bcw = visible_rows(pos_bc, seg_bc, first_entries(seg_bw, w_run), first_entries(last_bw, w_run))
-                    parts.append((ckv, visible_bcw & sel[0] if sel else visible_bcw))
-            o = merged_softmax(q, sink_h, parts).astype(q.dtype)
-            return out_fn(o, pos_bc)
+    @backward_after_cotangent  # its recompute follows its cotangent (docs/scaling.md#collective-order-on-the-cpu)
+    @jax.checkpoint
+    def body(q_in, pos_bc, seg_bc, t0, *sel):
+        q = queries.of(q_in, pos_bc)
+        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, t0, c + band, axis=1)
+        kv_b, pos_b, seg_b = sl(kv_pad).astype(q.dtype), sl(pos_pad), sl(seg_pad)
+        parts = [banded_window(kv_b, pos_b, seg_b, pos_bc, seg_bc, window, run) if run else
+                 (kv_b, window_rows(pos_bc, seg_bc, pos_b, seg_b, window))]
+        if ckv_bwd is not None:
+            ckv = ckv_bwd.astype(q.dtype)
+            if gathered:
+                idx_bck, valid_bck = sel
+                parts.append((jax.vmap(lambda kv_wd, i_ck: kv_wd[i_ck])(ckv, idx_bck), valid_bck))
+            else:
+                visible_bcw = visible_rows(pos_bc, seg_bc, seg_bw, last_bw)
+                parts.append((ckv, visible_bcw & sel[0] if sel else visible_bcw))
+        o = merged_softmax(q, sink_h, parts).astype(q.dtype)
+        return out_fn(o, pos_bc)
 
-        return body
-
-    ys = []
-    for first, end, w_run in runs:
-        body = body_of(w_run)
-        xs_run = [x[first:end] if (first, end) != (0, n) else x for x in xs]
-        if ckv_bwd is not None and not gathered and selection is not None:
-            xs_run[-1] = first_entries(xs_run[-1], w_run, axis=-1)  # the selection mask's columns of those
-        if end - first == 1:
-            ys.append(body(*(x[0] for x in xs_run))[None])
-        else:
-            ys.append(jax.lax.scan(lambda carry, x: (carry, body(*x)), None, tuple(xs_run))[1])
-    return from_chunks(ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=0), t)
-
-
-def first_entries(x, w_run: int, axis: int = 1):
-    """x's first w_run entries along `axis` (x itself where that is all of them: no slice traced)."""
-    return x if x.shape[axis] == w_run else jax.lax.slice_in_dim(x, 0, w_run, axis=axis)
-
-
-def prefix_runs(n: int, c: int, w: int, ratio: int, window_keys: int, most: int = 4) -> list[tuple[int, int, int]]:
-    """The chunks cut into up to `most` runs of consecutive chunks, each meeting only the compressed
-    entries its queries can see: [(first chunk, end chunk, entries W_r)].
-
-    Entry j holds tokens [ratio j, ratio (j + 1)) and is visible once complete, inside the query's
-    document; positions count up by one inside a document (DESIGN.md, "Visibility"), so a query at
-    index i sees only entries with ratio (j + 1) <= i + 1, and the queries of chunks before `end`
-    only the first W_r = min(W, end c // ratio). Over every visible entry (a top-k as a mask, or
-    none) this drops the causal triangle's far half in runs: the compressed work of r equal runs is
-    (r + 1) / 2r of one. One run (every entry) where the entries are no more than a chunk's window
-    keys (`window_keys`), where the scan bodies compiled would cost more than the work saved.
-    """
-    if w <= window_keys or n == 1:
-        return [(0, n, w)]
-    cuts = [round(r * n / min(most, n)) for r in range(min(most, n) + 1)]
-    return [(a, e, min(w, e * c // ratio)) for a, e in zip(cuts, cuts[1:]) if e > a]
+    if n == 1:
+        ys = body(*(x[0] for x in xs))[None]
+    else:
+        _, ys = jax.lax.scan(lambda carry, x: (carry, body(*x)), None, tuple(xs))
+    return from_chunks(ys, t)

@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from core.ops.chunked_attention import (RowQueries, block_keys, first_entries, from_chunks, num_chunks, prefix_runs,
-                                        to_chunks)
+from core.ops.chunked_attention import RowQueries, block_keys, from_chunks, num_chunks, to_chunks
 from core.ops.masks import NEG, Packing, visible_rows
 
 
@@ -179,13 +178,9 @@ def select_topk_chunked(index: IndexerInputs, packing: Packing, *, ratio: int, k
       `select_topk` of the dense scores (ties to the lower index); with `as_mask` the same blocks as
       SelectionMask(mask_btw bool [B, T, W]).
 
-    Where W exceeds c, the chunks run in prefix runs (core.ops.chunked_attention.`prefix_runs`): a
-    run scores only the W_r blocks complete before its last query (the rest are invisible to it), and
-    its results are padded back to W blocks exactly as the dense selection ranks invisible blocks.
-
-    Shapes (per chunk of c queries, W_r = W without runs):
-      1. q_bcid = the chunk's indexer queries; visible_bcw from positions / segment ids  [B, c, W_r]
-      2. scores_bcw = indexer_scores(q, k, w[chunk])        [B, c, W_r, head_chunk] live
+    Shapes (per chunk of c queries):
+      1. q_bcid = the chunk's indexer queries; visible_bcw from positions / segment ids  [B, c, W]
+      2. scores_bcw = indexer_scores(q, k, w[chunk])        [B, c, W, head_chunk] live
       3. idx_bck, valid_bck = select_topk(scores_bcw, visible_bcw, k)
     """
     queries, k_bwd, weights_bti = jax.lax.stop_gradient(index)
@@ -193,43 +188,20 @@ def select_topk_chunked(index: IndexerInputs, packing: Packing, *, ratio: int, k
     t = positions_bt.shape[1]
     c, n = num_chunks(t, chunk)
     seg_bw, last_bw = block_keys(positions_bt, segment_ids_bt, ratio)
-    w = seg_bw.shape[1]
-    k_all = min(k, w)
 
-    def body_of(w_run: int):  # a chunk's scores and selection over the first w_run blocks, padded to W
-        def body(_, xs):
-            q_in, w_c, pos_c, seg_c = xs
-            if w_run == 0:  # no block complete before these queries: nothing selected
-                none_bcw = jnp.zeros(pos_c.shape + (w,), jnp.bool_)
-                return None, ((none_bcw,) if as_mask else
-                              (jnp.broadcast_to(jnp.arange(k_all, dtype=jnp.int32), pos_c.shape + (k_all,)),
-                               none_bcw[..., :k_all]))
-            visible_bcw = visible_rows(pos_c, seg_c, first_entries(seg_bw, w_run), first_entries(last_bw, w_run))
-            scores_bcw = indexer_scores(queries.of(q_in, pos_c), first_entries(k_bwd, w_run), w_c, visible_bcw,
-                                        head_chunk=head_chunk)
-            pad = lambda x, fill: jnp.pad(x, [(0, 0), (0, 0), (0, fill)]) if fill else x  # noqa: E731
-            if as_mask:  # the blocks past w_run are invisible to these queries: never selected
-                return None, (pad(topk_mask(scores_bcw, visible_bcw, k), w - w_run),)
-            idx_bck, valid_bck = select_topk(scores_bcw, visible_bcw, k)
-            # select_topk over all W ranks the invisible blocks last, by index; those past w_run come
-            # after every block before it, so the slots beyond w_run's are theirs, in order
-            extra = k_all - idx_bck.shape[-1]
-            if not extra:
-                return None, (idx_bck, valid_bck)
-            more = jnp.broadcast_to(jnp.arange(w_run, w_run + extra, dtype=jnp.int32), idx_bck.shape[:2] + (extra,))
-            return None, (jnp.concatenate([idx_bck, more], -1), pad(valid_bck, extra))
-
-        return body
+    def body(_, xs):
+        q_in, w_c, pos_c, seg_c = xs
+        visible_bcw = visible_rows(pos_c, seg_c, seg_bw, last_bw)
+        scores_bcw = indexer_scores(queries.of(q_in, pos_c), k_bwd, w_c, visible_bcw, head_chunk=head_chunk)
+        if as_mask:
+            return None, (topk_mask(scores_bcw, visible_bcw, k),)
+        return None, tuple(select_topk(scores_bcw, visible_bcw, k))
 
     xs = tuple(to_chunks(x, c, n) for x in (queries.inputs, weights_bti, positions_bt, segment_ids_bt))
-    outs = []
-    for first, end, w_run in prefix_runs(n, c, w, ratio, c):  # each run of chunks over the blocks it can see
-        xs_run = tuple(x[first:end] if (first, end) != (0, n) else x for x in xs)
-        if end - first == 1:
-            outs.append(tuple(o[None] for o in body_of(w_run)(None, tuple(x[0] for x in xs_run))[1]))
-        else:
-            outs.append(jax.lax.scan(body_of(w_run), None, xs_run)[1])
-    out = tuple(jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0] for parts in zip(*outs))
+    if n == 1:
+        out = tuple(o[None] for o in body(None, tuple(x[0] for x in xs))[1])
+    else:
+        _, out = jax.lax.scan(body, None, xs)
     if as_mask:
         return SelectionMask(checkpoint_name(from_chunks(out[0], t), "topk_mask"))
     idx, valid = out

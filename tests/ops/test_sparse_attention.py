@@ -11,8 +11,7 @@ import pytest
 from flax import nnx
 
 from core.model.attention import Attention
-from core.ops.chunked_attention import (Keys, RowQueries, band_run, chunked_attention, num_chunks, prefix_runs,
-                                        softmax_attention)
+from core.ops.chunked_attention import Keys, RowQueries, band_run, chunked_attention, softmax_attention
 from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
 from core.ops.topk import (IndexerInputs, SelectionMask, indexer_scores, select_topk, select_topk_chunked,
                            selection_mask, topk_mask)
@@ -112,43 +111,6 @@ def test_band_run_is_the_smallest_divisor_covering_the_window():
     assert all(band_run(c[4], c[3]) for c in CASES[5:]) and not any(band_run(c[4], c[3]) for c in CASES[:5])
 
 
-# more compressed entries than a chunk's window keys: the chunks run in prefix runs (`prefix_runs`)
-RUN_CASES = [
-    ("prefix runs, every visible entry, packed", [[23, 9], [32]], 32, 3, 4, 2, 0),
-    ("prefix runs, top-k, T % C != 0", [[21, 17], [38]], 38, 3, 4, 2, 3),
-    ("prefix runs, unbanded window, top-k", [[30, 10], [9, 31]], 40, 6, 4, 4, 2),
-]
-
-
-@pytest.mark.parametrize("case", RUN_CASES, ids=[c[0] for c in RUN_CASES])
-def test_prefix_runs_equal_dense(case):
-    """Chunks in runs that each meet only the entries their queries can see: the value and gradient of
-    every visible entry (masked by the top-k where one is given) as the dense path's, the cut entries
-    receiving exactly the dense gradient (0 from the runs that do not reach them)."""
-    _, rows, t, window, chunk, ratio, _ = case
-    c, n = num_chunks(t, chunk)
-    runs = prefix_runs(n, c, t // ratio, ratio, c + window - 1)
-    assert len(runs) > 1 and runs[0][2] < t // ratio == runs[-1][2], runs  # the cut is taken
-    _compare(case, jnp.float32, 1e-5, as_mask=True)
-
-
-def test_prefix_runs_equal_dense_float64(x64):
-    _compare(RUN_CASES[1], jnp.float64, 1e-12, as_mask=True)
-
-
-def test_prefix_runs_cover_every_chunk_with_the_entries_it_sees():
-    """Runs tile the chunks in order; a run's entries are those complete by its last query (never fewer
-    than any of its queries can see); one run where the entries are no more than a chunk's window keys."""
-    for n, c, w, ratio in ((32, 128, 1024, 4), (10, 4, 19, 2), (3, 4, 6, 2), (7, 8, 14, 4)):
-        runs = prefix_runs(n, c, w, ratio, 5)
-        assert runs[0][0] == 0 and runs[-1][1] == n and all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
-        for first, end, w_run in runs:
-            last_query = min(end * c, w * ratio + ratio - 1) - 1
-            assert w_run == min(w, (last_query + 1) // ratio) or w_run == w
-    assert prefix_runs(32, 128, 1024, 4, 255) == [(0, 8, 256), (8, 16, 512), (16, 24, 768), (24, 32, 1024)]
-    assert prefix_runs(32, 128, 32, 128, 255) == [(0, 32, 32)] and prefix_runs(1, 64, 16, 4, 8) == [(0, 1, 16)]
-
-
 @pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=[CASES[1][0], CASES[3][0]])
 def test_chunked_attention_over_a_topk_mask_equals_dense(case):
     """The top-k as a mask over every block (no gather) gives the gathered path's value and gradient."""
@@ -168,7 +130,7 @@ def test_topk_mask_is_the_scattered_selection_with_ties_and_short_rows():
         assert np.any(np.asarray(jnp.sum(vis, -1)) < k) and np.any(np.asarray(jnp.sum(vis, -1)) > k)
 
 
-@pytest.mark.parametrize("t,chunk", [(22, 4), (24, 24), (9, 5), (12, 1), (40, 3)])
+@pytest.mark.parametrize("t,chunk", [(22, 4), (24, 24), (9, 5)])
 def test_select_topk_chunked_equals_dense(t, chunk):
     """Same indices and validity as select_topk of the dense scores, ties to the lower index.
 
