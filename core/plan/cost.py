@@ -151,15 +151,40 @@ def _in_place(module: hlo.Module, root: hlo.Instruction | None) -> tuple[str, in
     return inner if buffer is not None and buffer.opcode == "parameter" and buffer.args.strip() == "0" else None
 
 
-def _fusion(module: hlo.Module, inst: hlo.Instruction) -> Work:
-    """A fusion's work: the bytes of its parameters (sliced ones by what the slices take) and root."""
-    body = module.computations.get(_callee(inst), [])
-    work = _fused_work(module, _callee(inst))
-    work.flops /= hlo.masked_groups(module, inst)
+def _users(body: list[hlo.Instruction]) -> dict[str, list[tuple[int, hlo.Instruction]]]:
+    """Each value of a computation -> (operand position, instruction) of its uses."""
     users: dict[str, list[tuple[int, hlo.Instruction]]] = {}
     for i in body:
         for pos, name in enumerate(i.operands):
             users.setdefault(name, []).append((pos, i))
+    return users
+
+
+def _taken(module: hlo.Module, param: hlo.Instruction, users: dict, depth: int = 0) -> list[str] | None:
+    """The types of what a fused computation reads of its parameter when it reads it only through
+    slices or gathers (as their operand 0), also inside nested fusions; None where anything reads
+    it whole."""
+    taken = []
+    for pos, use in users.get(param.name, []):
+        if pos == 0 and use.opcode in ("slice", "dynamic-slice", "gather"):
+            taken.append(use.type_text)
+            continue
+        body = module.computations.get(_callee(use), []) if use.opcode == "fusion" and depth < 8 else []
+        inner = next((i for i in body if i.opcode == "parameter" and i.args.strip() == str(pos)), None)
+        inner_taken = _taken(module, inner, _users(body), depth + 1) if inner is not None else None
+        if inner_taken is None:
+            return None
+        taken += inner_taken
+    return taken
+
+
+def _fusion(module: hlo.Module, inst: hlo.Instruction) -> Work:
+    """A fusion's work: the bytes of its parameters (sliced ones by what the slices take, nested
+    fusions' slices included) and root."""
+    body = module.computations.get(_callee(inst), [])
+    work = _fused_work(module, _callee(inst))
+    work.flops /= hlo.masked_groups(module, inst)
+    users = _users(body)
     root = body[-1] if body else None
     in_place = _in_place(module, root)
     if in_place:  # the update, written where the buffer lives (a scatter's rows read and written)
@@ -170,15 +195,15 @@ def _fusion(module: hlo.Module, inst: hlo.Instruction) -> Work:
     for param in body:
         if param.opcode != "parameter":
             continue
-        uses = users.get(param.name, [])
-        sliced = [u for pos, u in uses if pos == 0 and u.opcode in ("slice", "dynamic-slice", "gather")]
-        buffer = [u for pos, u in uses if pos == 0 and u is root and in_place]  # updated in place
-        if len(sliced) + len(buffer) < len(uses):
+        buffer = in_place and any(pos == 0 and u is root for pos, u in users.get(param.name, []))
+        others = {**users, param.name: [(pos, u) for pos, u in users.get(param.name, []) if not (pos == 0 and u is root)]}
+        taken = _taken(module, param, others if buffer else users)  # a buffer updated in place: its update
+        if taken is None:
             _add(work, param.type_text)
         else:
             space = (laid_out(param.type_text) or [(0, 0)])[0][1]
-            for u in sliced:
-                _add(work, _in_space(u.type_text, space))
+            for text in taken:
+                _add(work, _in_space(text, space))
     return work
 
 

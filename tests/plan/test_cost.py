@@ -137,6 +137,45 @@ def test_gathers_cost_by_the_row_and_sliced_operands_by_the_slice():
     assert work.vmem_bytes == 2 * 65536 * 128 * 2 + 65536 * 4  # the rows read (not the table twice), written; indices
 
 
+def test_an_operand_sliced_inside_a_nested_fusion_costs_the_slice():
+    """XLA:TPU's output fusion in a query-chunk loop reads one chunk of the stacked queries through a
+    nested loop fusion's dynamic-slice (the chunked attention, docs/planning.md#the-step-time-model):
+    the chunk's bytes count, not the whole stack's (32 x as many), in each of the loop's runs; an
+    operand a nested fusion reads whole still counts whole."""
+    take = """%take (s: bf16[32,128,512], j: s32[]) -> bf16[128,512] {
+  %s = bf16[32,128,512]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %j = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = bf16[1,128,512]{2,1,0:T(8,128)(2,1)} dynamic-slice(%s, %j, %z, %z), dynamic_slice_sizes={1,128,512}
+  ROOT %r = bf16[128,512]{1,0:T(8,128)(2,1)} bitcast(%ds)
+}"""
+    whole = """%whole (s: bf16[32,128,512], j: s32[]) -> bf16[128,512] {
+  %s = bf16[32,128,512]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %j = s32[] parameter(1)
+  %n = bf16[32,128,512]{2,1,0:T(8,128)(2,1)} negate(%s)
+  %z = s32[] constant(0)
+  %ds = bf16[1,128,512]{2,1,0:T(8,128)(2,1)} dynamic-slice(%n, %j, %z, %z), dynamic_slice_sizes={1,128,512}
+  ROOT %r = bf16[128,512]{1,0:T(8,128)(2,1)} bitcast(%ds)
+}"""
+    out = """%out (s0: bf16[32,128,512], j0: s32[], k0: bf16[512,256]) -> f32[128,256] {
+  %s0 = bf16[32,128,512]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %j0 = s32[] parameter(1)
+  %k0 = bf16[512,256]{1,0:T(8,128)(2,1)} parameter(2)
+  %q = bf16[128,512]{1,0:T(8,128)(2,1)} fusion(%s0, %j0), kind=kLoop, calls=%CALLEE
+  ROOT %d = f32[128,256]{1,0:T(8,128)} dot(%q, %k0), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}"""
+    entry = """%s = bf16[32,128,512]{2,1,0:T(8,128)(2,1)} parameter(0)
+%j = s32[] parameter(1)
+%k = bf16[512,256]{1,0:T(8,128)(2,1)} parameter(2)
+%f = f32[128,256]{1,0:T(8,128)} fusion(%s, %j, %k), kind=kOutput, calls=%out"""
+    chunk, keys, result, index = 128 * 512 * 2, 512 * 256 * 2, 128 * 256 * 4, 4
+    for callee, read in (("take", chunk), ("whole", 32 * chunk)):
+        m = hlo.parse(module(entry, take, whole, out.replace("CALLEE", callee)))
+        work = cost.instruction_work(m, m.computations["main"][-1])
+        assert work.hbm_bytes == read + keys + result + index, callee
+        assert work.flops == 2 * 128 * 512 * 256
+
+
 def test_in_place_updates_count_the_update_through_a_nested_fusion():
     inner = """%inner (b: f32[4096,512], i: s32[64,1], u: f32[64,512]) -> f32[4096,512] {
   %b = f32[4096,512]{1,0:T(8,128)} parameter(0)
