@@ -195,9 +195,10 @@ def _fusion(module: hlo.Module, inst: hlo.Instruction) -> Work:
     for param in body:
         if param.opcode != "parameter":
             continue
-        buffer = in_place and any(pos == 0 and u is root for pos, u in users.get(param.name, []))
-        others = {**users, param.name: [(pos, u) for pos, u in users.get(param.name, []) if not (pos == 0 and u is root)]}
-        taken = _taken(module, param, others if buffer else users)  # a buffer updated in place: its update
+        uses = users.get(param.name, [])
+        if in_place:  # the buffer updated in place costs its update (above), not a read
+            uses = [(pos, u) for pos, u in uses if not (pos == 0 and u is root)]
+        taken = _taken(module, param, {param.name: uses})
         if taken is None:
             _add(work, param.type_text)
         else:
