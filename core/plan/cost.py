@@ -160,18 +160,18 @@ def _users(body: list[hlo.Instruction]) -> dict[str, list[tuple[int, hlo.Instruc
     return users
 
 
-def _taken(module: hlo.Module, param: hlo.Instruction, users: dict, depth: int = 0) -> list[str] | None:
-    """The types of what a fused computation reads of its parameter when it reads it only through
-    slices or gathers (as their operand 0), also inside nested fusions; None where anything reads
-    it whole."""
+def _taken(module: hlo.Module, uses: list[tuple[int, hlo.Instruction]]) -> list[str] | None:
+    """The types of what a fused computation reads of a value with these `uses` ((operand position,
+    instruction)) when it reads it only through slices or gathers (as their operand 0), also inside
+    nested fusions; None where anything reads it whole."""
     taken = []
-    for pos, use in users.get(param.name, []):
+    for pos, use in uses:
         if pos == 0 and use.opcode in ("slice", "dynamic-slice", "gather"):
             taken.append(use.type_text)
             continue
-        body = module.computations.get(_callee(use), []) if use.opcode == "fusion" and depth < 8 else []
+        body = module.computations.get(_callee(use), []) if use.opcode == "fusion" else []
         inner = next((i for i in body if i.opcode == "parameter" and i.args.strip() == str(pos)), None)
-        inner_taken = _taken(module, inner, _users(body), depth + 1) if inner is not None else None
+        inner_taken = _taken(module, _users(body).get(inner.name, [])) if inner is not None else None
         if inner_taken is None:
             return None
         taken += inner_taken
@@ -198,7 +198,7 @@ def _fusion(module: hlo.Module, inst: hlo.Instruction) -> Work:
         uses = users.get(param.name, [])
         if in_place:  # the buffer updated in place costs its update (above), not a read
             uses = [(pos, u) for pos, u in uses if not (pos == 0 and u is root)]
-        taken = _taken(module, param, {param.name: uses})
+        taken = _taken(module, uses)
         if taken is None:
             _add(work, param.type_text)
         else:
