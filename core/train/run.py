@@ -15,8 +15,8 @@ computing its part once (docs/development.md#a-run-in-phases):
 6. `ready`: the step function, and every process at step 0 together.
 `run()` then drives the step of core/train/step.py (its docstring holds the maths).
 
-Run safety: a step whose total loss, gradient norm or updated parameters are non-finite is not
-applied and stops the run (abort_on_nan_loss / abort_on_inf_loss; core/train/step_guard.py); a
+Run safety: a step whose total loss, gradient norm or updated parameters are non-finite stops the
+run before it is saved (abort_on_nan_loss / abort_on_inf_loss; core/train/step_guard.py); a
 resume that changes the optimizer's structure or the schedule says so (core/train/resume_checks.py);
 write failures become one RunWriteError (core/train/write_errors.py).
 Ctrl-C, SIGTERM (JAX's preemption notice) and write errors stop every process after the same step

@@ -21,8 +21,9 @@ Router biases are not trained by gradients: after each step every learned-routin
 `RouterBias` moves by `routed_bias_update_rate` towards balance, unless that router is frozen
 (neither its weight nor its bias matches the mask: the warm-up's '.*indexer.*' freezes them all).
 
-A step whose total loss, gradient norm or updated parameters are non-finite is not applied
-(core/train/step_guard.py; the run loop in core/train/run.py then stops).
+A step whose total loss or gradient norm is non-finite is not applied, and one whose updated
+parameters are non-finite is flagged (core/train/step_guard.py); the run loop in core/train/run.py
+then stops before saving either.
 
 Deviation from MaxText's schedule: the linear warm-up starts at peak / warmup_steps instead of 0,
 so step 0 already trains.
@@ -169,12 +170,15 @@ def step_fn(cfg, graphdef, platform: str | None = None):
         state = nnx.state((model, optimizer))
         if not guard:
             return apply(state), metrics
-        # a non-finite step is not applied (the host sees the same metrics and stops); tested on what
-        # the update would write, before it, so that the update writes the state in place
-        ok, metrics["params_finite"] = step_guard.step_ok(
-            total, metrics["grad_norm"], step_guard.updated_params(model, optimizer, grads), trainable,
-            abort_on_nan=cfg.abort_on_nan_loss, abort_on_inf=cfg.abort_on_inf_loss)
+        # a step whose loss or gradient norm is non-finite is not applied (known before the update, so
+        # the update still writes the state in place); a finite one whose update overflows is flagged
+        # from what it wrote. The host sees the same metrics and stops before saving either.
+        flags = dict(abort_on_nan=cfg.abort_on_nan_loss, abort_on_inf=cfg.abort_on_inf_loss)
+        ok = step_guard.loss_ok(total, metrics["grad_norm"], **flags)
         new_state = step_guard.apply_if_ok(ok, apply, state, platform or jax.default_backend())
+        new_model, _ = nnx.merge(graphdef, new_state)
+        metrics["params_finite"] = step_guard.params_ok(nnx.as_pure(nnx.state(new_model, nnx.Param)), trainable,
+                                                        **flags)
         return new_state, metrics
 
     return step

@@ -1,10 +1,15 @@
-"""The step guard (DESIGN.md, "Training, checkpoints, runs"): no non-finite step is applied or saved.
+"""The step guard (DESIGN.md, "Training, checkpoints, runs"): no non-finite state is applied or saved.
 
-`updated_params`, `step_ok` and `apply_if_ok` run inside the jitted step (core/train/step.py): a
-step whose total loss, gradient norm or would-be updated parameters are non-finite returns the old
-state unchanged. The test comes before the update, so the step holds no second copy of the state.
-`check_finite` repeats the same test on the host, on metrics the run loop fetches anyway (no extra
-device sync), and raises `DivergenceError`, which stops the run.
+Inside the jitted step (core/train/step.py): `loss_ok` tests the total loss and the gradient norm,
+known before the update, and `apply_if_ok` applies the update only where they are finite, so a
+step with a NaN or infinite loss or gradient returns its input state bit for bit while the update
+still writes the donated state in place (one copy of it). A finite loss and gradient can still
+overflow the update (a huge learning rate); `params_ok` tests the trained parameters the step
+returns, a reduction the compiler fuses into the update that writes them, and reports it as the
+`params_finite` metric. `check_finite` reads the same flags on the host, from metrics the run loop
+fetches anyway (no extra device sync), and raises `DivergenceError`, which stops the run before
+that step or any later one is saved. Why the parameters are tested after the update rather than
+before it: docs/run-safety.md#divergence.
 """
 
 from __future__ import annotations
@@ -28,50 +33,39 @@ def _not_bad(x, abort_on_nan: bool, abort_on_inf: bool):
     return ~bad
 
 
-def updated_params(model, optimizer, grads):
-    """Jit-safe: the parameter arrays `optimizer.update(model, grads)` would write (a pure tree keyed
-    like `nnx.state(model, optimizer.wrt)`), computed the way it computes them; nothing is written."""
-    import optax
-    from flax import nnx
+def loss_ok(total, grad_norm, *, abort_on_nan: bool, abort_on_inf: bool):
+    """Jit-safe: False when an enabled check finds the total loss or the gradient norm NaN / infinite.
+    Known before the update, so `apply_if_ok` can keep the state without a second copy of it."""
+    import jax.numpy as jnp
 
-    params = nnx.as_pure(nnx.state(model, optimizer.wrt))
-    updates, _ = optimizer.tx.update(nnx.as_pure(nnx.state(grads, optimizer.wrt)), nnx.as_pure(optimizer.opt_state),
-                                     params)
-    return optax.apply_updates(params, updates)
+    pair = jnp.stack([jnp.asarray(total, jnp.float32), jnp.asarray(grad_norm, jnp.float32)])
+    return _not_bad(pair, abort_on_nan=abort_on_nan, abort_on_inf=abort_on_inf)
 
 
-def step_ok(total, grad_norm, new_params, trained: Callable[[tuple], bool], *, abort_on_nan: bool,
-            abort_on_inf: bool):
-    """Jit-safe: (ok, params_ok). ok is False when an enabled check finds the total loss, the gradient
-    norm or a trained parameter of `new_params` (`updated_params`: what the update would write) NaN /
-    infinite (a finite loss can still overflow the update); params_ok (float32 1/0, reported as the
-    `params_finite` metric) covers the parameters alone. `trained(path)` picks the parameters the
-    step trains (the frozen ones do not move)."""
+def params_ok(params, trained: Callable[[tuple], bool], *, abort_on_nan: bool, abort_on_inf: bool):
+    """Jit-safe: float32 1/0, the `params_finite` metric: 0 when an enabled check finds a trained
+    parameter of `params` (the state the step returns) NaN / infinite. A finite loss and gradient
+    can still overflow the update; the compiler fuses this test into the update that writes them."""
     import jax
     import jax.numpy as jnp
 
-    flags = dict(abort_on_nan=abort_on_nan, abort_on_inf=abort_on_inf)
-    loss_ok = _not_bad(jnp.stack([jnp.asarray(total, jnp.float32), jnp.asarray(grad_norm, jnp.float32)]), **flags)
-    params_ok = jnp.array(True)
-    for path, leaf in jax.tree_util.tree_leaves_with_path(new_params):
+    ok = jnp.array(True)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         if trained(path):  # core.train.step.config_matcher: it names jax key paths as `tree.join` does
-            params_ok &= _not_bad(leaf, **flags)
-    return loss_ok & params_ok, params_ok.astype(jnp.float32)
+            ok &= _not_bad(leaf, abort_on_nan=abort_on_nan, abort_on_inf=abort_on_inf)
+    return ok.astype(jnp.float32)
 
 
 def apply_if_ok(ok, apply: Callable[[Any], Any], state, platform: str):
-    """Jit-safe: `apply(state)` where `ok`, else `state`'s values unchanged. `ok` must come from
-    `step_ok` on `updated_params`, i.e. before the update, so that the update can write the donated
-    state in place and the step holds one copy of the parameters and optimizer state, as without the
-    guard. How, per compiler (measured in docs/planning.md#the-step-guards-memory):
+    """Jit-safe: `apply(state)` where `ok`, else `state`'s values unchanged. `ok` (`loss_ok`) is known
+    before the update, so the update can write the donated state in place and the step holds one copy
+    of the parameters and optimizer state, as without the guard. How, per compiler (measured in
+    docs/planning.md#the-step-guards-memory):
 
     - "cpu": one `lax.cond` with the update inside its taken branch (fewer temporaries than a
       `where` per array, and a faster compile);
-    - elsewhere: a `where` per array, which XLA:GPU fuses into the update (temporaries as without
-      the guard; the `lax.cond` form makes XLA:GPU copy the state into the conditional).
-
-    Testing the updated parameters after the update instead (the guard before) held the updated and
-    the kept state at once.
+    - elsewhere: a `where` per array, which XLA:GPU and XLA:TPU fuse into the update (temporaries as
+      without the guard; the `lax.cond` form makes XLA:GPU copy the state into the conditional).
     """
     import jax
     import jax.numpy as jnp
@@ -83,7 +77,7 @@ def apply_if_ok(ok, apply: Callable[[Any], Any], state, platform: str):
 
 
 def check_finite(step: int, metrics: Mapping[str, float], cfg, last_checkpoint: int | None) -> None:
-    """Host side of `step_ok` on the fetched metrics; raises DivergenceError naming step and cause."""
+    """Host side of `loss_ok` and `params_ok` on the fetched metrics; raises DivergenceError naming step and cause."""
     bad = [f"{k} is {metrics[k]}" for k in ("total_loss", "grad_norm")
            if (cfg.abort_on_nan_loss and math.isnan(metrics[k])) or (cfg.abort_on_inf_loss and math.isinf(metrics[k]))]
     if metrics.get("params_finite", 1.0) != 1.0:
@@ -97,6 +91,6 @@ def check_finite(step: int, metrics: Mapping[str, float], cfg, last_checkpoint: 
         causes.append("bfloat16 overflow (dtype/weight_dtype=bfloat16)")
     kept = (f"the latest good checkpoint (step {last_checkpoint}) is kept" if last_checkpoint is not None
             else "no checkpoint was written yet")
-    raise DivergenceError(f"step {step} diverged ({' and '.join(bad)}): the step was not applied and nothing "
+    raise DivergenceError(f"step {step} diverged ({' and '.join(bad)}): neither it nor anything "
                           f"non-finite was saved; likely cause: {', or '.join(causes)}; {kept}: fix the config and "
                           "rerun, or set abort_on_nan_loss=false / abort_on_inf_loss=false to train on regardless.")

@@ -76,7 +76,7 @@ def test_diverging_run_stops_with_exit_3_and_keeps_the_good_checkpoint(tmp_path)
     args = ("learning_rate=1e30", "gradient_clipping_threshold=0", "checkpoint_period=1")
     line = _one_error_line(_warmup(run, 6, *args), 3)
     bad = int(re.search(r"step (\d+) diverged", line).group(1))
-    assert bad >= 1 and "not applied" in line and "learning_rate=1e+30" in line, line
+    assert bad >= 1 and "neither it nor anything non-finite was saved" in line and "learning_rate=1e+30" in line, line
     assert "gradient_clipping_threshold=0" in line and f"checkpoint (step {bad - 1}) is kept" in line, line
     assert ckpt.finished_steps(run / "checkpoints") == list(range(bad))[-3:]  # max_checkpoints=3
     assert [r["step"] for r in run_files.read_metrics(run)] == list(range(bad))
@@ -88,20 +88,6 @@ def test_diverging_run_stops_with_exit_3_and_keeps_the_good_checkpoint(tmp_path)
     assert f"resuming from checkpoint step {bad - 1}" in again.output
     assert _one_error_line(again, 3) == line
     assert _snapshot(run / "checkpoints") == before
-
-    # inside the step: the state the diverged step returns is the resumed one, bit for bit
-    import jax
-
-    from core.config.schema import load_config
-    from core.errors import DivergenceError
-    from core.train.run import Trainer
-
-    trainer = Trainer(load_config("deepseek4-tiny", [*SMALL, *args], stage="warmup", options={"steps": 6}),
-                      stage="warmup", run_dir=run)
-    resumed = [np.asarray(x).tobytes() for x in jax.tree.leaves(trainer.state)]
-    with pytest.raises(DivergenceError, match=f"step {bad} diverged"):
-        list(trainer.run())
-    assert [np.asarray(x).tobytes() for x in jax.tree.leaves(trainer.state)] == resumed
 
 
 def test_a_divergence_with_a_step_in_flight_saves_nothing_past_the_good_steps(tmp_path):
@@ -126,8 +112,8 @@ ONE_SWA_LAYER = ("compress_ratios=[0]", "base_num_decoder_layers=1", "first_num_
 
 
 def test_the_guard_holds_no_second_copy_of_the_state():
-    """The finiteness test reads what the update would write, before it, so each array's select fuses
-    into the update, which writes the donated state in place: the guarded step's compiled temporaries
+    """The loss and gradient norm are tested before the update, so each array's select fuses into the
+    update, which writes the donated state in place, as does the test of the parameters it wrote: the guarded step's compiled temporaries
     are the unguarded step's, not one more copy of the state (testing the updated parameters held
     both: +22 MB here, 1.25x the parameters; V4-Flash's sparse step on 64 x H200: +20.6 GiB per
     GPU). A one-layer step whose state (a 32K vocabulary) outweighs its activations."""
@@ -150,8 +136,8 @@ def test_the_guard_holds_no_second_copy_of_the_state():
 def test_both_guard_forms_keep_a_diverged_state_and_apply_a_good_one_alike():
     """`apply_if_ok`'s two forms (core/train/step_guard.py: a `lax.cond` on CPU, a `where` per array for
     GPU and TPU compilers, both run here on CPU), two steps at learning_rate=1e30 without clipping:
-    the first applies (finite: weight decay takes p to about -1e29 p) and the second overflows, so it
-    returns its input bit for bit; states and metrics are bitwise the same under both forms."""
+    the first applies (finite: weight decay takes p to about -1e29 p) and the second's loss is NaN, so
+    it returns its input bit for bit; states and metrics are bitwise the same under both forms."""
     import jax
     from flax import nnx
 
@@ -176,10 +162,46 @@ def test_both_guard_forms_keep_a_diverged_state_and_apply_a_good_one_alike():
         last, bad = step(first, batch)
         out[platform] = (bytes_of(first), bytes_of(last),
                          [np.asarray([m[k] for k in sorted(m)]).tobytes() for m in (good, bad)])
-        assert float(good["params_finite"]) == 1.0 and float(bad["params_finite"]) == 0.0, (good, bad)
+        assert float(good["params_finite"]) == 1.0 and np.isnan(float(bad["total_loss"])), (good, bad)
+        assert float(bad["params_finite"]) == 1.0, bad  # the state it returns is the kept one
     assert out["cpu"] == out["gpu"]
     first, last, _ = out["cpu"]
     assert first != bytes_of(state) and last == first
+
+
+def test_an_update_that_overflows_is_flagged_under_both_forms_and_stops_the_run(tmp_path):
+    """A finite loss and gradient, and an update that overflows (learning_rate=1e39 is inf in float32):
+    the step applies it, flags params_finite = 0 from the parameters it wrote (the trained ones; the
+    rest stay finite), alike under both forms, and the host check stops the run before it is saved."""
+    import jax
+    from flax import nnx
+
+    from core.config.schema import load_config
+    from core.data.batches import train_batches
+    from core.errors import DivergenceError
+    from core.parallel.sharding import shard_batch
+    from core.train import step_guard
+    from core.train.materialise import build
+    from core.train.step import step_fn
+
+    cfg = load_config("deepseek4-tiny", [*ONE_SWA_LAYER, "vocab_size=512", "learning_rate=1e39",
+                                         "gradient_clipping_threshold=0"], stage="sparse")
+    setup = build(cfg)
+    graphdef, state = nnx.split((setup.model, setup.optimizer))
+    batch = shard_batch(next(train_batches(cfg, setup.batch_size)), setup.mesh)
+    from tests.conftest import PRODUCT_FUSION
+
+    out = {}
+    for platform in ("cpu", "gpu"):
+        new, metrics = jax.jit(step_fn(cfg, graphdef, platform), compiler_options=PRODUCT_FUSION)(state, batch)
+        metrics = {k: float(v) for k, v in metrics.items()}
+        assert np.isfinite(metrics["total_loss"]) and np.isfinite(metrics["grad_norm"]), metrics
+        assert metrics["params_finite"] == 0.0, metrics
+        out[platform] = [np.asarray(x).tobytes() for x in jax.tree.leaves(new)], metrics
+    assert out["cpu"] == out["gpu"]
+    with pytest.raises(DivergenceError, match=r"step 0 diverged \(the updated parameters are not finite\): "
+                                              "neither it nor anything non-finite was saved"):
+        step_guard.check_finite(0, out["cpu"][1], cfg, None)
 
 
 # ----------------------------------------------------------------------------- 6. schedule length
