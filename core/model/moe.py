@@ -286,13 +286,15 @@ def grouped_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: 
       matmul: (lhs [S, K], rhs [E, K, N], group_sizes [E]) -> [S, N] in the compute dtype (x's),
         accumulated in float32: core/ops/grouped_matmul.py's `ragged_dot` or `gmm`. The slots'
         products are rounded to the compute dtype, as MaxText's grouped matmuls return them; the
-        SwiGLU and the combine over k run in float32.
+        SwiGLU, its product with the combine weight and the sum over k run in float32.
 
     Shapes:
       1. slots = SlotOrder(idx)                     S = B*T*k slots, sorted by expert (a permutation)
       2. x_sm = slots.sort(x)                       each token's k copies, in expert order
-      3. h_sf = swiglu(x_sm w1_e, x_sm w3_e);  y_sm = h_sf w2_e      (grouped by expert)
-      4. y_btm = sum_k weights * slots.unsort(y_sm)  (float32)
+      3. h_sf = weights_s * swiglu(x_sm w1_e, x_sm w3_e);  y_sm = h_sf w2_e      (grouped by expert)
+      4. y_btm = slots.gather_sum(y_sm)              (float32; its gradient is `sort`'s gather)
+    The combine weight scales the hidden before w2 (linear, so the same sum): the sum over k is then
+    `sort`'s transpose, and the weights' gradient a product over F inside the SwiGLU's backward.
     """
     b, t, m = x_btm.shape
     k = idx_btk.shape[-1]
@@ -300,11 +302,9 @@ def grouped_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: 
     x_sm = slots.sort(x_btm.reshape(b * t, m))
     gate_sf = matmul(x_sm, w1_emf, slots.group_sizes)
     up_sf = matmul(x_sm, w3_emf, slots.group_sizes)
-    h_sf = swiglu_hidden(gate_sf, up_sf, limit).astype(x_btm.dtype)
-    y_nkm = slots.unsort(matmul(h_sf, w2_efm, slots.group_sizes))
-    acc = _acc(x_btm)
-    y_nm = jnp.einsum("nkm,nk->nm", y_nkm, weights_btk.reshape(b * t, k).astype(acc), preferred_element_type=acc)
-    return y_nm.reshape(b, t, m)
+    weights_s = slots.weights(weights_btk.reshape(b * t, k).astype(_acc(x_btm)))
+    h_sf = (swiglu_hidden(gate_sf, up_sf, limit) * weights_s[:, None]).astype(x_btm.dtype)
+    return slots.gather_sum(matmul(h_sf, w2_efm, slots.group_sizes)).reshape(b, t, m)
 
 
 def auto_gmm_tiling(emb: int, mlp: int) -> GmmTiling:

@@ -10,10 +10,12 @@ Two ways to run `out[rows of group g] = lhs[rows of group g] @ rhs[g]`:
   machine without a TPU the kernels run in Pallas' interpret mode (`interpret=True`): the tests'
   way to check them against `ragged_dot` on the CPU.
 
-The slots reach the matmul through `SlotOrder.sort` / `SlotOrder.unsort` (`copy_rows`,
-`permute_rows`): gathers whose gradients are gathers too (the inverse permutation, then a sum over
-each token's k copies), never the scatter-add that autodiff of a gather gives. A token's k slots are
-its k copies, so no slot is ever dropped; core/model/moe.py's `grouped_experts` sums them back.
+The slots reach the matmul through `SlotOrder.sort` and leave it through `SlotOrder.gather_sum`
+(`copy_rows`, `sum_rows`, each the other's transpose; `permute_rows` for per-slot values): gathers
+whose gradients are gathers too, never the scatter-add that autodiff of a gather gives. Each sums a
+token's k slots from a gather straight into [N, k, M], which the compiler lays out as it likes
+(reshaping the gathered [S, M] instead costs a relayout on a TPU, k not being a tile multiple). A
+token's k slots are its k copies, so no slot is ever dropped.
 """
 
 from __future__ import annotations
@@ -169,7 +171,7 @@ def _copy_fwd(x_n_, token_s, inverse_s, k):
 
 
 def _copy_bwd(k, inverse_s, d_s_):
-    d_nk_ = d_s_[inverse_s].reshape(-1, k, *d_s_.shape[1:])
+    d_nk_ = d_s_[inverse_s.reshape(-1, k)]  # gathered straight into [N, k, ...]: no relayout of [S, ...]
     return jnp.sum(d_nk_, axis=1, dtype=jnp.promote_types(d_s_.dtype, jnp.float32)).astype(d_s_.dtype), None, None
 
 
@@ -194,7 +196,31 @@ class SlotOrder:
         """[N, M] tokens -> [S, M] their slots' copies in expert order."""
         return copy_rows(x_nm, self.order // self.k, self.inverse, self.k)
 
-    def unsort(self, y_sm):
-        """[S, M] in expert order -> [N, k, M] back in slot order."""
-        s, m = y_sm.shape
-        return permute_rows(y_sm, self.inverse, self.order).reshape(s // self.k, self.k, m)
+    def weights(self, w_nk):
+        """[N, k] per-slot values -> [S] in expert order."""
+        return permute_rows(w_nk.reshape(-1), self.order, self.inverse)
+
+    def gather_sum(self, y_sm):
+        """[S, M] in expert order -> [N, M]: each token's k slots summed (in at least float32); the
+        transpose of `sort`, so its gradient is `sort`'s gather and neither pass scatters."""
+        return sum_rows(y_sm, self.order // self.k, self.inverse, self.k)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def sum_rows(y_s_, token_s, inverse_s, k: int):
+    """sum over each row's k slots of y (slot s belongs to row token[s]; `inverse` takes slot order to
+    the permuted one): `copy_rows`' transpose, its gradient `copy_rows`' gather."""
+    y_nk_ = y_s_[inverse_s.reshape(-1, k)]
+    return jnp.sum(y_nk_, axis=1, dtype=jnp.promote_types(y_s_.dtype, jnp.float32))
+
+
+def _sum_fwd(y_s_, token_s, inverse_s, k):
+    return sum_rows(y_s_, token_s, inverse_s, k), (token_s, jnp.zeros((0,), y_s_.dtype))  # the dtype alone
+
+
+def _sum_bwd(k, residual, d_n_):
+    token_s, like = residual
+    return d_n_.astype(like.dtype)[token_s], None, None
+
+
+sum_rows.defvjp(_sum_fwd, _sum_bwd)

@@ -92,7 +92,8 @@ def test_step_matmuls_equal_the_steps_own_jaxpr(stage, overrides):
     expected = _implementation_extras(cfg, ROWS)
     for mm in step_matmuls(cfg, ROWS, area=_full_area):
         assert mm.component in COMPONENTS and mm.flops > 0 and 1 <= mm.passes <= 3, mm
-        expected[mm.component] += mm.step_flops
+        if mm.name != "expert combine":  # moe_impl=ragged scales the hidden by it: no contraction
+            expected[mm.component] += mm.step_flops
     for name in counted:
         want = expected.get(name, 0.0)  # the optimizer and "other" do no matmul
         assert counted[name]["matmul_flops"] == want, (stage_of(cfg).name, name, counted[name]["matmul_flops"], want)

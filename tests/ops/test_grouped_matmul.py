@@ -46,12 +46,41 @@ def test_slot_order_sorts_by_expert_and_its_gradient_is_the_inverse_permutation(
     x_sm = slots.sort(x)
     np.testing.assert_array_equal(slots.group_sizes, [2, 2, 2])
     np.testing.assert_array_equal(x_sm[:, 0], [0, 8, 4, 8, 0, 4])   # experts 0, 0, 1, 1, 2, 2; tokens in order
-    np.testing.assert_array_equal(slots.unsort(x_sm), jnp.broadcast_to(x[:, None], (3, 2, 4)))
+    np.testing.assert_array_equal(slots.gather_sum(x_sm), 2 * x)  # each token's two copies back and summed
     cot = jax.random.normal(jax.random.key(1), (6, 4))
     grad = jax.grad(lambda v: jnp.sum(permute_rows(v, slots.order, slots.inverse) * cot))(x_sm)
     np.testing.assert_array_equal(grad, cot[slots.inverse])
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda v: jnp.sum(slots.sort(v))))(x))
     assert "scatter" not in jaxpr, "the slots' gradient is a gather, never a scatter-add"
+
+
+def test_gather_sum_adds_each_tokens_slots_and_its_gradient_is_the_sort():
+    """`SlotOrder.gather_sum` (the combine of moe_impl=ragged/gmm) against a float64 sum of each token's k
+    rows, in bf16 (summed in float32) and float32; its gradient is `sort`'s gather, and `weights` puts
+    [N, k] values in expert order with the inverse permutation as gradient. No scatter either way."""
+    rng = np.random.default_rng(5)
+    idx = jnp.asarray(rng.integers(0, 4, (7, 3)), jnp.int32)
+    slots = SlotOrder(idx, 4)
+    for dtype, tol in ((jnp.bfloat16, 1e-2), (jnp.float32, 1e-6)):
+        y_sm = jnp.asarray(rng.normal(size=(21, 5)), dtype)
+        ref = np.zeros((7, 5))
+        for s, pos in enumerate(np.asarray(slots.order)):  # sorted position s holds slot pos = token * k + j
+            ref[pos // 3] += np.asarray(y_sm[s], np.float64)
+        out = slots.gather_sum(y_sm)
+        assert out.dtype == jnp.float32
+        np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
+        cot = jnp.asarray(rng.normal(size=(7, 5)), jnp.float32)
+        grad = jax.grad(lambda v: jnp.sum(slots.gather_sum(v) * cot))(y_sm)
+        assert grad.dtype == dtype
+        np.testing.assert_array_equal(grad, slots.sort(cot.astype(dtype)))
+    w_nk = jnp.asarray(rng.normal(size=(7, 3)), jnp.float32)
+    np.testing.assert_array_equal(slots.weights(w_nk), w_nk.reshape(-1)[slots.order])
+    cot_s = jnp.asarray(rng.normal(size=(21,)), jnp.float32)
+    np.testing.assert_array_equal(jax.grad(lambda w: jnp.sum(slots.weights(w) * cot_s))(w_nk),
+                                  cot_s[slots.inverse].reshape(7, 3))
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda v, w: jnp.sum(slots.gather_sum(v)) + jnp.sum(slots.weights(w)),
+                                        (0, 1)))(y_sm, w_nk))
+    assert "scatter" not in jaxpr
 
 
 def test_ragged_dot_backward_runs_in_the_inputs_dtype():
