@@ -19,7 +19,7 @@ COMPONENTS = ("attention", "compressor", "indexer", "MoE", "mHC", "head", "optim
 
 # core module (path under core/, no suffix) -> component
 OWNERS = {
-    "model/attention": "attention", "ops/chunked_attention": "attention",
+    "model/attention": "attention", "ops/chunked_attention": "attention", "ops/fused_attention": "attention",
     "model/compressor": "compressor",
     "model/indexer": "indexer", "ops/topk": "indexer", "loss/indexer_kl": "indexer",
     "loss/indexer_kl_rows": "indexer", "loss/indexer_kl_streamed": "indexer",

@@ -81,7 +81,7 @@ class Config:
     indexer_gradient: str             # local (per layer, in the forward) | backward (through the stack)
     csa_qk_head_chunk_size: int       # heads per scan step, 0 = off
     csa_query_chunk_size: int         # query rows per streamed block of the indexer loss, 0 = auto (base.yml)
-    attention: str                    # chunked (banded window, gathered top-k) | masked (dense reference)
+    attention: str                    # chunked (banded window, gathered top-k) | fused (Pallas kernels) | masked (dense reference)
     attention_query_chunk_size: int   # query positions per chunk of the chunked attention and top-k; -1 = per platform
     csa_topk_attention: str           # auto | gather | mask (CSA's top-k keys gathered, or all keys masked)
     attention_projections: str        # auto | chunked | whole (core/model/attention.py)

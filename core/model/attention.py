@@ -9,9 +9,10 @@ One layer, as in the official inference code's `Attention`:
         without an indexer; HCA: all visible; SWA: none), one softmax with a per-head sink
   o = inverse RoPE(sum p v);  out = W_ob [ per group g: W_oa[g] flatten(o heads of g) ]
 
-`Attention.__call__` is one forward for both implementations of config `attention`; they differ
+`Attention.__call__` is one forward for every implementation of config `attention`; they differ
 only in the pure functions their `Mode` selects, and are equal to float32 rounding in value and
-gradient (tests/ops/test_sparse_attention.py). What lives at once, per layer call:
+gradient (tests/ops/test_sparse_attention.py, test_fused_attention.py). What lives at once, per
+layer call:
 
 - `chunked` (default): `chunked_attention` (core.ops.chunked_attention), a `lax.scan` over query
   chunks of C = attention_query_chunk_size positions, each rematerialised in the backward pass.
@@ -30,6 +31,11 @@ gradient (tests/ops/test_sparse_attention.py). What lives at once, per layer cal
   T <= C. Memory O(T (M + D + k) + C (S + k) H D), plus O(T H D) with `whole`; work
   O(T (S + k) H D) with top-k, O(T W H D) over every visible block (the window banded per run of
   about S queries where a chunk holds two, else C + S keys per query: core.ops.chunked_attention).
+- `fused`: `fused_layer_attention` (core.ops.fused_attention), a forward and a backward Pallas
+  kernel over blocks of query tokens, all heads at once: the queries [B, T, H, D] built whole and
+  read in place, no [T, T] or [T, W] logits in HBM; CSA's entries through the bool [B, T, W] mask
+  of visibility & selection (the top-k as a mask); work as `chunked`'s with the top-k as a mask.
+  The indexer's top-k and loss stream as in `chunked`.
 - `masked` (the reference): `masked_attention`, dense booleans over [T, T] (window) and [T, W]
   (blocks), the top-k selection entering as `allowed = visible & selected`; logits [B, H, T, T]
   and [B, H, T, W]; the indexer scores [B, T, W] are built whole.
@@ -65,6 +71,7 @@ from core.model.compressor import Compressor
 from core.model.indexer import Indexer, IndexerSpec, local_gradient_loss
 from core.model.layers import RMSNorm, dense_init, param, rms_normalize
 from core.ops.chunked_attention import Keys, RowQueries, chunked_attention, masked_attention
+from core.ops.fused_attention import fused_layer_attention
 from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
 from core.ops.order import einsum_after_cotangent
 from core.ops.placement import pin_rows
@@ -113,7 +120,7 @@ class AttentionSpec:
     indexer_weights_init: str = "fan_in"  # how the indexer's weights_proj starts (core.model.indexer.WEIGHTS_INITS)
     head_chunk: int = 0
     query_chunk: int = 0
-    attention: str = "chunked"  # "chunked" (core.ops.chunked_attention) | "masked" (dense reference)
+    attention: str = "chunked"  # "chunked" (core.ops.chunked_attention) | "fused" (core.ops.fused_attention) | "masked"
     attention_chunk: int = 128  # query positions per chunk of the chunked path
     topk_attention: str = "gather"  # chunked CSA top-k: "gather" (the selected keys) | "mask" (all keys, masked)
     projections: str = "chunked"  # W_qb and the output projection: "chunked" (per query chunk) | "whole" (once)
@@ -187,6 +194,8 @@ def mode_of(s: AttentionSpec, t: int) -> Mode:
     select = functools.partial(select_topk_chunked, ratio=s.ratio, k=s.indexer_topk, chunk=s.attention_chunk,
                                head_chunk=s.head_chunk, as_mask=s.topk_attention == "mask")
     rows = streamable_rows(s, t) if s.indexer_heads else 0
+    if s.attention == "fused":
+        return Mode(attend=fused_layer_attention, select=select, loss_rows=rows)
     return Mode(attend=functools.partial(chunked_attention, chunk=s.attention_chunk), select=select,
                 loss_rows=rows)
 

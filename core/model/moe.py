@@ -56,12 +56,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from core.config.platform import platform_name, require_resolved, resolve_here
+from core.config.platform import require_resolved, resolve_here
 from core.model.layers import dense_init, param, upcast
 from core.ops.grouped_matmul import GmmTiling, SlotOrder, gmm, ragged_dot
 from core.ops.expert_parallel import (Exchange, expert_axis_size, expert_parallel_experts, token_parallel_experts,
                                       token_rounds, token_shards)
 from core.ops.moe_dispatch import Tiling, tiled_experts
+from core.ops.placement import mesh_platform_of
 from core.ops.order import after, cotangent_after_value
 
 
@@ -324,12 +325,6 @@ def ragged(out_dtype):
 def megablox_gmm(out_dtype, tiling: GmmTiling, platform: str):
     """core/ops/grouped_matmul.py's `gmm` with `tiling`, returning `out_dtype`; the kernels interpret off a TPU."""
     return lambda lhs, rhs, group_sizes: gmm(lhs, rhs, group_sizes, tiling, out_dtype, platform != "tpu")
-
-
-def mesh_platform_of(mesh) -> str:
-    """The platform the trace is for: the abstract mesh's devices', else JAX's default backend."""
-    device = getattr(mesh, "abstract_device", None) if mesh is not None and not mesh.empty else None
-    return platform_name(device.platform) if device is not None else platform_name(jax.default_backend())
 
 
 def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):

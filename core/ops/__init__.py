@@ -1,7 +1,8 @@
 """Pure, jit-safe maths that both the model and the losses use: functions of arrays and static ints.
 
 Modules: masks (visibility from positions and segment ids), rope (partial RoPE with YaRN),
-chunked_attention (banded window, gathered top-k, chunked visible blocks), topk (indexer scores,
+chunked_attention (banded window, gathered top-k, chunked visible blocks), fused_attention (the same
+attention as Pallas TPU kernels, forward and backward), topk (indexer scores,
 top-k block selection), moe_dispatch (drop-free sorted, tiled expert dispatch), grouped_matmul (the
 megablox kernels with per-pass tiles, slot permutations), expert_parallel (tokens sent to their
 experts' devices and back), quant (the released FP8/FP4 formats), order (data

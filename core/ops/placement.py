@@ -5,6 +5,7 @@ sharded one way and rows sharded another can come out replicated, and then every
 computes the whole batch's. `pin_rows` states the split the rules give an activation of rows:
 core.parallel.sharding's `batch` rule (BATCH_AXES) on its first axis and `heads` (`tensor`) on one
 more, on the abstract mesh a step is traced under (core/train/program.py `with_mesh`).
+`mesh_platform_of` names the platform that mesh's trace is for (where a Pallas kernel compiles).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from core.config.platform import platform_name
 from core.ops.expert_parallel import MLP_AXIS, TOKEN_AXES
 
 HEADS_AXIS = MLP_AXIS  # the `heads` rule's mesh axis ("heads" -> "tensor"), as the experts' hidden axis
@@ -41,3 +43,11 @@ def pin_rows(x: jax.Array, heads_axis: int | None = None) -> jax.Array:
     if heads_axis is not None:
         spec[heads_axis] = divisible_prefix(x.shape[heads_axis], (HEADS_AXIS,), mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+
+def mesh_platform_of(mesh) -> str:
+    """The platform a trace is for ("cpu", "gpu", "tpu"): `mesh`'s (an abstract mesh, e.g.
+    `jax.sharding.get_abstract_mesh()`) devices', else JAX's default backend. A Pallas TPU kernel runs
+    compiled where it is "tpu" and in interpret mode elsewhere."""
+    device = getattr(mesh, "abstract_device", None) if mesh is not None and not mesh.empty else None
+    return platform_name(device.platform) if device is not None else platform_name(jax.default_backend())

@@ -158,13 +158,13 @@ def test_select_topk_chunked_equals_dense(t, chunk):
     np.testing.assert_array_equal(got_mask.mask_btw, selection_mask(want_idx, want_valid, w))
 
 
-def _layer_pair(ratio, seed, **kw):
-    """The same random layer as the chunked (chunk 5) and the masked implementation."""
+def _layer_pair(ratio, seed, attention="chunked", **kw):
+    """The same random layer as `attention` (chunks of 5) and as the masked implementation."""
     base, _ = make_layer(spec(ratio, attention="masked", **kw), jnp.float32, seed=seed)
     state = nnx.state(base)
-    chunked_spec = spec(ratio, attention="chunked", attention_chunk=5, **kw)
-    chunked = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Attention(chunked_spec, rngs=nnx.Rngs(0)))), state)
-    return chunked, base
+    other_spec = spec(ratio, attention=attention, attention_chunk=5, **kw)
+    other = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Attention(other_spec, rngs=nnx.Rngs(0)))), state)
+    return other, base
 
 
 LAYER_CASES = [  # (ratio, dense, indexer_loss, extra spec fields); SWA and HCA: CASES
@@ -178,10 +178,9 @@ LAYER_CASES = [  # (ratio, dense, indexer_loss, extra spec fields); SWA and HCA:
 ]
 
 
-@pytest.mark.parametrize("ratio,dense,loss,kw", LAYER_CASES)
-def test_layer_chunked_equals_masked(ratio, dense, loss, kw):
-    """Whole layer, chunked vs masked: output, indexer loss and every parameter's gradient."""
-    chunked, masked = _layer_pair(ratio, seed=7 + ratio, **kw)
+def check_layer_equals_masked(attention, ratio, dense, loss, kw, seed):
+    """Whole layer, `attention` vs masked: output, indexer loss and every parameter's gradient."""
+    other, masked = _layer_pair(ratio, seed=seed, attention=attention, **kw)
     t = 24  # the streamed loss needs T % W == 0; the chunk (5) does not divide T
     pos, seg = (jnp.asarray(a) for a in packed([[13, 9], [24]], t))
     x = jax.random.normal(jax.random.key(ratio), (2, t, 16))
@@ -194,7 +193,7 @@ def test_layer_chunked_equals_masked(ratio, dense, loss, kw):
             return jnp.sum(y * cot) + aux.get("indexer_loss", 0.0), (y, aux)
         return nnx.value_and_grad(f, argnums=(0, 1), has_aux=True)(layer, x)
 
-    (_, (y_c, aux_c)), (g_c, gx_c) = run(chunked, x)
+    (_, (y_c, aux_c)), (g_c, gx_c) = run(other, x)
     (_, (y_m, aux_m)), (g_m, gx_m) = run(masked, x)
     err = float(jnp.max(jnp.abs(y_c - y_m)))
     assert err < 1e-5, f"output max diff {err}"
@@ -207,6 +206,11 @@ def test_layer_chunked_equals_masked(ratio, dense, loss, kw):
     for path, v in nnx.to_flat_state(g_c):
         err = float(jnp.max(jnp.abs(v[...] - flat_m[path][...])))
         assert err < 1e-5, f"d{'.'.join(map(str, path))} max diff {err}"
+
+
+@pytest.mark.parametrize("ratio,dense,loss,kw", LAYER_CASES)
+def test_layer_chunked_equals_masked(ratio, dense, loss, kw):
+    check_layer_equals_masked("chunked", ratio, dense, loss, kw, seed=7 + ratio)
 
 
 def test_layer_chunked_collect_equals_masked():

@@ -137,42 +137,9 @@ def test_both_guard_forms_keep_a_diverged_state_and_apply_a_good_one_alike():
     """`apply_if_ok`'s two forms (core/train/step_guard.py: a `lax.cond` on CPU, a `where` per array for
     GPU and TPU compilers, both run here on CPU), two steps at learning_rate=1e30 without clipping:
     the first applies (finite: weight decay takes p to about -1e29 p) and the second's loss is NaN, so
-    it returns its input bit for bit; states and metrics are bitwise the same under both forms."""
-    import jax
-    from flax import nnx
-
-    from core.config.schema import load_config
-    from core.data.batches import train_batches
-    from core.parallel.sharding import shard_batch
-    from core.train.materialise import build
-    from core.train.step import step_fn
-
-    shape = (*ONE_SWA_LAYER, "vocab_size=512")
-    cfg = load_config("deepseek4-tiny", [*shape, "learning_rate=1e30", "gradient_clipping_threshold=0"], stage="sparse")
-    setup = build(cfg)
-    graphdef, state = nnx.split((setup.model, setup.optimizer))
-    batch = shard_batch(next(train_batches(cfg, setup.batch_size)), setup.mesh)
-    bytes_of = lambda tree: [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]  # noqa: E731
-    from tests.conftest import PRODUCT_FUSION
-
-    out = {}
-    for platform in ("cpu", "gpu"):
-        step = jax.jit(step_fn(cfg, graphdef, platform), compiler_options=PRODUCT_FUSION)
-        first, good = step(state, batch)
-        last, bad = step(first, batch)
-        out[platform] = (bytes_of(first), bytes_of(last),
-                         [np.asarray([m[k] for k in sorted(m)]).tobytes() for m in (good, bad)])
-        assert float(good["params_finite"]) == 1.0 and np.isnan(float(bad["total_loss"])), (good, bad)
-        assert float(bad["params_finite"]) == 1.0, bad  # the state it returns is the kept one
-    assert out["cpu"] == out["gpu"]
-    first, last, _ = out["cpu"]
-    assert first != bytes_of(state) and last == first
-
-
-def test_an_update_that_overflows_is_flagged_under_both_forms_and_stops_the_run(tmp_path):
-    """A finite loss and gradient, and an update that overflows (learning_rate=1e39 is inf in float32):
-    the step applies it, flags params_finite = 0 from the parameters it wrote (the trained ones; the
-    rest stay finite), alike under both forms, and the host check stops the run before it is saved."""
+    it returns its input bit for bit; from sinks of 1e11 the loss and gradient stay finite but the
+    update overflows: applied, and flagged for the host to stop. States and metrics are bitwise the
+    same under both forms."""
     import jax
     from flax import nnx
 
@@ -184,24 +151,37 @@ def test_an_update_that_overflows_is_flagged_under_both_forms_and_stops_the_run(
     from core.train.materialise import build
     from core.train.step import step_fn
 
-    cfg = load_config("deepseek4-tiny", [*ONE_SWA_LAYER, "vocab_size=512", "learning_rate=1e39",
-                                         "gradient_clipping_threshold=0"], stage="sparse")
+    shape = (*ONE_SWA_LAYER, "vocab_size=512")
+    cfg = load_config("deepseek4-tiny", [*shape, "learning_rate=1e30", "gradient_clipping_threshold=0"], stage="sparse")
     setup = build(cfg)
     graphdef, state = nnx.split((setup.model, setup.optimizer))
     batch = shard_batch(next(train_batches(cfg, setup.batch_size)), setup.mesh)
+    bytes_of = lambda tree: [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]  # noqa: E731
     from tests.conftest import PRODUCT_FUSION
 
+    # a third start: the sinks at 1e11 (finite; the sink takes every row, so the loss and gradient stay
+    # finite) make the decay's lr * wd * p overflow: the update is applied and flagged
+    big = jax.tree.map(lambda v: v, state)
+    sink = big[0]["layers"][0]["attn"]["attn_sink"]
+    sink.set_value(np.full(sink.get_value().shape, 1e11, np.float32))
     out = {}
     for platform in ("cpu", "gpu"):
-        new, metrics = jax.jit(step_fn(cfg, graphdef, platform), compiler_options=PRODUCT_FUSION)(state, batch)
-        metrics = {k: float(v) for k, v in metrics.items()}
-        assert np.isfinite(metrics["total_loss"]) and np.isfinite(metrics["grad_norm"]), metrics
-        assert metrics["params_finite"] == 0.0, metrics
-        out[platform] = [np.asarray(x).tobytes() for x in jax.tree.leaves(new)], metrics
+        step = jax.jit(step_fn(cfg, graphdef, platform), compiler_options=PRODUCT_FUSION)
+        first, good = step(state, batch)
+        last, bad = step(first, batch)
+        flagged, over = step(big, batch)
+        out[platform] = (bytes_of(first), bytes_of(last), bytes_of(flagged),
+                         [np.asarray([m[k] for k in sorted(m)]).tobytes() for m in (good, bad, over)])
+        assert float(good["params_finite"]) == 1.0 and np.isnan(float(bad["total_loss"])), (good, bad)
+        assert float(bad["params_finite"]) == 1.0, bad  # the state it returns is the kept one
+        assert np.isfinite(float(over["total_loss"])) and np.isfinite(float(over["grad_norm"])), over
+        assert float(over["params_finite"]) == 0.0, over
     assert out["cpu"] == out["gpu"]
+    first, last, _, _ = out["cpu"]
+    assert first != bytes_of(state) and last == first
     with pytest.raises(DivergenceError, match=r"step 0 diverged \(the updated parameters are not finite\): "
                                               "neither it nor anything non-finite was saved"):
-        step_guard.check_finite(0, out["cpu"][1], cfg, None)
+        step_guard.check_finite(0, {k: float(v) for k, v in over.items()}, cfg, None)
 
 
 # ----------------------------------------------------------------------------- 6. schedule length
