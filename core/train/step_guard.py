@@ -5,7 +5,7 @@ known before the update, and `apply_if_ok` applies the update only where they ar
 step with a NaN or infinite loss or gradient returns its input state bit for bit while the update
 still writes the donated state in place (one copy of it). A finite loss and gradient can still
 overflow the update (a huge learning rate); `params_ok` tests the trained parameters the step
-returns, a reduction the compiler fuses into the update that writes them, and reports it as the
+returns (XLA:TPU fuses that reduction into the pass that writes them), and reports it as the
 `params_finite` metric. `check_finite` reads the same flags on the host, from metrics the run loop
 fetches anyway (no extra device sync), and raises `DivergenceError`, which stops the run before
 that step or any later one is saved. Why the parameters are tested after the update rather than
@@ -45,7 +45,7 @@ def loss_ok(total, grad_norm, *, abort_on_nan: bool, abort_on_inf: bool):
 def params_ok(params, trained: Callable[[tuple], bool], *, abort_on_nan: bool, abort_on_inf: bool):
     """Jit-safe: float32 1/0, the `params_finite` metric: 0 when an enabled check finds a trained
     parameter of `params` (the state the step returns) NaN / infinite. A finite loss and gradient
-    can still overflow the update; the compiler fuses this test into the update that writes them."""
+    can still overflow the update."""
     import jax
     import jax.numpy as jnp
 

@@ -28,9 +28,9 @@ from tests.ops.test_sparse_attention import check_layer_equals_masked
 D = 128
 # (name, row document lengths, T, H, window S, ratio (0: SWA), block_q)
 CASES = [
-    ("csa top-k, packed with padding", [[100, 120], [256]], 256, 4, 24, 4, 16),
-    ("hca-like ratio 128", [[256], [130, 90]], 256, 8, 32, 128, 8),
-    ("swa, T not a multiple of the key block", [[150, 40], [190]], 200, 4, 17, 0, 8),
+    ("csa top-k, packed with padding", [[70, 60], [160]], 160, 4, 24, 4, 16),
+    ("hca-like ratio 128", [[256], [130, 90]], 256, 8, 32, 128, 16),
+    ("swa, T not a multiple of the key block", [[150, 40], [190]], 200, 4, 17, 0, 16),
     ("window over 128: key blocks of 256", [[300], [40, 250]], 300, 4, 130, 4, 32),
 ]
 IDS = [c[0] for c in CASES]
