@@ -56,24 +56,33 @@ def params_ok(params, trained: Callable[[tuple], bool], *, abort_on_nan: bool, a
     return ok.astype(jnp.float32)
 
 
-def apply_if_ok(ok, apply: Callable[[Any], Any], state, platform: str):
-    """Jit-safe: `apply(state)` where `ok`, else `state`'s values unchanged. `ok` (`loss_ok`) is known
-    before the update, so the update can write the donated state in place and the step holds one copy
-    of the parameters and optimizer state, as without the guard. How, per compiler (measured in
+def apply_if_ok(ok, apply: Callable[[Any], Any], state, platform: str, written_ok: Callable[[Any], Any]):
+    """Jit-safe: (`apply(state)` where `ok`, else `state`'s values unchanged; `written_ok` of the
+    applied state, float32 1 where not applied). `ok` (`loss_ok`) is known before the update, so the
+    update can write the donated state in place and the step holds one copy of the parameters and
+    optimizer state, as without the guard. How, per compiler (measured in
     docs/planning.md#the-step-guards-memory):
 
-    - "cpu": one `lax.cond` with the update inside its taken branch (fewer temporaries than a
-      `where` per array, and a faster compile);
-    - elsewhere: a `where` per array, which XLA:GPU and XLA:TPU fuse into the update (temporaries as
-      without the guard; the `lax.cond` form makes XLA:GPU copy the state into the conditional).
+    - "cpu": one `lax.cond` with the update and `written_ok` inside its taken branch (fewer
+      temporaries than a `where` per array, and a faster compile; `written_ok` after the
+      conditional would read its whole output once more);
+    - elsewhere: a `where` per array, which XLA:GPU and XLA:TPU fuse into the update, and
+      `written_ok` of the result, which XLA:TPU fuses into the pass that writes the parameters
+      (temporaries as without the guard; the `lax.cond` form makes XLA:GPU copy the state into the
+      conditional). Where not applied, the result is the kept state, whose parameters are finite.
     """
     import jax
     import jax.numpy as jnp
 
     if platform == "cpu":
-        return jax.lax.cond(ok, apply, lambda unchanged: unchanged, state)
+        def applied(state):
+            new = apply(state)
+            return new, written_ok(new)
+
+        return jax.lax.cond(ok, applied, lambda unchanged: (unchanged, jnp.ones((), jnp.float32)), state)
     kept = jax.tree.map(lambda v: v, state)  # a snapshot (new Variables): `apply` may update state's in place
-    return jax.tree.map(lambda new, old: jnp.where(ok, new, old), apply(state), kept)
+    new = jax.tree.map(lambda new, old: jnp.where(ok, new, old), apply(state), kept)
+    return new, written_ok(new)
 
 
 def check_finite(step: int, metrics: Mapping[str, float], cfg, last_checkpoint: int | None) -> None:
