@@ -71,7 +71,6 @@ from core.model.compressor import Compressor
 from core.model.indexer import Indexer, IndexerSpec, local_gradient_loss
 from core.model.layers import RMSNorm, dense_init, param, rms_normalize
 from core.ops.chunked_attention import Keys, RowQueries, chunked_attention, masked_attention
-from core.ops.fused_attention import fused_layer_attention
 from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
 from core.ops.order import einsum_after_cotangent
 from core.ops.placement import pin_rows
@@ -195,6 +194,8 @@ def mode_of(s: AttentionSpec, t: int) -> Mode:
                                head_chunk=s.head_chunk, as_mask=s.topk_attention == "mask")
     rows = streamable_rows(s, t) if s.indexer_heads else 0
     if s.attention == "fused":
+        from core.ops.fused_attention import fused_layer_attention  # Pallas's import only where it runs
+
         return Mode(attend=fused_layer_attention, select=select, loss_rows=rows)
     return Mode(attend=functools.partial(chunked_attention, chunk=s.attention_chunk), select=select,
                 loss_rows=rows)
