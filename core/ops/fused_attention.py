@@ -20,11 +20,13 @@ Per grid step (b, i), tokens [t0, t0 + tq), t0 = i tq, and j = t0 // KB:
 Forward: logits [R, 2 x KB] and [R, W] in float32, one max over them and the sink, p = exp(l - m),
 o = (p in the keys' dtype) . keys / (sum p + exp(sink - m)) as flash attention feeds its second
 matmul; it also writes the log-sum-exp lse [B, T, H] (float32) for the backward. Backward (the
-query axis sequential): p = exp(l - lse) recomputed, ds = p (do . k - delta), delta = rowsum(do o)
-(computed outside); dq = ds . k; dkv = ds^T q + p^T do (keys = values). The window part of dkv
+query axis sequential): p = exp(l - lse) recomputed, dp = do . k, delta = rowsum(p dp) (= rowsum(do o):
+every key of a row is in its step, so o is not kept for the backward), ds = p (dp - delta);
+dq = ds . k; dkv = ds^T q + p^T do (keys = values). The window part of dkv
 accumulates in two float32 outputs resident while j holds: contributions to block j ("self") and to
 block j - 1 ("prev", stored at j), summed outside with prev shifted one block; dckv [W, D] float32
-is resident per batch row; dsink = -sum of exp(sink - lse) delta over a head's rows (outside).
+is resident per batch row; the kernel writes delta [B, T, H], and dsink = -sum of exp(sink - lse)
+delta over a head's rows (outside).
 
 Assumptions and padding: T is padded up to a multiple of KB and W up to a multiple of 128 in the
 wrapper (padding tokens are segment 0 and see nothing; padding entries are never allowed), then the
@@ -169,7 +171,7 @@ def _fwd_kernel(qi_ref, kpi_ref, kci_ref, sink_ref, q_ref, kp_ref, kc_ref, *rest
 def _bwd_kernel(qi_ref, kpi_ref, kci_ref, q_ref, kp_ref, kc_ref, *rest, blk: _Blocks, compressed: bool):
     ckv_ref, al_ref = rest[:2] if compressed else (None, None)
     rest = rest[2:] if compressed else rest
-    do_ref, lse_ref, delta_ref, dq_ref, dself_ref, dprev_ref = rest[:6]
+    do_ref, lse_ref, dq_ref, delta_ref, dself_ref, dprev_ref = rest[:6]
     dckv_ref = rest[6] if compressed else None
     tq, h, d = q_ref.shape
     i = pl.program_id(1)
@@ -186,15 +188,18 @@ def _bwd_kernel(qi_ref, kpi_ref, kci_ref, q_ref, kp_ref, kc_ref, *rest, blk: _Bl
 
     q_rd = q_ref[...].reshape(tq * h, d)
     do_rd = do_ref[...].reshape(tq * h, d)
-    lse_r1, delta_r1 = _column(lse_ref[...], h), _column(delta_ref[...], h)
+    lse_r1 = _column(lse_ref[...], h)
     parts = _parts(blk, h, qi_ref, kpi_ref, kci_ref, kp_ref, kc_ref, ckv_ref, al_ref)
+    # every key of these rows is in this step: delta = rowsum(do o) = sum over keys of p dp, so o need not be kept
+    p_dp = [(jnp.where(mask, jnp.exp(_nt(q_rd, k) - lse_r1), 0.0), _nt(do_rd, k)) for k, mask in parts]
+    delta_r1 = sum(jnp.sum(p_rk * dp_rk, axis=1, keepdims=True) for p_rk, dp_rk in p_dp)
     dq_rd = jnp.zeros((tq * h, d), jnp.float32)
-    for (k, mask), acc_ref in zip(parts, [dprev_ref, dself_ref, dckv_ref]):
-        p_rk = jnp.where(mask, jnp.exp(_nt(q_rd, k) - lse_r1), 0.0)
-        ds_rk = p_rk * (_nt(do_rd, k) - delta_r1)
+    for (k, _), (p_rk, dp_rk), acc_ref in zip(parts, p_dp, [dprev_ref, dself_ref, dckv_ref]):
+        ds_rk = p_rk * (dp_rk - delta_r1)
         dq_rd = dq_rd + _nn(ds_rk.astype(k.dtype), k)
         acc_ref[...] += _tn(ds_rk.astype(q_rd.dtype), q_rd) + _tn(p_rk.astype(do_rd.dtype), do_rd)
     dq_ref[...] = dq_rd.astype(dq_ref.dtype).reshape(tq, h, d)
+    delta_ref[...] = _by_head(delta_r1, tq, h)
 
 
 def _vmem_limit(blk: _Blocks, h: int, d: int, w: int, itemsize: int) -> int:
@@ -247,7 +252,7 @@ def _forward(blk: _Blocks, q, kv, sink, qinfo, kinfo, ckv, allowed):
     )(*args)
 
 
-def _backward(blk: _Blocks, q, kv, qinfo, kinfo, ckv, allowed, do, lse, delta):
+def _backward(blk: _Blocks, q, kv, qinfo, kinfo, ckv, allowed, do, lse):
     b, t, h, d = q.shape
     w = 0 if ckv is None else ckv.shape[1]
     sp = _specs(blk, h, d, w)
@@ -256,10 +261,11 @@ def _backward(blk: _Blocks, q, kv, qinfo, kinfo, ckv, allowed, do, lse, delta):
     if ckv is not None:
         in_specs += [sp["ckv"], sp["al"]]
         args += [ckv, allowed]
-    in_specs += [sp["q"], sp["row"], sp["row"]]
-    args += [do, lse, delta]
-    out_specs = [sp["q"], sp["kd"], sp["kd"]]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)] + [jax.ShapeDtypeStruct(kv.shape, jnp.float32)] * 2
+    in_specs += [sp["q"], sp["row"]]
+    args += [do, lse]
+    out_specs = [sp["q"], sp["row"], sp["kd"], sp["kd"]]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32)]
+    out_shape += [jax.ShapeDtypeStruct(kv.shape, jnp.float32)] * 2
     if ckv is not None:
         out_specs.append(pl.BlockSpec((None, w, d), lambda b, i: (b, 0, 0)))
         out_shape.append(jax.ShapeDtypeStruct(ckv.shape, jnp.float32))
@@ -274,10 +280,10 @@ def _backward(blk: _Blocks, q, kv, qinfo, kinfo, ckv, allowed, do, lse, delta):
         interpret=blk.interpret,
         name="fused_attention_bwd",
     )(*args)
-    dq, dself, dprev = outs[:3]
+    dq, delta, dself, dprev = outs[:4]
     # prev at block j holds block j - 1's share: shift it down one block (block 0's share is empty)
     dkv = dself + jnp.pad(dprev[:, blk.kb:], ((0, 0), (0, blk.kb), (0, 0)))
-    return dq, dkv, (outs[3] if ckv is not None else None)
+    return dq, delta, dkv, (outs[4] if ckv is not None else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -287,13 +293,12 @@ def _attend(blk: _Blocks, q, kv, sink, qinfo, kinfo, ckv, allowed):
 
 def _attend_fwd(blk, q, kv, sink, qinfo, kinfo, ckv, allowed):
     o, lse = _forward(blk, q, kv, sink, qinfo, kinfo, ckv, allowed)
-    return o, (q, kv, sink, qinfo, kinfo, ckv, allowed, o, lse)
+    return o, (q, kv, sink, qinfo, kinfo, ckv, allowed, lse)  # not o: the backward finds delta without it
 
 
 def _attend_bwd(blk, res, do):
-    q, kv, sink, qinfo, kinfo, ckv, allowed, o, lse = res
-    delta_bth = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
-    dq, dkv, dckv = _backward(blk, q, kv, qinfo, kinfo, ckv, allowed, do, lse, delta_bth)
+    q, kv, sink, qinfo, kinfo, ckv, allowed, lse = res
+    dq, delta_bth, dkv, dckv = _backward(blk, q, kv, qinfo, kinfo, ckv, allowed, do, lse)
     dsink_h = -jnp.sum(jnp.exp(sink.astype(jnp.float32) - lse) * delta_bth, axis=(0, 1))
     return (dq, dkv.astype(kv.dtype), dsink_h.astype(sink.dtype), None, None,
             None if ckv is None else dckv.astype(ckv.dtype), None)
