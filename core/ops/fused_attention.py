@@ -210,6 +210,22 @@ def _vmem_limit(blk: _Blocks, h: int, d: int, w: int, itemsize: int) -> int:
     return int(min(100 << 20, max(32 << 20, 2 * (blocks + temps))))
 
 
+def _cost(blk: _Blocks, q, w: int, mask_bytes: int, backward: bool):
+    """The kernel's work for the compiler and the planner (`pl.CostEstimate`; core/plan/hlo.py reads
+    its FLOPs): per step R = tq H rows meet K = 2 x KB + W keys, the forward's two products 4 R D K
+    FLOPs, the backward's five 10 R D K; one exponential per row and key in each."""
+    b, t, h, d = q.shape
+    e, steps, keys = q.dtype.itemsize, b * (t // blk.tq), 2 * blk.kb + w
+    rows = b * t * h
+    reads = steps * 2 * blk.kb * d * e + b * w * d * e + b * t * w * mask_bytes + rows * 4  # keys, entries, mask, lse
+    if backward:  # q, do, dq; the float32 key and entry gradients; delta
+        moved = reads + 3 * rows * d * e + 2 * b * t * d * 4 + b * w * d * 4 + rows * 4
+    else:  # q, o
+        moved = reads + 2 * rows * d * e
+    return pl.CostEstimate(flops=(10 if backward else 4) * rows * d * keys, transcendentals=rows * keys,
+                           bytes_accessed=moved)
+
+
 def _specs(blk: _Blocks, h: int, d: int, w: int):
     """BlockSpecs of (qinfo, kinfo prev, kinfo cur, q-shaped, kv prev, kv cur, ckv, allowed, lse-shaped)."""
     tq, kb = blk.tq, blk.kb
@@ -248,6 +264,7 @@ def _forward(blk: _Blocks, q, kv, sink, qinfo, kinfo, ckv, allowed):
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                              vmem_limit_bytes=_vmem_limit(blk, h, d, w, q.dtype.itemsize)),
         interpret=blk.interpret,
+        cost_estimate=_cost(blk, q, w, 0 if allowed is None else allowed.dtype.itemsize, backward=False),
         name="fused_attention_fwd",
     )(*args)
 
@@ -278,6 +295,7 @@ def _backward(blk: _Blocks, q, kv, qinfo, kinfo, ckv, allowed, do, lse):
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=_vmem_limit(blk, h, d, w, q.dtype.itemsize)),
         interpret=blk.interpret,
+        cost_estimate=_cost(blk, q, w, 0 if allowed is None else allowed.dtype.itemsize, backward=True),
         name="fused_attention_bwd",
     )(*args)
     dq, delta, dself, dprev = outs[:4]

@@ -231,11 +231,14 @@ def matmul_flops(module: Module, times: dict[str, int] | None = None) -> float:
 
 def matmul_flops_of(module: Module, inst: Instruction) -> float:
     """2 * output elements * contracted size of one dot, convolution or gemm; a Pallas/Mosaic
-    kernel's (`tpu_custom_call`) by `grouped_matmul_flops`; 0 for other instructions."""
+    kernel's (`tpu_custom_call`) by the FLOPs its `cost_estimate` declares (`pl.CostEstimate`, as
+    core/ops/fused_attention.py's kernels and XLA's ragged_dot declare them), else by
+    `grouped_matmul_flops`; 0 for other instructions."""
     if inst.opcode in ("dot", "convolution", "custom-call") and (k := _contracted(module, inst)):
         return 2.0 * math.prod(_dims(inst.type_text)) * k
     if inst.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in inst.attrs:
-        return grouped_matmul_flops(module, inst)
+        declared = re.search(r'"cost_estimate":\{[^{}]*"flops":"(\d+)"', inst.attrs)
+        return float(declared.group(1)) if declared and int(declared.group(1)) else grouped_matmul_flops(module, inst)
     return 0.0
 
 

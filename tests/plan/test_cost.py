@@ -226,6 +226,21 @@ def test_grouped_matmul_kernels_count_their_flops_from_their_shapes():
     assert hlo.matmul_flops(hlo.parse(other)) == 0 and estimate(other)["memory_s"] > 0
 
 
+def test_a_kernel_counts_the_flops_its_cost_estimate_declares():
+    """A Pallas kernel of no grouped-matmul shape (core/ops/fused_attention.py's) counts the FLOPs its
+    `pl.CostEstimate` declares in the custom call's backend config; a declared 0 falls back to the
+    shapes, and the config's other fields do not matter."""
+    flops = 123_456_789_012
+    declared = (', backend_config={"custom_call_config":{"body":"TUxJUg==","cost_estimate":{"bytes_accessed":"7",'
+                f'"flops":"{flops}","transcendentals":"9"}}}}}}')
+    other = RAGGED.replace("bf16[8,512,256]", "bf16[8,512,128]")
+    m = hlo.parse(module(other + declared))
+    assert hlo.matmul_flops(m) == flops
+    assert estimate(module(other + declared))["compute_s"] == pytest.approx(flops * FLOP_S)
+    zero = declared.replace(f'"flops":"{flops}"', '"flops":"0"')
+    assert hlo.matmul_flops(hlo.parse(module(RAGGED + zero))) == 2 * 2048 * 512 * 256
+
+
 def test_a_ragged_dots_masked_convolution_counts_one_group_in_g():
     conv = """%masked (a: bf16[2048,512], k: bf16[2048,256], mask: pred[8,2048]) -> f32[512,256] {
   %a = bf16[2048,512]{1,0:T(8,128)(2,1)} parameter(0)
