@@ -220,7 +220,8 @@ def _custom_call(module: hlo.Module, inst: hlo.Instruction) -> Work | None:
     if target in _FREE_CALLS:
         return None
     work = Work(hlo.matmul_flops_of(module, inst))
-    if target == "tpu_custom_call" and any(module.types.get(o, "").startswith("f32[") for o in inst.operands):
+    shaped = hlo.declared_flops(inst) is None  # FLOPs from a grouped matmul's shapes, not declared
+    if shaped and target == "tpu_custom_call" and any(module.types.get(o, "").startswith("f32[") for o in inst.operands):
         work.flops *= 3  # a kernel's float32 matmul: three bf16 passes of the MXU
     for text in [inst.type_text] + [module.types.get(o, "") for o in inst.operands]:
         _add(work, text)

@@ -237,9 +237,15 @@ def matmul_flops_of(module: Module, inst: Instruction) -> float:
     if inst.opcode in ("dot", "convolution", "custom-call") and (k := _contracted(module, inst)):
         return 2.0 * math.prod(_dims(inst.type_text)) * k
     if inst.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in inst.attrs:
-        declared = re.search(r'"cost_estimate":\{[^{}]*"flops":"(\d+)"', inst.attrs)
-        return float(declared.group(1)) if declared and int(declared.group(1)) else grouped_matmul_flops(module, inst)
+        declared = declared_flops(inst)
+        return declared if declared is not None else grouped_matmul_flops(module, inst)
     return 0.0
+
+
+def declared_flops(inst: Instruction) -> float | None:
+    """The FLOPs a kernel's custom call declares (its `cost_estimate`); None where it declares none or 0."""
+    declared = re.search(r'"cost_estimate":\{[^{}]*"flops":"(\d+)"', inst.attrs)
+    return float(declared.group(1)) if declared and int(declared.group(1)) else None
 
 
 def grouped_matmul_flops(module: Module, inst: Instruction) -> float:

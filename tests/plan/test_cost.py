@@ -228,8 +228,8 @@ def test_grouped_matmul_kernels_count_their_flops_from_their_shapes():
 
 def test_a_kernel_counts_the_flops_its_cost_estimate_declares():
     """A Pallas kernel of no grouped-matmul shape (core/ops/fused_attention.py's) counts the FLOPs its
-    `pl.CostEstimate` declares in the custom call's backend config; a declared 0 falls back to the
-    shapes, and the config's other fields do not matter."""
+    `pl.CostEstimate` declares in the custom call's backend config, as declared whatever its operands'
+    dtypes (its float32 operands need not be matmul operands); a declared 0 falls back to the shapes."""
     flops = 123_456_789_012
     declared = (', backend_config={"custom_call_config":{"body":"TUxJUg==","cost_estimate":{"bytes_accessed":"7",'
                 f'"flops":"{flops}","transcendentals":"9"}}}}}}')
@@ -237,6 +237,8 @@ def test_a_kernel_counts_the_flops_its_cost_estimate_declares():
     m = hlo.parse(module(other + declared))
     assert hlo.matmul_flops(m) == flops
     assert estimate(module(other + declared))["compute_s"] == pytest.approx(flops * FLOP_S)
+    f32 = other.replace("%lhs = bf16[2048,512]{1,0:T(8,128)(2,1)}", "%lhs = f32[2048,512]{1,0:T(8,128)}")
+    assert estimate(module(f32 + declared))["compute_s"] == pytest.approx(flops * FLOP_S)  # declared: as is
     zero = declared.replace(f'"flops":"{flops}"', '"flops":"0"')
     assert hlo.matmul_flops(hlo.parse(module(RAGGED + zero))) == 2 * 2048 * 512 * 256
 
