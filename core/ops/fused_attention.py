@@ -130,7 +130,7 @@ def _nn(a, b):
 def _parts(blk: _Blocks, h: int, qi_ref, kpi_ref, kci_ref, kp_ref, kc_ref, ckv_ref, al_ref):
     """The keys [K, D] of this step and their masks bool [R, K]: previous window block, current
     window block, and the compressed entries when there are any."""
-    j = jax.lax.div(pl.program_id(1), blk.kb // blk.tq)  # lax: jnp's // lowers through sign
+    j = jax.lax.div(pl.program_id(1), jnp.int32(blk.kb // blk.tq))  # lax: jnp's // lowers through sign
     qi = qi_ref[...]
     qpos, qseg = qi[:, 0:1], qi[:, 1:2]
 
@@ -176,7 +176,7 @@ def _bwd_kernel(qi_ref, kpi_ref, kci_ref, q_ref, kp_ref, kc_ref, *rest, blk: _Bl
     tq, h, d = q_ref.shape
     i = pl.program_id(1)
 
-    @pl.when(jax.lax.rem(i, blk.kb // blk.tq) == 0)  # the first query block of key block j
+    @pl.when(jax.lax.rem(i, jnp.int32(blk.kb // blk.tq)) == 0)  # the first query block of key block j
     def _():
         dself_ref[...] = jnp.zeros_like(dself_ref)
         dprev_ref[...] = jnp.zeros_like(dprev_ref)
@@ -230,7 +230,7 @@ def _specs(blk: _Blocks, h: int, d: int, w: int):
     """BlockSpecs of (qinfo, kinfo prev, kinfo cur, q-shaped, kv prev, kv cur, ckv, allowed, lse-shaped)."""
     tq, kb = blk.tq, blk.kb
     per = kb // tq
-    cur = lambda i: jax.lax.div(i, per)
+    cur = lambda i: jax.lax.div(i, jnp.int32(per))  # int32 also under jax_enable_x64
     prev = lambda i: jnp.maximum(cur(i) - 1, 0)
     return dict(
         qi=pl.BlockSpec((None, tq, 2), lambda b, i: (b, i, 0)),
@@ -376,6 +376,16 @@ def fused_attention(q_bthd, kv_bsd, sink_h, positions_bt, segment_ids_bt, window
     return o[:, :t]
 
 
+def check_kernel_shapes(heads: int, head_dim: int) -> None:
+    """ConfigError unless a TPU compiles the kernels for `heads` per device of `head_dim` features
+    (the head fold of the module's docstring)."""
+    if head_dim % _LANES or heads % 16:
+        from core.errors import ConfigError
+
+        raise ConfigError(f"attention=fused on a TPU needs head_dim a multiple of {_LANES} and a multiple of 16 "
+                          f"heads per device (head_dim={head_dim}, {heads} heads per device): use attention=chunked.")
+
+
 def fused_layer_attention(queries, keys, packing, selection=None, out_fn=None, *, block_q: int = 16):
     """`masked_attention`'s contract (core.ops.chunked_attention) through `fused_attention`: the
     `attention: fused` implementation of a layer.
@@ -408,13 +418,17 @@ def fused_layer_attention(queries, keys, packing, selection=None, out_fn=None, *
         if selection is not None:
             allowed = allowed & selection.mask(allowed.shape[-1])
     mesh = jax.sharding.get_abstract_mesh()
-    attend = functools.partial(fused_attention, window=keys.window, block_q=block_q,
-                               interpret=mesh_platform_of(mesh) != "tpu")
+    on_tpu = mesh_platform_of(mesh) == "tpu"
+    attend = functools.partial(fused_attention, window=keys.window, block_q=block_q, interpret=not on_tpu)
     if mesh is None or mesh.empty or mesh.size == 1:
+        if on_tpu:
+            check_kernel_shapes(q_bthd.shape[2], q_bthd.shape[3])
         o = attend(q_bthd, keys.raw_bsd, keys.sink_h, positions_bt, segment_ids_bt, ckv_bwd=ckv, allowed_btw=allowed)
     else:
         rows = divisible_prefix(q_bthd.shape[0], TOKEN_AXES, mesh)
         heads = divisible_prefix(q_bthd.shape[2], (HEADS_AXIS,), mesh)
+        if on_tpu:
+            check_kernel_shapes(q_bthd.shape[2] // (mesh.shape[HEADS_AXIS] if heads else 1), q_bthd.shape[3])
         per_row = P(rows, None, None)
 
         def per_device(q, kv, sink, pos, seg, ckv=None, allowed=None):

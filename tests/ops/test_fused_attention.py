@@ -94,6 +94,25 @@ def test_value_and_gradients_match_softmax_attention(case):
             _close(g, g_ref, name)
 
 
+def test_value_and_gradients_match_the_float64_reference(x64):
+    """The CSA case against `softmax_attention` in float64: the kernels compute in float32, so to
+    float32 rounding of the exact values."""
+    case = CASES[0]
+    _, _, _, _, window, _, block_q = case
+    pos, seg, q, kv, ckv, sink, allowed, cot = _inputs(case)
+    f64 = [x.astype(jnp.float64) for x in (q, kv, ckv, sink)]
+    fused = lambda q, kv, ckv, sink: fused_attention(q, kv, sink, pos, seg, window, ckv, allowed,  # noqa: E731
+                                                     block_q=block_q, interpret=True)
+    exact = lambda q, kv, ckv, sink: softmax_attention(q, kv, sliding_window_mask(pos, seg, window), sink,  # noqa: E731
+                                                       ckv, allowed)
+    o, vjp = jax.vjp(fused, q, kv, ckv, sink)
+    o_ref, vjp_ref = jax.vjp(exact, *f64)
+    assert o_ref.dtype == jnp.float64
+    _close(o, o_ref, "o")
+    for name, g, g_ref in zip(("dq", "dkv", "dckv", "dsink"), vjp(cot), vjp_ref(cot.astype(jnp.float64))):
+        _close(g, g_ref, name)
+
+
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_rows_with_nothing_allowed_give_zero(case):
     """Padding tokens see nothing (not even the sink's value): o and dq are exactly 0 there."""
@@ -110,6 +129,16 @@ def test_entries_never_allowed_get_exactly_zero_gradient(case):
     never_bw = ~jnp.any(allowed, axis=1)
     assert bool(jnp.any(never_bw)) and bool(jnp.any(~never_bw))
     assert float(jnp.max(jnp.abs(jnp.where(never_bw[..., None], dckv, 0.0)))) == 0.0
+
+
+def test_shapes_a_tpu_cannot_compile_are_one_config_error():
+    from core.errors import ConfigError
+    from core.ops.fused_attention import check_kernel_shapes
+
+    check_kernel_shapes(64, 512)  # V4-Flash's
+    for heads, head_dim in ((4, 32), (64, 192), (8, 512)):
+        with pytest.raises(ConfigError, match=rf"head_dim={head_dim}, {heads} heads per device\): use attention=chunked"):
+            check_kernel_shapes(heads, head_dim)
 
 
 def test_bad_arguments_raise():
