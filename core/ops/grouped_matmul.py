@@ -13,9 +13,11 @@ Two ways to run `out[rows of group g] = lhs[rows of group g] @ rhs[g]`:
 The slots reach the matmul through `SlotOrder.sort` and leave it through `SlotOrder.gather_sum`
 (`copy_rows`, `sum_rows`, each the other's transpose; `permute_rows` for per-slot values): gathers
 whose gradients are gathers too, never the scatter-add that autodiff of a gather gives. Each sums a
-token's k slots from a gather straight into [N, k, M], which the compiler lays out as it likes
-(reshaping the gathered [S, M] instead costs a relayout on a TPU, k not being a tile multiple). A
-token's k slots are its k copies, so no slot is ever dropped.
+token's k slots from a gather into [k, N, M] (`_sum_slots`), slot-major, so the sum adds whole
+slices; gathered token-major, [N, k, M] puts k (not a multiple of a TPU tile's 8 rows) on the
+tiled axis and costs a relayout of every slot before the sum
+(docs/tpu.md#where-the-sparse-steps-time-goes). A token's k slots are its k copies, so no slot is
+ever dropped.
 """
 
 from __future__ import annotations
@@ -171,8 +173,7 @@ def _copy_fwd(x_n_, token_s, inverse_s, k):
 
 
 def _copy_bwd(k, inverse_s, d_s_):
-    d_nk_ = d_s_[inverse_s.reshape(-1, k)]  # gathered straight into [N, k, ...]: no relayout of [S, ...]
-    return jnp.sum(d_nk_, axis=1, dtype=jnp.promote_types(d_s_.dtype, jnp.float32)).astype(d_s_.dtype), None, None
+    return _sum_slots(d_s_, inverse_s, k).astype(d_s_.dtype), None, None
 
 
 copy_rows.defvjp(_copy_fwd, _copy_bwd)
@@ -210,8 +211,17 @@ class SlotOrder:
 def sum_rows(y_s_, token_s, inverse_s, k: int):
     """sum over each row's k slots of y (slot s belongs to row token[s]; `inverse` takes slot order to
     the permuted one): `copy_rows`' transpose, its gradient `copy_rows`' gather."""
-    y_nk_ = y_s_[inverse_s.reshape(-1, k)]
-    return jnp.sum(y_nk_, axis=1, dtype=jnp.promote_types(y_s_.dtype, jnp.float32))
+    return _sum_slots(y_s_, inverse_s, k)
+
+
+def _sum_slots(y_s_, inverse_s, k: int):
+    """sum_j y[inverse[n * k + j]] in at least float32: gathered as [k, N, ...] (slot j of every row
+    together), then added slot by slot, one elementwise pass over the gathered rows; gathering
+    [N, k, ...] lays k (not a multiple of the TPU's 8-row tile) across tiles and costs a relayout, and
+    a float32 `sum` over the k axis made XLA:TPU write the gathered rows once more in float32."""
+    y_kn_ = y_s_[inverse_s.reshape(-1, k).T]
+    acc = jnp.promote_types(y_s_.dtype, jnp.float32)
+    return functools.reduce(lambda total, j: total + y_kn_[j].astype(acc), range(1, k), y_kn_[0].astype(acc))
 
 
 def _sum_fwd(y_s_, token_s, inverse_s, k):
