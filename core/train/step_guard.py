@@ -4,9 +4,9 @@ Inside the jitted step (core/train/step.py): `loss_ok` tests the total loss and 
 known before the update, and `apply_if_ok` applies the update only where they are finite, so a
 step with a NaN or infinite loss or gradient returns its input state bit for bit while the update
 still writes the donated state in place (one copy of it). A finite loss and gradient can still
-overflow the update (a huge learning rate); `params_ok` tests the trained parameters the step
-returns (XLA:TPU fuses that reduction into the pass that writes them), and reports it as the
-`params_finite` metric. `check_finite` reads the same flags on the host, from metrics the run loop
+overflow the update (a huge learning rate); `params_ok` tests the trained parameters and the
+optimizer's moments the step returns (XLA:TPU fuses those reductions into the pass that writes
+them), and reports it as the `params_finite` metric. `check_finite` reads the same flags on the host, from metrics the run loop
 fetches anyway (no extra device sync), and raises `DivergenceError`, which stops the run before
 that step or any later one is saved. Why the parameters are tested after the update rather than
 before it: docs/run-safety.md#divergence.
@@ -42,16 +42,22 @@ def loss_ok(total, grad_norm, *, abort_on_nan: bool, abort_on_inf: bool):
     return _not_bad(pair, abort_on_nan=abort_on_nan, abort_on_inf=abort_on_inf)
 
 
-def params_ok(params, trained: Callable[[tuple], bool], *, abort_on_nan: bool, abort_on_inf: bool):
+def params_ok(params, trained: Callable[[tuple], bool], opt_state=None, *, abort_on_nan: bool, abort_on_inf: bool):
     """Jit-safe: float32 1/0, the `params_finite` metric: 0 when an enabled check finds a trained
-    parameter of `params` (the state the step returns) NaN / infinite. A finite loss and gradient
-    can still overflow the update."""
+    parameter of `params` (the state the step returns) or a floating-point leaf of `opt_state` (its
+    moments) NaN / infinite. A finite loss and gradient can still overflow the update. The moments
+    are tested with the parameters because they are written by the same pass: XLA:TPU then fuses the
+    whole update and every test into one pass over each array, where a test of the parameters alone
+    splits off a second pass that writes the moments (docs/run-safety.md#divergence)."""
     import jax
     import jax.numpy as jnp
 
     ok = jnp.array(True)
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         if trained(path):  # core.train.step.config_matcher: it names jax key paths as `tree.join` does
+            ok &= _not_bad(leaf, abort_on_nan=abort_on_nan, abort_on_inf=abort_on_inf)
+    for leaf in jax.tree.leaves(opt_state):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
             ok &= _not_bad(leaf, abort_on_nan=abort_on_nan, abort_on_inf=abort_on_inf)
     return ok.astype(jnp.float32)
 
@@ -90,7 +96,7 @@ def check_finite(step: int, metrics: Mapping[str, float], cfg, last_checkpoint: 
     bad = [f"{k} is {metrics[k]}" for k in ("total_loss", "grad_norm")
            if (cfg.abort_on_nan_loss and math.isnan(metrics[k])) or (cfg.abort_on_inf_loss and math.isinf(metrics[k]))]
     if metrics.get("params_finite", 1.0) != 1.0:
-        bad.append("the updated parameters are not finite")
+        bad.append("the updated parameters or moments are not finite")
     if not bad:
         return
     causes = [f"learning_rate={cfg.learning_rate:g} too high"]

@@ -179,9 +179,24 @@ def test_both_guard_forms_keep_a_diverged_state_and_apply_a_good_one_alike():
     assert out["cpu"] == out["gpu"]
     first, last, _, _ = out["cpu"]
     assert first != bytes_of(state) and last == first
-    with pytest.raises(DivergenceError, match=r"step 0 diverged \(the updated parameters are not finite\): "
+    with pytest.raises(DivergenceError, match=r"step 0 diverged \(the updated parameters or moments are not finite\): "
                                               "neither it nor anything non-finite was saved"):
         step_guard.check_finite(0, {k: float(v) for k, v in over.items()}, cfg, None)
+
+
+def test_the_written_state_test_reads_trained_parameters_and_every_moment():
+    import jax.numpy as jnp
+
+    from core.train.step_guard import params_ok
+
+    params = {"trained": jnp.ones(3), "frozen": jnp.array([np.nan])}
+    trained = lambda path: path[0].key == "trained"  # noqa: E731
+    moments = {"mu": jnp.zeros(3, jnp.bfloat16), "nu": jnp.array([0.0, np.inf, 0.0]), "count": jnp.array(7)}
+    both = dict(abort_on_nan=True, abort_on_inf=True)
+    assert float(params_ok(params, trained, **both)) == 1.0  # a frozen NaN is not the update's
+    assert float(params_ok(params, trained, moments, **both)) == 0.0
+    assert float(params_ok(params, trained, moments, abort_on_nan=True, abort_on_inf=False)) == 1.0
+    assert float(params_ok({**params, "trained": jnp.array([np.nan])}, trained, **both)) == 0.0
 
 
 # ----------------------------------------------------------------------------- 6. schedule length
