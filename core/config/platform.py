@@ -36,12 +36,13 @@ def _topk_attention(cfg, platform: str, axes) -> str:
 
 
 def _moe_impl(cfg, platform: str, axes) -> str:
-    """A grouped matmul (lax.ragged_dot, a Mosaic kernel on a TPU) on a TPU whose experts are whole on
-    every device; tiles of plain einsums elsewhere: XLA:CPU lowers ragged_dot densely; under expert
-    parallelism the tiled dispatch is what the exchange sends tokens to; and with the experts split
-    over fsdp or tensor, a Mosaic kernel (which XLA cannot partition) would need each layer's experts
-    gathered whole on every device (V4-Flash's sparse stage on v5p-128 then exceeds the chip)."""
-    return "ragged" if platform == "tpu" and _split(cfg, axes, ("expert", "fsdp", "tensor")) == 1 else "tiled"
+    """A grouped matmul on a TPU whose experts are whole on every device: the megablox kernels with
+    tiles per pass (`gmm`; `lax.ragged_dot` tiles the forward only); tiles of plain einsums
+    elsewhere: XLA:CPU lowers ragged_dot densely; under expert parallelism the tiled dispatch is
+    what the exchange sends tokens to; and with the experts split over fsdp or tensor, a Mosaic
+    kernel (which XLA cannot partition) would need each layer's experts gathered whole on every
+    device (V4-Flash's sparse stage on v5p-128 then exceeds the chip)."""
+    return "gmm" if platform == "tpu" and _split(cfg, axes, ("expert", "fsdp", "tensor")) == 1 else "tiled"
 
 
 def _split(cfg, axes, names) -> int:
@@ -79,9 +80,27 @@ def _attention_chunk(cfg, platform: str, axes) -> int:
     return 512 if per_chunk else 128
 
 
+def _attention(cfg, platform: str, axes) -> str:
+    """The fused Pallas kernels (core/ops/fused_attention.py) on a TPU where the step trains the
+    attention, their shapes fit them (head_dim a multiple of 128 and 16 heads per device) and CSA's
+    top-k runs as a mask (the kernels attend to every compressed entry): their backward is where
+    they gain, and in the warm-up, which runs the attention forward only, the chunked path measured
+    as fast. Chunked elsewhere."""
+    if platform != "tpu" or not stage_of(cfg).trains_rest or _topk_attention(cfg, platform, axes) != "mask":
+        return "chunked"
+    heads = cfg.num_heads
+    if axes is not None:
+        split = axes.get("tensor", 1)
+        heads //= split if heads % split == 0 else 1
+    elif _split(cfg, axes, ("tensor",)) != 1:
+        return "chunked"  # the heads per device are not known before the mesh
+    return "fused" if cfg.head_dim % 128 == 0 and heads % 16 == 0 else "chunked"
+
+
 # key -> (its auto value, platform -> choice, or a function (cfg, platform, mesh axes or None) -> choice)
 PLATFORM_CHOICES: dict[str, tuple[Any, Any]] = {
     "moe_impl": (AUTO, _moe_impl),
+    "attention": (AUTO, _attention),
     "csa_topk_attention": (AUTO, _topk_attention),
     "attention_query_chunk_size": (AUTO_INT, _attention_chunk),
     "attention_projections": (AUTO, _attention_projections),

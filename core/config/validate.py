@@ -54,7 +54,7 @@ _CHOICES = {
     "frozen_weights": ("param_dtype", "released"),
     "indexer_weights_init": ("fan_in", "zeros"),
     "indexer_init": ("random", "teacher"),
-    "attention": ("chunked", "fused", "masked"),
+    "attention": ("auto", "chunked", "fused", "masked"),
     "csa_topk_attention": ("auto", "gather", "mask"),
     "attention_projections": ("auto", "chunked", "whole"),
     "routed_score_func": ("sqrtsoftplus",),

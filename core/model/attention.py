@@ -14,7 +14,8 @@ only in the pure functions their `Mode` selects, and are equal to float32 roundi
 gradient (tests/ops/test_sparse_attention.py, test_fused_attention.py). What lives at once, per
 layer call:
 
-- `chunked` (default): `chunked_attention` (core.ops.chunked_attention), a `lax.scan` over query
+- `chunked` (`auto`'s choice but where a TPU trains the attention, which takes `fused`:
+  core/config/platform.py): `chunked_attention` (core.ops.chunked_attention), a `lax.scan` over query
   chunks of C = attention_query_chunk_size positions, each rematerialised in the backward pass.
   With `attention_projections: chunked`, whole-T tensors are per-token only: x, c_q [B, T, q_lora],
   raw kv [B, T, D], the output [B, T, M], the selection [B, T, k]; the queries are built and the
@@ -63,7 +64,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from core.config.platform import resolve_here
+from core.config.platform import require_resolved, resolve_here
 from core.loss.indexer_kl import csa_indexer_loss
 from core.loss.indexer_kl_rows import Teacher
 from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed
@@ -188,6 +189,7 @@ def streamable_rows(s: AttentionSpec, t: int) -> int:
 
 def mode_of(s: AttentionSpec, t: int) -> Mode:
     """The `Mode` that `s.attention` selects for T positions, bound to the layer's static ints."""
+    require_resolved(s.attention, "attention")
     if s.attention == "masked":
         return Mode(attend=masked_attention, select=None, loss_rows=s.query_chunk)
     select = functools.partial(select_topk_chunked, ratio=s.ratio, k=s.indexer_topk, chunk=s.attention_chunk,

@@ -67,9 +67,9 @@ def test_unknown_platform_and_unresolved_auto_are_refused():
         moe.routed_experts(spec, x, idx, jnp.ones((1, 2, 2)), w, None)
 
 
-@pytest.mark.parametrize("platform, impl", [("tpu", "ragged"), ("gpu", "tiled"), ("cpu", "tiled")])
+@pytest.mark.parametrize("platform, impl", [("tpu", "gmm"), ("gpu", "tiled"), ("cpu", "tiled")])
 def test_moe_is_a_grouped_matmul_on_a_tpu_whose_experts_are_whole_on_each_device(platform, impl):
-    """ragged on a TPU mesh that splits the experts over no device (data parallelism only, or one chip);
+    """gmm on a TPU mesh that splits the experts over no device (data parallelism only, or one chip);
     tiled where they are split: expert parallelism, fsdp or tensor, from the mesh or, without one, the keys."""
     tiny, flash = load_config("deepseek4-tiny"), load_config("deepseek4-284b")  # data -1; fsdp -1
     assert resolve(tiny, platform).moe_impl == impl
@@ -79,3 +79,24 @@ def test_moe_is_a_grouped_matmul_on_a_tpu_whose_experts_are_whole_on_each_device
     for axes in ({"fsdp": 64}, {"tensor": 2}, {"expert": 4}):
         assert resolve(flash, platform, {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1, **axes}).moe_impl == "tiled"
     assert resolve(load_config("deepseek4-tiny", ["ici_expert_parallelism=4"]), platform).moe_impl == "tiled"
+
+
+def test_attention_is_fused_where_a_tpu_trains_it_and_its_shapes_fit_the_kernels():
+    """fused on a TPU in the stages that train the attention (pre-training, sparse), with head_dim a
+    multiple of 128, 16 heads per device and CSA's top-k as a mask; chunked otherwise."""
+    one_chip = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
+    flash = lambda stage, *keys: load_config("deepseek4-284b", ["max_target_length=4096", *keys], stage=stage)  # noqa: E731
+    for stage in ("sparse", "pretrain"):
+        assert resolve(flash(stage), "tpu", one_chip).attention == "fused"
+        assert resolve(flash(stage), "tpu", {**one_chip, "fsdp": 64}).attention == "fused"
+        assert resolve(flash(stage), "tpu", {**one_chip, "tensor": 4}).attention == "fused"  # 16 heads each
+        assert resolve(flash(stage), "tpu").attention == "fused"  # no tensor split in the keys
+    assert resolve(flash("warmup"), "tpu", one_chip).attention == "chunked"  # forward only
+    for platform in ("cpu", "gpu"):
+        assert resolve(flash("sparse"), platform, one_chip).attention == "chunked"
+    assert resolve(flash("sparse"), "tpu", {**one_chip, "tensor": 8}).attention == "chunked"  # 8 heads each
+    assert resolve(flash("sparse", "max_target_length=8192"), "tpu", one_chip).attention == "chunked"  # top-k gathered
+    assert resolve(flash("sparse", "ici_fsdp_parallelism=1", "ici_tensor_parallelism=-1"), "tpu").attention == "chunked"  # heads unknown
+    assert resolve(flash("sparse", "head_dim=192"), "tpu", one_chip).attention == "chunked"
+    assert resolve(flash("sparse", "attention=chunked"), "tpu", one_chip).attention == "chunked"  # explicit wins
+    assert resolve(load_config("deepseek4-tiny", stage="sparse"), "tpu", one_chip).attention == "chunked"
