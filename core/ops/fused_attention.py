@@ -14,14 +14,18 @@ Per grid step (b, i), tokens [t0, t0 + tq), t0 = i tq, and j = t0 // KB:
               DESIGN.md states, positions count up by one inside a document (a query's window keys
               are then among its S - 1 predecessors). The mask is `window_rows`' rule on the keys'
               own positions and segment ids, so within those blocks it is exact
-  compressed  the whole [W, D] of batch row b (one fetch per b), masked by `allowed` [tq, W]
+  compressed  the whole [W, D] of batch row b (one fetch per b), masked by `allowed` [tq, W], in
+              chunks of 128 entries up to the step's reach (`_reach`: 1 + the last chunk any of
+              its rows may attend, prefetched into SMEM): under causal visibility a step skips the
+              entries completed after its last query, about half of them over a sequence
   sink        [H]; exp(sink) joins the denominator only
 
-Forward: logits [R, 2 x KB] and [R, W] in float32, one max over them and the sink, p = exp(l - m),
-o = (p in the keys' dtype) . keys / (sum p + exp(sink - m)) as flash attention feeds its second
-matmul; it also writes the log-sum-exp lse [B, T, H] (float32) for the backward. Backward (the
-query axis sequential): p = exp(l - lse) recomputed, dp = do . k, delta = rowsum(p dp) (= rowsum(do o):
-every key of a row is in its step, so o is not kept for the backward), ds = p (dp - delta);
+Forward: logits [R, 2 x KB] and, chunk by chunk into a VMEM scratch, [R, W] in float32, one max over
+them and the sink, then p = exp(l - m), o = (p in the keys' dtype) . keys / (sum p + exp(sink - m))
+as flash attention feeds its second matmul; it also writes the log-sum-exp lse [B, T, H] (float32)
+for the backward. Backward (the query axis sequential), in two passes over the live chunks:
+p = exp(l - lse) recomputed and dp = do . k into scratch, delta = rowsum(p dp) (= rowsum(do o):
+every key of a row is in its step, so o is not kept for the backward); then ds = p (dp - delta);
 dq = ds . k; dkv = ds^T q + p^T do (keys = values). The window part of dkv
 accumulates in two float32 outputs resident while j holds: contributions to block j ("self") and to
 block j - 1 ("prev", stored at j), summed outside with prev shifted one block; dckv [W, D] float32
@@ -37,8 +41,9 @@ travels as int8 when tq is a multiple of 32 (int8 blocks tile by 32 rows), else 
 VMEM, in bytes, with e the compute dtype's size and K = 2 x KB + W keys per step: the
 double-buffered blocks take 2 (2 R D e + 2 x KB D e + W D e) in the forward (q, o, the two key
 blocks, the compressed entries), and the backward adds do and dq, 2 (2 R D e), and the float32
-accumulators, 2 (2 x KB D + W D) 4; the temporaries are a few [R, K] float32 arrays (logits, masks
-and exps; in the backward p, dp and ds) and [R, D] float32 ones. The [R, K] temporaries dominate at
+accumulators, 2 (2 x KB D + W D) 4; the temporaries are a few [R, 2 x KB] and [R, 128] float32
+arrays (logits, masks and exps; in the backward p, dp and ds), the scratch [R, W] float32 (the
+forward's logits; the backward's p and dp) and [R, D] float32 ones. The [R, K] arrays dominate at
 the target shapes (H = 64, D = 512, S = 128, W = 1024), so VMEM grows linearly with tq: the
 forward fits the default scoped limit only for small tq, and `_vmem_limit` asks for twice the
 backward's estimate within the bounds it names, below v5e's VMEM: enough for tq up to 64.
@@ -127,9 +132,9 @@ def _nn(a, b):
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _parts(blk: _Blocks, h: int, qi_ref, kpi_ref, kci_ref, kp_ref, kc_ref, ckv_ref, al_ref):
-    """The keys [K, D] of this step and their masks bool [R, K]: previous window block, current
-    window block, and the compressed entries when there are any."""
+def _window_parts(blk: _Blocks, h: int, qi_ref, kpi_ref, kci_ref, kp_ref, kc_ref):
+    """The window's keys [KB, D] of this step and their masks bool [R, KB]: the previous key block
+    and the current one."""
     j = jax.lax.div(pl.program_id(1), jnp.int32(blk.kb // blk.tq))  # lax: jnp's // lowers through sign
     qi = qi_ref[...]
     qpos, qseg = qi[:, 0:1], qi[:, 1:2]
@@ -140,39 +145,72 @@ def _parts(blk: _Blocks, h: int, qi_ref, kpi_ref, kci_ref, kp_ref, kc_ref, ckv_r
         return _rows(jnp.where(ok, 1.0, 0.0), h) > 0.5
 
     # block j - 1 is clamped to 0 at j = 0: a limit of 0 masks the duplicate away
-    parts = [(kp_ref[...], window(kpi_ref[...], jnp.where(j > 0, blk.window, 0))),
-             (kc_ref[...], window(kci_ref[...], blk.window))]
-    if ckv_ref is not None:
-        parts.append((ckv_ref[...], _rows(al_ref[...].astype(jnp.float32), h) > 0.5))
-    return parts
+    return [(kp_ref[...], window(kpi_ref[...], jnp.where(j > 0, blk.window, 0))),
+            (kc_ref[...], window(kci_ref[...], blk.window))]
 
 
-def _fwd_kernel(qi_ref, kpi_ref, kci_ref, sink_ref, q_ref, kp_ref, kc_ref, *rest, blk: _Blocks, compressed: bool):
+def _entry_chunks(reach_ref, ckv_ref, al_ref, h: int):
+    """The compressed entries in chunks of 128: (index, keys [128, D], their mask bool [R, 128]) for
+    each, and `live(c)`, whether chunk c holds an entry some row of this step may attend (chunks past
+    the step's reach are skipped: under causal visibility the later queries' entries)."""
+    reach = reach_ref[pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)]
+
+    def chunk(c):
+        cols = slice(c * _LANES, (c + 1) * _LANES)
+        return ckv_ref[cols, :], _rows(al_ref[:, cols].astype(jnp.float32), h) > 0.5
+
+    return range(ckv_ref.shape[0] // _LANES), chunk, lambda c: c < reach
+
+
+def _fwd_kernel(reach_ref, qi_ref, kpi_ref, kci_ref, sink_ref, q_ref, kp_ref, kc_ref, *rest, blk: _Blocks,
+                compressed: bool):
     ckv_ref, al_ref = rest[:2] if compressed else (None, None)
-    o_ref, lse_ref = rest[-2:]
+    o_ref, lse_ref = rest[2:4] if compressed else rest[:2]
     tq, h, d = q_ref.shape
     q_rd = q_ref[...].reshape(tq * h, d)
-    parts = _parts(blk, h, qi_ref, kpi_ref, kci_ref, kp_ref, kc_ref, ckv_ref, al_ref)
+    parts = _window_parts(blk, h, qi_ref, kpi_ref, kci_ref, kp_ref, kc_ref)
     logits = [jnp.where(mask, _nt(q_rd, k), NEG) for k, mask in parts]
-    sink_r1 = jnp.concatenate([sink_ref[...]] * tq, axis=0)
-    mx_r1 = sink_r1
+    mx_r1 = jnp.concatenate([sink_ref[...]] * tq, axis=0)
+    denom_r1 = mx_r1  # the sink's logit, its exp taken below
     for l_rk in logits:
         mx_r1 = jnp.maximum(mx_r1, jnp.max(l_rk, axis=1, keepdims=True))
-    exps = [jnp.where(mask, jnp.exp(l_rk - mx_r1), 0.0) for l_rk, (_, mask) in zip(logits, parts)]
-    denom_r1 = jnp.exp(sink_r1 - mx_r1)
+    if compressed:  # pass 1: the live chunks' logits into scratch, and the rows' max
+        logit_ref, max_ref, den_ref, acc_ref = rest[4:]
+        chunks, chunk, live = _entry_chunks(reach_ref, ckv_ref, al_ref, h)
+        max_ref[...] = mx_r1
+        for c in chunks:
+            @pl.when(live(c))
+            def _(c=c):
+                k, mask = chunk(c)
+                l_rk = jnp.where(mask, _nt(q_rd, k), NEG)
+                logit_ref[:, c * _LANES:(c + 1) * _LANES] = l_rk
+                max_ref[...] = jnp.maximum(max_ref[...], jnp.max(l_rk, axis=1, keepdims=True))
+        mx_r1 = max_ref[...]
+    denom_r1 = jnp.exp(denom_r1 - mx_r1)
     o_rd = jnp.zeros((tq * h, d), jnp.float32)
-    for e_rk, (k, _) in zip(exps, parts):
+    for l_rk, (k, mask) in zip(logits, parts):
+        e_rk = jnp.where(mask, jnp.exp(l_rk - mx_r1), 0.0)
         denom_r1 = denom_r1 + jnp.sum(e_rk, axis=1, keepdims=True)
         o_rd = o_rd + _nn(e_rk.astype(k.dtype), k)
+    if compressed:  # pass 2: the live chunks' exps into the denominator and the output
+        den_ref[...], acc_ref[...] = denom_r1, o_rd
+        for c in chunks:
+            @pl.when(live(c))
+            def _(c=c):
+                k, mask = chunk(c)
+                e_rk = jnp.where(mask, jnp.exp(logit_ref[:, c * _LANES:(c + 1) * _LANES] - mx_r1), 0.0)
+                den_ref[...] += jnp.sum(e_rk, axis=1, keepdims=True)
+                acc_ref[...] += _nn(e_rk.astype(k.dtype), k)
+        denom_r1, o_rd = den_ref[...], acc_ref[...]
     o_ref[...] = (o_rd / denom_r1).astype(o_ref.dtype).reshape(tq, h, d)
     lse_ref[...] = _by_head(mx_r1 + jnp.log(denom_r1), tq, h)
 
 
-def _bwd_kernel(qi_ref, kpi_ref, kci_ref, q_ref, kp_ref, kc_ref, *rest, blk: _Blocks, compressed: bool):
+def _bwd_kernel(reach_ref, qi_ref, kpi_ref, kci_ref, q_ref, kp_ref, kc_ref, *rest, blk: _Blocks, compressed: bool):
     ckv_ref, al_ref = rest[:2] if compressed else (None, None)
     rest = rest[2:] if compressed else rest
     do_ref, lse_ref, dq_ref, delta_ref, dself_ref, dprev_ref = rest[:6]
-    dckv_ref = rest[6] if compressed else None
+    dckv_ref, p_ref, dp_ref, sum_ref, dqacc_ref = rest[6:] if compressed else (None,) * 5
     tq, h, d = q_ref.shape
     i = pl.program_id(1)
 
@@ -189,84 +227,138 @@ def _bwd_kernel(qi_ref, kpi_ref, kci_ref, q_ref, kp_ref, kc_ref, *rest, blk: _Bl
     q_rd = q_ref[...].reshape(tq * h, d)
     do_rd = do_ref[...].reshape(tq * h, d)
     lse_r1 = _column(lse_ref[...], h)
-    parts = _parts(blk, h, qi_ref, kpi_ref, kci_ref, kp_ref, kc_ref, ckv_ref, al_ref)
+    parts = _window_parts(blk, h, qi_ref, kpi_ref, kci_ref, kp_ref, kc_ref)
     # every key of these rows is in this step: delta = rowsum(do o) = sum over keys of p dp, so o need not be kept
     p_dp = [(jnp.where(mask, jnp.exp(_nt(q_rd, k) - lse_r1), 0.0), _nt(do_rd, k)) for k, mask in parts]
     delta_r1 = sum(jnp.sum(p_rk * dp_rk, axis=1, keepdims=True) for p_rk, dp_rk in p_dp)
+    if compressed:  # pass 1: the live chunks' p and dp into scratch, and their share of delta
+        chunks, chunk, live = _entry_chunks(reach_ref, ckv_ref, al_ref, h)
+        sum_ref[...] = delta_r1
+        for c in chunks:
+            @pl.when(live(c))
+            def _(c=c):
+                k, mask = chunk(c)
+                p_rk = jnp.where(mask, jnp.exp(_nt(q_rd, k) - lse_r1), 0.0)
+                dp_rk = _nt(do_rd, k)
+                p_ref[:, c * _LANES:(c + 1) * _LANES] = p_rk
+                dp_ref[:, c * _LANES:(c + 1) * _LANES] = dp_rk
+                sum_ref[...] += jnp.sum(p_rk * dp_rk, axis=1, keepdims=True)
+        delta_r1 = sum_ref[...]
     dq_rd = jnp.zeros((tq * h, d), jnp.float32)
-    for (k, _), (p_rk, dp_rk), acc_ref in zip(parts, p_dp, [dprev_ref, dself_ref, dckv_ref]):
+    for (k, _), (p_rk, dp_rk), acc_ref in zip(parts, p_dp, [dprev_ref, dself_ref]):
         ds_rk = p_rk * (dp_rk - delta_r1)
         dq_rd = dq_rd + _nn(ds_rk.astype(k.dtype), k)
         acc_ref[...] += _tn(ds_rk.astype(q_rd.dtype), q_rd) + _tn(p_rk.astype(do_rd.dtype), do_rd)
+    if compressed:  # pass 2: the live chunks' gradients
+        dqacc_ref[...] = dq_rd
+        for c in chunks:
+            @pl.when(live(c))
+            def _(c=c):
+                k, _ = chunk(c)
+                cols = slice(c * _LANES, (c + 1) * _LANES)
+                p_rk = p_ref[:, cols]
+                ds_rk = p_rk * (dp_ref[:, cols] - delta_r1)
+                dqacc_ref[...] += _nn(ds_rk.astype(k.dtype), k)
+                dckv_ref[cols, :] += _tn(ds_rk.astype(q_rd.dtype), q_rd) + _tn(p_rk.astype(do_rd.dtype), do_rd)
+        dq_rd = dqacc_ref[...]
     dq_ref[...] = dq_rd.astype(dq_ref.dtype).reshape(tq, h, d)
     delta_ref[...] = _by_head(delta_r1, tq, h)
 
 
 def _vmem_limit(blk: _Blocks, h: int, d: int, w: int, itemsize: int) -> int:
     """Twice the backward's estimate (the module's docstring), within the bounds below."""
-    r, k = blk.tq * h, 2 * blk.kb + w
+    r = blk.tq * h
     blocks = 2 * (4 * r * d * itemsize + 2 * blk.kb * d * (itemsize + 4) + w * d * (itemsize + 4))
-    temps = 4 * r * k * 4 + 2 * r * d * 4
+    temps = 4 * r * (2 * blk.kb + _LANES) * 4 + 2 * r * w * 4 + 3 * r * d * 4  # window and chunk temporaries, scratch
     return int(min(100 << 20, max(32 << 20, 2 * (blocks + temps))))
+
+
+def _reach(allowed_btw, block_q: int):
+    """int32 [B * T / tq]: per grid step, 1 + the last chunk of 128 entries that any of its rows may
+    attend (0 for none): the kernels skip the chunks past it."""
+    b, t, w = allowed_btw.shape
+    live = jnp.any(allowed_btw.reshape(b, t // block_q, block_q, w // _LANES, _LANES) != 0, axis=(2, 4))
+    return jnp.max(jnp.where(live, jnp.arange(1, w // _LANES + 1, dtype=jnp.int32), 0), axis=-1).reshape(-1)
+
+
+def _causal_entries(blk: _Blocks, t: int, w: int) -> int:
+    """Entries the steps of one batch row attend under causal visibility, T/W tokens an entry, in
+    whole chunks of 128 (what `_reach` lets through for a sequence without packing)."""
+    if not w:
+        return 0
+    ratio = max(1, t // w)
+    return sum(min(w, _ceil_to(-(-(i + 1) * blk.tq // ratio), _LANES)) for i in range(t // blk.tq))
 
 
 def _cost(blk: _Blocks, q, w: int, mask_bytes: int, backward: bool):
     """The kernel's work for the compiler and the planner (`pl.CostEstimate`; core/plan/hlo.py reads
-    its FLOPs): per step R = tq H rows meet K = 2 x KB + W keys, the forward's two products 4 R D K
-    FLOPs, the backward's five 10 R D K; one exponential per row and key in each."""
+    its FLOPs): per step R = tq H rows meet the window's 2 x KB keys and the entries up to the step's
+    reach (`_causal_entries`), the forward's two products 4 R D K FLOPs, the backward's five 10 R D K;
+    one exponential per row and key in each."""
     b, t, h, d = q.shape
-    e, steps, keys = q.dtype.itemsize, b * (t // blk.tq), 2 * blk.kb + w
+    e, steps = q.dtype.itemsize, b * (t // blk.tq)
     rows = b * t * h
+    keys_x_rows = b * blk.tq * h * ((t // blk.tq) * 2 * blk.kb + _causal_entries(blk, t, w))
     reads = steps * 2 * blk.kb * d * e + b * w * d * e + b * t * w * mask_bytes + rows * 4  # keys, entries, mask, lse
     if backward:  # q, do, dq; the float32 key and entry gradients; delta
         moved = reads + 3 * rows * d * e + 2 * b * t * d * 4 + b * w * d * 4 + rows * 4
     else:  # q, o
         moved = reads + 2 * rows * d * e
-    return pl.CostEstimate(flops=(10 if backward else 4) * rows * d * keys, transcendentals=rows * keys,
+    return pl.CostEstimate(flops=(10 if backward else 4) * d * keys_x_rows, transcendentals=keys_x_rows,
                            bytes_accessed=moved)
 
 
 def _specs(blk: _Blocks, h: int, d: int, w: int):
-    """BlockSpecs of (qinfo, kinfo prev, kinfo cur, q-shaped, kv prev, kv cur, ckv, allowed, lse-shaped)."""
+    """BlockSpecs of (qinfo, kinfo prev, kinfo cur, q-shaped, kv prev, kv cur, ckv, allowed, lse-shaped,
+    key-block-shaped, sink); their index maps also receive the prefetched reach, unused."""
     tq, kb = blk.tq, blk.kb
     per = kb // tq
     cur = lambda i: jax.lax.div(i, jnp.int32(per))  # int32 also under jax_enable_x64
     prev = lambda i: jnp.maximum(cur(i) - 1, 0)
     return dict(
-        qi=pl.BlockSpec((None, tq, 2), lambda b, i: (b, i, 0)),
-        kpi=pl.BlockSpec((None, 2, kb), lambda b, i: (b, 0, prev(i))),
-        kci=pl.BlockSpec((None, 2, kb), lambda b, i: (b, 0, cur(i))),
-        q=pl.BlockSpec((None, tq, h, d), lambda b, i: (b, i, 0, 0)),
-        kp=pl.BlockSpec((None, kb, d), lambda b, i: (b, prev(i), 0)),
-        kc=pl.BlockSpec((None, kb, d), lambda b, i: (b, cur(i), 0)),
-        ckv=pl.BlockSpec((None, w, d), lambda b, i: (b, 0, 0)),
-        al=pl.BlockSpec((None, tq, w), lambda b, i: (b, i, 0)),
-        row=pl.BlockSpec((None, tq, h), lambda b, i: (b, i, 0)),
-        kd=pl.BlockSpec((None, kb, d), lambda b, i: (b, cur(i), 0)),
+        qi=pl.BlockSpec((None, tq, 2), lambda b, i, *_: (b, i, 0)),
+        kpi=pl.BlockSpec((None, 2, kb), lambda b, i, *_: (b, 0, prev(i))),
+        kci=pl.BlockSpec((None, 2, kb), lambda b, i, *_: (b, 0, cur(i))),
+        q=pl.BlockSpec((None, tq, h, d), lambda b, i, *_: (b, i, 0, 0)),
+        kp=pl.BlockSpec((None, kb, d), lambda b, i, *_: (b, prev(i), 0)),
+        kc=pl.BlockSpec((None, kb, d), lambda b, i, *_: (b, cur(i), 0)),
+        ckv=pl.BlockSpec((None, w, d), lambda b, i, *_: (b, 0, 0)),
+        al=pl.BlockSpec((None, tq, w), lambda b, i, *_: (b, i, 0)),
+        row=pl.BlockSpec((None, tq, h), lambda b, i, *_: (b, i, 0)),
+        kd=pl.BlockSpec((None, kb, d), lambda b, i, *_: (b, cur(i), 0)),
+        sink=pl.BlockSpec((h, 1), lambda b, i, *_: (0, 0)),
     )
+
+
+def _reach_of(allowed, blk: _Blocks):
+    return jnp.zeros((1,), jnp.int32) if allowed is None else _reach(allowed, blk.tq)
 
 
 def _forward(blk: _Blocks, q, kv, sink, qinfo, kinfo, ckv, allowed):
     b, t, h, d = q.shape
     w = 0 if ckv is None else ckv.shape[1]
     sp = _specs(blk, h, d, w)
-    in_specs = [sp["qi"], sp["kpi"], sp["kci"], pl.BlockSpec((h, 1), lambda b, i: (0, 0)), sp["q"], sp["kp"], sp["kc"]]
+    in_specs = [sp["qi"], sp["kpi"], sp["kci"], sp["sink"], sp["q"], sp["kp"], sp["kc"]]
     args = [qinfo, kinfo, kinfo, sink.reshape(h, 1), q, kv, kv]
+    scratch = []
     if ckv is not None:
         in_specs += [sp["ckv"], sp["al"]]
         args += [ckv, allowed]
+        r = blk.tq * h  # the live chunks' logits, the rows' max, denominator and output
+        scratch = [pltpu.VMEM((r, w), jnp.float32), pltpu.VMEM((r, 1), jnp.float32), pltpu.VMEM((r, 1), jnp.float32),
+                   pltpu.VMEM((r, d), jnp.float32)]
+    grid = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(b, t // blk.tq), in_specs=in_specs,
+                                        out_specs=[sp["q"], sp["row"]], scratch_shapes=scratch)
     return pl.pallas_call(
         functools.partial(_fwd_kernel, blk=blk, compressed=ckv is not None),
-        grid=(b, t // blk.tq),
-        in_specs=in_specs,
-        out_specs=[sp["q"], sp["row"]],
+        grid_spec=grid,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, t, h), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                              vmem_limit_bytes=_vmem_limit(blk, h, d, w, q.dtype.itemsize)),
         interpret=blk.interpret,
         cost_estimate=_cost(blk, q, w, 0 if allowed is None else allowed.dtype.itemsize, backward=False),
         name="fused_attention_fwd",
-    )(*args)
+    )(_reach_of(allowed, blk), *args)
 
 
 def _backward(blk: _Blocks, q, kv, qinfo, kinfo, ckv, allowed, do, lse):
@@ -283,21 +375,25 @@ def _backward(blk: _Blocks, q, kv, qinfo, kinfo, ckv, allowed, do, lse):
     out_specs = [sp["q"], sp["row"], sp["kd"], sp["kd"]]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32)]
     out_shape += [jax.ShapeDtypeStruct(kv.shape, jnp.float32)] * 2
+    scratch = []
     if ckv is not None:
-        out_specs.append(pl.BlockSpec((None, w, d), lambda b, i: (b, 0, 0)))
+        out_specs.append(pl.BlockSpec((None, w, d), lambda b, i, *_: (b, 0, 0)))
         out_shape.append(jax.ShapeDtypeStruct(ckv.shape, jnp.float32))
+        r = blk.tq * h  # the live chunks' p and dp, delta's sum, dq's
+        scratch = [pltpu.VMEM((r, w), jnp.float32), pltpu.VMEM((r, w), jnp.float32), pltpu.VMEM((r, 1), jnp.float32),
+                   pltpu.VMEM((r, d), jnp.float32)]
+    grid = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(b, t // blk.tq), in_specs=in_specs,
+                                        out_specs=out_specs, scratch_shapes=scratch)
     outs = pl.pallas_call(
         functools.partial(_bwd_kernel, blk=blk, compressed=ckv is not None),
-        grid=(b, t // blk.tq),
-        in_specs=in_specs,
-        out_specs=out_specs,
+        grid_spec=grid,
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=_vmem_limit(blk, h, d, w, q.dtype.itemsize)),
         interpret=blk.interpret,
         cost_estimate=_cost(blk, q, w, 0 if allowed is None else allowed.dtype.itemsize, backward=True),
         name="fused_attention_bwd",
-    )(*args)
+    )(_reach_of(allowed, blk), *args)
     dq, delta, dself, dprev = outs[:4]
     # prev at block j holds block j - 1's share: shift it down one block (block 0's share is empty)
     dkv = dself + jnp.pad(dprev[:, blk.kb:], ((0, 0), (0, blk.kb), (0, 0)))

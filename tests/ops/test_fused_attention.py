@@ -32,6 +32,7 @@ CASES = [
     ("hca-like ratio 128", [[256], [130, 90]], 256, 8, 32, 128, 16),
     ("swa, T not a multiple of the key block", [[150, 40], [190]], 200, 4, 17, 0, 16),
     ("window over 128: key blocks of 256", [[300], [40, 250]], 300, 4, 130, 4, 32),
+    ("entries in three chunks of 128, skipped past each step's reach", [[544], [300, 200]], 544, 4, 24, 2, 16),
 ]
 IDS = [c[0] for c in CASES]
 
@@ -129,6 +130,30 @@ def test_entries_never_allowed_get_exactly_zero_gradient(case):
     never_bw = ~jnp.any(allowed, axis=1)
     assert bool(jnp.any(never_bw)) and bool(jnp.any(~never_bw))
     assert float(jnp.max(jnp.abs(jnp.where(never_bw[..., None], dckv, 0.0)))) == 0.0
+
+
+def test_each_step_reads_the_entries_up_to_its_reach_only():
+    """A step's reach is 1 + the last chunk of 128 entries any of its rows may attend; the kernels
+    never read a chunk past it: NaN entries there leave every value and gradient finite."""
+    from core.ops.fused_attention import _reach
+
+    case = CASES[IDS.index("entries in three chunks of 128, skipped past each step's reach")]
+    _, _, t, _, window, ratio, block_q = case
+    pos, seg, q, kv, ckv, sink, allowed, cot = _inputs(case)
+    visible = compressed_visibility(pos, seg, ratio)
+    wp = 3 * 128
+    padded = jnp.pad(visible, ((0, 0), (0, t % block_q), (0, wp - visible.shape[-1])))
+    reach = np.asarray(_reach(padded, block_q)).reshape(2, -1)
+    last = np.arange(1, t // block_q + 1) * block_q // ratio  # entries complete by each step's last token
+    assert reach[0].tolist() == [min(3, -(-n // 128)) for n in last]
+    assert reach.min() < 3 and reach.max() == 3
+    ckv = ckv.at[:, 256:].set(jnp.nan)  # chunk 2, attended by no row below
+    allowed = allowed & (jnp.arange(ckv.shape[1]) < 256)
+    fused = lambda q, kv, ckv, sink: fused_attention(q, kv, sink, pos, seg, window, ckv, allowed,  # noqa: E731
+                                                     block_q=block_q, interpret=True)
+    o, vjp = jax.vjp(fused, q, kv, ckv, sink)
+    dq, dkv, dckv, dsink = vjp(cot)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in (o, dq, dkv, dsink, dckv)), "a skipped chunk was read"
 
 
 def test_shapes_a_tpu_cannot_compile_are_one_config_error():
