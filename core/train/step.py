@@ -175,13 +175,14 @@ def step_fn(cfg, graphdef, platform: str | None = None):
         # from what it wrote. The host sees the same metrics and stops before saving either.
         flags = dict(abort_on_nan=cfg.abort_on_nan_loss, abort_on_inf=cfg.abort_on_inf_loss)
         ok = step_guard.loss_ok(total, metrics["grad_norm"], **flags)
-        def written_ok(state):  # the trained parameters and their moments in a state the step returns
-            new_model, new_optimizer = nnx.merge(graphdef, state)
-            return step_guard.params_ok(nnx.as_pure(nnx.state(new_model, nnx.Param)), trainable,
-                                        nnx.as_pure(nnx.state(new_optimizer, nnx.OptState)), **flags)
+        backend = platform or jax.default_backend()
 
-        new_state, metrics["params_finite"] = step_guard.apply_if_ok(ok, apply, state, platform or jax.default_backend(),
-                                                                     written_ok)
+        def written_ok(state):  # the trained parameters (and off a CPU their moments) of a state the step returns
+            new_model, new_optimizer = nnx.merge(graphdef, state)
+            moments = None if backend == "cpu" else nnx.as_pure(nnx.state(new_optimizer, nnx.OptState))
+            return step_guard.params_ok(nnx.as_pure(nnx.state(new_model, nnx.Param)), trainable, moments, **flags)
+
+        new_state, metrics["params_finite"] = step_guard.apply_if_ok(ok, apply, state, backend, written_ok)
         return new_state, metrics
 
     return step

@@ -45,10 +45,12 @@ def loss_ok(total, grad_norm, *, abort_on_nan: bool, abort_on_inf: bool):
 def params_ok(params, trained: Callable[[tuple], bool], opt_state=None, *, abort_on_nan: bool, abort_on_inf: bool):
     """Jit-safe: float32 1/0, the `params_finite` metric: 0 when an enabled check finds a trained
     parameter of `params` (the state the step returns) or a floating-point leaf of `opt_state` (its
-    moments) NaN / infinite. A finite loss and gradient can still overflow the update. The moments
-    are tested with the parameters because they are written by the same pass: XLA:TPU then fuses the
-    whole update and every test into one pass over each array, where a test of the parameters alone
-    splits off a second pass that writes the moments (docs/run-safety.md#divergence)."""
+    moments) NaN / infinite. A finite loss and gradient can still overflow the update, but hardly the
+    moments (each is at most the largest of its last value and the gradient or its square, up to
+    rounding, all finite when the gradient norm is), so testing them is for the compiler: it is how
+    XLA:TPU writes each array's update and its tests in one pass, where a test of the parameters
+    alone splits off a second pass writing the moments. The step passes them off a CPU only, whose
+    `lax.cond` form would read them once more (docs/run-safety.md#divergence)."""
     import jax
     import jax.numpy as jnp
 
