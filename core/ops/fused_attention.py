@@ -149,17 +149,17 @@ def _window_parts(blk: _Blocks, h: int, qi_ref, kpi_ref, kci_ref, kp_ref, kc_ref
             (kc_ref[...], window(kci_ref[...], blk.window))]
 
 
-def _entry_chunks(reach_ref, ckv_ref, al_ref, h: int):
-    """The compressed entries in chunks of 128: (index, keys [128, D], their mask bool [R, 128]) for
-    each, and `live(c)`, whether chunk c holds an entry some row of this step may attend (chunks past
-    the step's reach are skipped: under causal visibility the later queries' entries)."""
+def _each_live_chunk(reach_ref, ckv_ref, al_ref, h: int, body) -> None:
+    """`body(cols, keys [128, D], mask bool [R, 128])` for each chunk of 128 compressed entries that
+    some row of this step may attend: those before the step's reach (`_reach`); the chunks past it,
+    under causal visibility the entries completed after the step's last query, are skipped."""
     reach = reach_ref[pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)]
-
-    def chunk(c):
+    for c in range(ckv_ref.shape[0] // _LANES):
         cols = slice(c * _LANES, (c + 1) * _LANES)
-        return ckv_ref[cols, :], _rows(al_ref[:, cols].astype(jnp.float32), h) > 0.5
 
-    return range(ckv_ref.shape[0] // _LANES), chunk, lambda c: c < reach
+        @pl.when(c < reach)
+        def _(cols=cols):
+            body(cols, ckv_ref[cols, :], _rows(al_ref[:, cols].astype(jnp.float32), h) > 0.5)
 
 
 def _fwd_kernel(reach_ref, qi_ref, kpi_ref, kci_ref, sink_ref, q_ref, kp_ref, kc_ref, *rest, blk: _Blocks,
@@ -176,15 +176,14 @@ def _fwd_kernel(reach_ref, qi_ref, kpi_ref, kci_ref, sink_ref, q_ref, kp_ref, kc
         mx_r1 = jnp.maximum(mx_r1, jnp.max(l_rk, axis=1, keepdims=True))
     if compressed:  # pass 1: the live chunks' logits into scratch, and the rows' max
         logit_ref, max_ref, den_ref, acc_ref = rest[4:]
-        chunks, chunk, live = _entry_chunks(reach_ref, ckv_ref, al_ref, h)
         max_ref[...] = mx_r1
-        for c in chunks:
-            @pl.when(live(c))
-            def _(c=c):
-                k, mask = chunk(c)
-                l_rk = jnp.where(mask, _nt(q_rd, k), NEG)
-                logit_ref[:, c * _LANES:(c + 1) * _LANES] = l_rk
-                max_ref[...] = jnp.maximum(max_ref[...], jnp.max(l_rk, axis=1, keepdims=True))
+
+        def logits_of(cols, k, mask):
+            l_rk = jnp.where(mask, _nt(q_rd, k), NEG)
+            logit_ref[:, cols] = l_rk
+            max_ref[...] = jnp.maximum(max_ref[...], jnp.max(l_rk, axis=1, keepdims=True))
+
+        _each_live_chunk(reach_ref, ckv_ref, al_ref, h, logits_of)
         mx_r1 = max_ref[...]
     denom_r1 = jnp.exp(denom_r1 - mx_r1)
     o_rd = jnp.zeros((tq * h, d), jnp.float32)
@@ -194,13 +193,13 @@ def _fwd_kernel(reach_ref, qi_ref, kpi_ref, kci_ref, sink_ref, q_ref, kp_ref, kc
         o_rd = o_rd + _nn(e_rk.astype(k.dtype), k)
     if compressed:  # pass 2: the live chunks' exps into the denominator and the output
         den_ref[...], acc_ref[...] = denom_r1, o_rd
-        for c in chunks:
-            @pl.when(live(c))
-            def _(c=c):
-                k, mask = chunk(c)
-                e_rk = jnp.where(mask, jnp.exp(logit_ref[:, c * _LANES:(c + 1) * _LANES] - mx_r1), 0.0)
-                den_ref[...] += jnp.sum(e_rk, axis=1, keepdims=True)
-                acc_ref[...] += _nn(e_rk.astype(k.dtype), k)
+
+        def output_of(cols, k, mask):
+            e_rk = jnp.where(mask, jnp.exp(logit_ref[:, cols] - mx_r1), 0.0)
+            den_ref[...] += jnp.sum(e_rk, axis=1, keepdims=True)
+            acc_ref[...] += _nn(e_rk.astype(k.dtype), k)
+
+        _each_live_chunk(reach_ref, ckv_ref, al_ref, h, output_of)
         denom_r1, o_rd = den_ref[...], acc_ref[...]
     o_ref[...] = (o_rd / denom_r1).astype(o_ref.dtype).reshape(tq, h, d)
     lse_ref[...] = _by_head(mx_r1 + jnp.log(denom_r1), tq, h)
@@ -232,17 +231,15 @@ def _bwd_kernel(reach_ref, qi_ref, kpi_ref, kci_ref, q_ref, kp_ref, kc_ref, *res
     p_dp = [(jnp.where(mask, jnp.exp(_nt(q_rd, k) - lse_r1), 0.0), _nt(do_rd, k)) for k, mask in parts]
     delta_r1 = sum(jnp.sum(p_rk * dp_rk, axis=1, keepdims=True) for p_rk, dp_rk in p_dp)
     if compressed:  # pass 1: the live chunks' p and dp into scratch, and their share of delta
-        chunks, chunk, live = _entry_chunks(reach_ref, ckv_ref, al_ref, h)
         sum_ref[...] = delta_r1
-        for c in chunks:
-            @pl.when(live(c))
-            def _(c=c):
-                k, mask = chunk(c)
-                p_rk = jnp.where(mask, jnp.exp(_nt(q_rd, k) - lse_r1), 0.0)
-                dp_rk = _nt(do_rd, k)
-                p_ref[:, c * _LANES:(c + 1) * _LANES] = p_rk
-                dp_ref[:, c * _LANES:(c + 1) * _LANES] = dp_rk
-                sum_ref[...] += jnp.sum(p_rk * dp_rk, axis=1, keepdims=True)
+
+        def p_dp_of(cols, k, mask):
+            p_rk = jnp.where(mask, jnp.exp(_nt(q_rd, k) - lse_r1), 0.0)
+            dp_rk = _nt(do_rd, k)
+            p_ref[:, cols], dp_ref[:, cols] = p_rk, dp_rk
+            sum_ref[...] += jnp.sum(p_rk * dp_rk, axis=1, keepdims=True)
+
+        _each_live_chunk(reach_ref, ckv_ref, al_ref, h, p_dp_of)
         delta_r1 = sum_ref[...]
     dq_rd = jnp.zeros((tq * h, d), jnp.float32)
     for (k, _), (p_rk, dp_rk), acc_ref in zip(parts, p_dp, [dprev_ref, dself_ref]):
@@ -251,15 +248,14 @@ def _bwd_kernel(reach_ref, qi_ref, kpi_ref, kci_ref, q_ref, kp_ref, kc_ref, *res
         acc_ref[...] += _tn(ds_rk.astype(q_rd.dtype), q_rd) + _tn(p_rk.astype(do_rd.dtype), do_rd)
     if compressed:  # pass 2: the live chunks' gradients
         dqacc_ref[...] = dq_rd
-        for c in chunks:
-            @pl.when(live(c))
-            def _(c=c):
-                k, _ = chunk(c)
-                cols = slice(c * _LANES, (c + 1) * _LANES)
-                p_rk = p_ref[:, cols]
-                ds_rk = p_rk * (dp_ref[:, cols] - delta_r1)
-                dqacc_ref[...] += _nn(ds_rk.astype(k.dtype), k)
-                dckv_ref[cols, :] += _tn(ds_rk.astype(q_rd.dtype), q_rd) + _tn(p_rk.astype(do_rd.dtype), do_rd)
+
+        def gradients_of(cols, k, _):
+            p_rk = p_ref[:, cols]
+            ds_rk = p_rk * (dp_ref[:, cols] - delta_r1)
+            dqacc_ref[...] += _nn(ds_rk.astype(k.dtype), k)
+            dckv_ref[cols, :] += _tn(ds_rk.astype(q_rd.dtype), q_rd) + _tn(p_rk.astype(do_rd.dtype), do_rd)
+
+        _each_live_chunk(reach_ref, ckv_ref, al_ref, h, gradients_of)
         dq_rd = dqacc_ref[...]
     dq_ref[...] = dq_rd.astype(dq_ref.dtype).reshape(tq, h, d)
     delta_ref[...] = _by_head(delta_r1, tq, h)

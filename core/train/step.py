@@ -177,9 +177,9 @@ def step_fn(cfg, graphdef, platform: str | None = None):
         ok = step_guard.loss_ok(total, metrics["grad_norm"], **flags)
         backend = platform or jax.default_backend()
 
-        def written_ok(state):  # the trained parameters (and off a CPU their moments) of a state the step returns
+        def written_ok(state):  # the trained parameters (and on a TPU their moments) of a state the step returns
             new_model, new_optimizer = nnx.merge(graphdef, state)
-            moments = None if backend == "cpu" else nnx.as_pure(nnx.state(new_optimizer, nnx.OptState))
+            moments = None if backend != "tpu" else nnx.as_pure(nnx.state(new_optimizer, nnx.OptState))
             return step_guard.params_ok(nnx.as_pure(nnx.state(new_model, nnx.Param)), trainable, moments, **flags)
 
         new_state, metrics["params_finite"] = step_guard.apply_if_ok(ok, apply, state, backend, written_ok)

@@ -4,9 +4,9 @@ Inside the jitted step (core/train/step.py): `loss_ok` tests the total loss and 
 known before the update, and `apply_if_ok` applies the update only where they are finite, so a
 step with a NaN or infinite loss or gradient returns its input state bit for bit while the update
 still writes the donated state in place (one copy of it). A finite loss and gradient can still
-overflow the update (a huge learning rate); `params_ok` tests the trained parameters and the
-optimizer's moments the step returns (XLA:TPU fuses those reductions into the pass that writes
-them), and reports it as the `params_finite` metric. `check_finite` reads the same flags on the host, from metrics the run loop
+overflow the update (a huge learning rate); `params_ok` tests the trained parameters the step
+returns (on a TPU with their moments: XLA:TPU then fuses those reductions into the one pass that
+writes them all), and reports it as the `params_finite` metric. `check_finite` reads the same flags on the host, from metrics the run loop
 fetches anyway (no extra device sync), and raises `DivergenceError`, which stops the run before
 that step or any later one is saved. Why the parameters are tested after the update rather than
 before it: docs/run-safety.md#divergence.
@@ -49,8 +49,8 @@ def params_ok(params, trained: Callable[[tuple], bool], opt_state=None, *, abort
     moments (each is at most the largest of its last value and the gradient or its square, up to
     rounding, all finite when the gradient norm is), so testing them is for the compiler: it is how
     XLA:TPU writes each array's update and its tests in one pass, where a test of the parameters
-    alone splits off a second pass writing the moments. The step passes them off a CPU only, whose
-    `lax.cond` form would read them once more (docs/run-safety.md#divergence)."""
+    alone splits off a second pass writing the moments. The step passes them on a TPU only (on a CPU
+    the `lax.cond` form would read them once more; docs/run-safety.md#divergence)."""
     import jax
     import jax.numpy as jnp
 
