@@ -15,7 +15,7 @@ Per grid step (b, i), tokens [t0, t0 + tq), t0 = i tq, and j = t0 // KB:
               are then among its S - 1 predecessors). The mask is `window_rows`' rule on the keys'
               own positions and segment ids, so within those blocks it is exact
   compressed  the whole [W, D] of batch row b (one fetch per b), masked by `allowed` [tq, W], in
-              chunks of 128 entries up to the step's reach (`_reach`: 1 + the last chunk any of
+              chunks of 128 entries up to the step's reach (`entry_reach`: 1 + the last chunk any of
               its rows may attend, prefetched into SMEM): under causal visibility a step skips the
               entries completed after its last query, about half of them over a sequence
   sink        [H]; exp(sink) joins the denominator only
@@ -151,7 +151,7 @@ def _window_parts(blk: _Blocks, h: int, qi_ref, kpi_ref, kci_ref, kp_ref, kc_ref
 
 def _each_live_chunk(reach_ref, ckv_ref, al_ref, h: int, body) -> None:
     """`body(cols, keys [128, D], mask bool [R, 128])` for each chunk of 128 compressed entries that
-    some row of this step may attend: those before the step's reach (`_reach`); the chunks past it,
+    some row of this step may attend: those before the step's reach (`entry_reach`); the chunks past it,
     under causal visibility the entries completed after the step's last query, are skipped."""
     reach = reach_ref[pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)]
     for c in range(ckv_ref.shape[0] // _LANES):
@@ -269,7 +269,7 @@ def _vmem_limit(blk: _Blocks, h: int, d: int, w: int, itemsize: int) -> int:
     return int(min(100 << 20, max(32 << 20, 2 * (blocks + temps))))
 
 
-def _reach(allowed_btw, block_q: int):
+def entry_reach(allowed_btw, block_q: int):
     """int32 [B * T / tq]: per grid step, 1 + the last chunk of 128 entries that any of its rows may
     attend (0 for none): the kernels skip the chunks past it."""
     b, t, w = allowed_btw.shape
@@ -279,7 +279,7 @@ def _reach(allowed_btw, block_q: int):
 
 def _causal_entries(blk: _Blocks, t: int, w: int) -> int:
     """Entries the steps of one batch row attend under causal visibility, T/W tokens an entry, in
-    whole chunks of 128 (what `_reach` lets through for a sequence without packing)."""
+    whole chunks of 128 (what `entry_reach` lets through for a sequence without packing)."""
     if not w:
         return 0
     ratio = max(1, t // w)
@@ -327,7 +327,7 @@ def _specs(blk: _Blocks, h: int, d: int, w: int):
 
 
 def _reach_of(allowed, blk: _Blocks):
-    return jnp.zeros((1,), jnp.int32) if allowed is None else _reach(allowed, blk.tq)
+    return jnp.zeros((1,), jnp.int32) if allowed is None else entry_reach(allowed, blk.tq)
 
 
 def _forward(blk: _Blocks, q, kv, sink, qinfo, kinfo, ckv, allowed):

@@ -6,10 +6,10 @@ step with a NaN or infinite loss or gradient returns its input state bit for bit
 still writes the donated state in place (one copy of it). A finite loss and gradient can still
 overflow the update (a huge learning rate); `params_ok` tests the trained parameters the step
 returns (on a TPU with their moments: XLA:TPU then fuses those reductions into the one pass that
-writes them all), and reports it as the `params_finite` metric. `check_finite` reads the same flags on the host, from metrics the run loop
-fetches anyway (no extra device sync), and raises `DivergenceError`, which stops the run before
-that step or any later one is saved. Why the parameters are tested after the update rather than
-before it: docs/run-safety.md#divergence.
+writes them all), and reports it as the `params_finite` metric. `check_finite` reads the same
+flags on the host, from metrics the run loop fetches anyway (no extra device sync), and raises
+`DivergenceError`, which stops the run before that step or any later one is saved. Why the
+parameters are tested after the update rather than before it: docs/run-safety.md#divergence.
 """
 
 from __future__ import annotations

@@ -96,7 +96,8 @@ def test_attention_is_fused_where_a_tpu_trains_it_and_its_shapes_fit_the_kernels
         assert resolve(flash("sparse"), platform, one_chip).attention == "chunked"
     assert resolve(flash("sparse"), "tpu", {**one_chip, "tensor": 8}).attention == "chunked"  # 8 heads each
     assert resolve(flash("sparse", "max_target_length=8192"), "tpu", one_chip).attention == "chunked"  # top-k gathered
-    assert resolve(flash("sparse", "ici_fsdp_parallelism=1", "ici_tensor_parallelism=-1"), "tpu").attention == "chunked"  # heads unknown
+    heads_unknown = flash("sparse", "ici_fsdp_parallelism=1", "ici_tensor_parallelism=-1")
+    assert resolve(heads_unknown, "tpu").attention == "chunked"  # the tensor split fills the devices
     assert resolve(flash("sparse", "head_dim=192"), "tpu", one_chip).attention == "chunked"
     assert resolve(flash("sparse", "attention=chunked"), "tpu", one_chip).attention == "chunked"  # explicit wins
     assert resolve(load_config("deepseek4-tiny", stage="sparse"), "tpu", one_chip).attention == "chunked"

@@ -135,7 +135,7 @@ def test_entries_never_allowed_get_exactly_zero_gradient(case):
 def test_each_step_reads_the_entries_up_to_its_reach_only():
     """A step's reach is 1 + the last chunk of 128 entries any of its rows may attend; the kernels
     never read a chunk past it: NaN entries there leave every value and gradient finite."""
-    from core.ops.fused_attention import _reach
+    from core.ops.fused_attention import entry_reach
 
     case = CASES[IDS.index("entries in three chunks of 128, skipped past each step's reach")]
     _, _, t, _, window, ratio, block_q = case
@@ -143,7 +143,7 @@ def test_each_step_reads_the_entries_up_to_its_reach_only():
     visible = compressed_visibility(pos, seg, ratio)
     wp = 3 * 128
     padded = jnp.pad(visible, ((0, 0), (0, t % block_q), (0, wp - visible.shape[-1])))
-    reach = np.asarray(_reach(padded, block_q)).reshape(2, -1)
+    reach = np.asarray(entry_reach(padded, block_q)).reshape(2, -1)
     last = np.arange(1, t // block_q + 1) * block_q // ratio  # entries complete by each step's last token
     assert reach[0].tolist() == [min(3, -(-n // 128)) for n in last]
     assert reach.min() < 3 and reach.max() == 3
