@@ -84,8 +84,8 @@ def _attention(cfg, platform: str, axes) -> str:
     """The fused Pallas kernels (core/ops/fused_attention.py) on a TPU where the step trains the
     attention, their shapes fit them (head_dim a multiple of 128 and 16 heads per device) and CSA's
     top-k runs as a mask (the kernels attend to every compressed entry): their backward is where
-    they gain, and in the warm-up, which runs the attention forward only, the chunked path measured
-    as fast. Chunked elsewhere."""
+    they gain: in the warm-up, which runs the attention forward only, the chunked path measured
+    faster. Chunked elsewhere."""
     if platform != "tpu" or not stage_of(cfg).trains_rest or _topk_attention(cfg, platform, axes) != "mask":
         return "chunked"
     heads = cfg.num_heads

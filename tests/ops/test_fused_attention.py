@@ -32,7 +32,7 @@ CASES = [
     ("hca-like ratio 128", [[256], [130, 90]], 256, 8, 32, 128, 16),
     ("swa, T not a multiple of the key block", [[150, 40], [190]], 200, 4, 17, 0, 16),
     ("window over 128: key blocks of 256", [[300], [40, 250]], 300, 4, 130, 4, 32),
-    ("entries in three chunks of 128, skipped past each step's reach", [[544], [300, 200]], 544, 4, 24, 2, 16),
+    ("entries in three chunks of 128, skipped past each step's reach", [[544], [300, 200]], 544, 4, 24, 2, 32),
 ]
 IDS = [c[0] for c in CASES]
 
