@@ -22,7 +22,7 @@ The modules take one flat frozen `MoESpec` (`MoESpec.from_config(cfg, layer)`), 
 its flat hyper-parameters down.
 
 Expert computation (`MoESpec.impl`, IMPLS; `auto` is resolved per platform before the build,
-core/config/platform.py: tiled on CPU and GPU, ragged on TPU, docs/benchmarks.md#why-the-defaults):
+core/config/platform.py: tiled on CPU and GPU, gmm on TPU, docs/benchmarks.md#why-the-defaults):
 - "tiled": the B*T*k (token, expert) slots sorted by expert into whole tiles of `tile_size` rows,
   batched einsums over tiles, summed back per token (core/ops/moe_dispatch.py): drop-free, about
   the slots' own FLOPs plus padding. tile_size 0 picks `auto_tile`. The fastest on CPU.
