@@ -163,13 +163,15 @@ def test_both_guard_forms_keep_a_diverged_state_and_apply_a_good_one_alike():
     # finite) make the decay's lr * wd * p overflow: the update is applied and flagged
     big = jax.tree.map(lambda v: v, state)
     sink = big[0]["layers"][0]["attn"]["attn_sink"]
-    sink.set_value(np.full(sink.get_value().shape, 1e11, np.float32))
+    sink.set_value(jax.device_put(np.full(sink.get_value().shape, 1e11, np.float32), sink.get_value().sharding))
     out = {}
+    kept = (jax.tree.map(lambda x: x.sharding, state), None)  # as the run pins them: one compile per form
     for platform in ("cpu", "gpu"):
-        step = jax.jit(step_fn(cfg, graphdef, platform), compiler_options=PRODUCT_FUSION)
+        step = jax.jit(step_fn(cfg, graphdef, platform), compiler_options=PRODUCT_FUSION, out_shardings=kept)
         first, good = step(state, batch)
         last, bad = step(first, batch)
         flagged, over = step(big, batch)
+        assert step._cache_size() == 1
         out[platform] = (bytes_of(first), bytes_of(last), bytes_of(flagged),
                          [np.asarray([m[k] for k in sorted(m)]).tobytes() for m in (good, bad, over)])
         assert float(good["params_finite"]) == 1.0 and np.isnan(float(bad["total_loss"])), (good, bad)
