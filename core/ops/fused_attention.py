@@ -330,7 +330,7 @@ def _reach_of(allowed, blk: _Blocks):
     return jnp.zeros((1,), jnp.int32) if allowed is None else entry_reach(allowed, blk.tq)
 
 
-def _forward(blk: _Blocks, q, kv, sink, qinfo, kinfo, ckv, allowed):
+def _forward(blk: _Blocks, q, kv, sink, qinfo, kinfo, ckv, allowed, reach):
     b, t, h, d = q.shape
     w = 0 if ckv is None else ckv.shape[1]
     sp = _specs(blk, h, d, w)
@@ -354,10 +354,10 @@ def _forward(blk: _Blocks, q, kv, sink, qinfo, kinfo, ckv, allowed):
         interpret=blk.interpret,
         cost_estimate=_cost(blk, q, w, 0 if allowed is None else allowed.dtype.itemsize, backward=False),
         name="fused_attention_fwd",
-    )(_reach_of(allowed, blk), *args)
+    )(reach, *args)
 
 
-def _backward(blk: _Blocks, q, kv, qinfo, kinfo, ckv, allowed, do, lse):
+def _backward(blk: _Blocks, q, kv, qinfo, kinfo, ckv, allowed, reach, do, lse):
     b, t, h, d = q.shape
     w = 0 if ckv is None else ckv.shape[1]
     sp = _specs(blk, h, d, w)
@@ -389,7 +389,7 @@ def _backward(blk: _Blocks, q, kv, qinfo, kinfo, ckv, allowed, do, lse):
         interpret=blk.interpret,
         cost_estimate=_cost(blk, q, w, 0 if allowed is None else allowed.dtype.itemsize, backward=True),
         name="fused_attention_bwd",
-    )(_reach_of(allowed, blk), *args)
+    )(reach, *args)
     dq, delta, dself, dprev = outs[:4]
     # prev at block j holds block j - 1's share: shift it down one block (block 0's share is empty)
     dkv = dself + jnp.pad(dprev[:, blk.kb:], ((0, 0), (0, blk.kb), (0, 0)))
@@ -398,17 +398,18 @@ def _backward(blk: _Blocks, q, kv, qinfo, kinfo, ckv, allowed, do, lse):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attend(blk: _Blocks, q, kv, sink, qinfo, kinfo, ckv, allowed):
-    return _forward(blk, q, kv, sink, qinfo, kinfo, ckv, allowed)[0]
+    return _forward(blk, q, kv, sink, qinfo, kinfo, ckv, allowed, _reach_of(allowed, blk))[0]
 
 
 def _attend_fwd(blk, q, kv, sink, qinfo, kinfo, ckv, allowed):
-    o, lse = _forward(blk, q, kv, sink, qinfo, kinfo, ckv, allowed)
-    return o, (q, kv, sink, qinfo, kinfo, ckv, allowed, lse)  # not o: the backward finds delta without it
+    reach = _reach_of(allowed, blk)  # once per call: the backward skips the same chunks
+    o, lse = _forward(blk, q, kv, sink, qinfo, kinfo, ckv, allowed, reach)
+    return o, (q, kv, sink, qinfo, kinfo, ckv, allowed, reach, lse)  # not o: the backward finds delta without it
 
 
 def _attend_bwd(blk, res, do):
-    q, kv, sink, qinfo, kinfo, ckv, allowed, lse = res
-    dq, delta_bth, dkv, dckv = _backward(blk, q, kv, qinfo, kinfo, ckv, allowed, do, lse)
+    q, kv, sink, qinfo, kinfo, ckv, allowed, reach, lse = res
+    dq, delta_bth, dkv, dckv = _backward(blk, q, kv, qinfo, kinfo, ckv, allowed, reach, do, lse)
     dsink_h = -jnp.sum(jnp.exp(sink.astype(jnp.float32) - lse) * delta_bth, axis=(0, 1))
     return (dq, dkv.astype(kv.dtype), dsink_h.astype(sink.dtype), None, None,
             None if ckv is None else dckv.astype(ckv.dtype), None)
