@@ -200,13 +200,53 @@ def hc_mixes(x_btnm, fn_nmj, norm_eps: float):
     """float32 [B, T, J]: the flattened copies projected by fn, times their rsqrt(mean square + eps).
 
     The official order (project, then scale the J outputs): fewer elementwise passes than
-    normalising the n*M inputs first, in the forward and the backward.
+    normalising the n*M inputs first, in the forward and the backward. A custom VJP (`_mixes_bwd`)
+    computes x's cotangent as J products of slices added, not as the projection's transposed
+    matmul (docs/tpu.md#where-the-sparse-steps-time-goes).
     """
+    return _mixes(x_btnm, fn_nmj, float(norm_eps))
+
+
+def _mixes_parts(x_btnm, fn_nmj, norm_eps: float):
+    """(projection [B, T, J], rsqrt(mean square + eps) [B, T]) of the flattened copies, float32."""
     x_btnm = upcast(x_btnm)
     b, t, n, m = x_btnm.shape
     ms_bt = jnp.mean(jnp.square(x_btnm.reshape(b, t, n * m)), axis=-1)
-    mixes_btj = jnp.einsum("btnm,nmj->btj", x_btnm, upcast(fn_nmj))
-    return mixes_btj * jax.lax.rsqrt(ms_bt + norm_eps)[..., None]
+    return jnp.einsum("btnm,nmj->btj", x_btnm, upcast(fn_nmj)), jax.lax.rsqrt(ms_bt + norm_eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _mixes(x_btnm, fn_nmj, norm_eps: float):
+    raw_btj, rs_bt = _mixes_parts(x_btnm, fn_nmj, norm_eps)
+    return raw_btj * rs_bt[..., None]
+
+
+def _mixes_fwd(x_btnm, fn_nmj, norm_eps):
+    raw_btj, rs_bt = _mixes_parts(x_btnm, fn_nmj, norm_eps)
+    return raw_btj * rs_bt[..., None], (x_btnm, fn_nmj, raw_btj, rs_bt)
+
+
+def _mixes_bwd(norm_eps, res, g_btj):
+    """The analytic VJP of mixes = (x . fn) * rs with rs = (mean(x^2) + eps)^-1/2.
+
+    d raw = g * rs; d x = sum_j d raw_j fn[..., j] + x * 2 d ms / (n M) with d ms = -rs^3 / 2 *
+    sum_j g_j raw_j. The sum over j runs as J products of slices added, one elementwise pass that
+    also adds the norm's term and rounds to x's dtype: as the transposed einsum, XLA:TPU ran a
+    matmul of depth J whose [B, T, n, M] float32 output it then relaid out.
+    """
+    x_btnm, fn_nmj, raw_btj, rs_bt = res
+    n, m = x_btnm.shape[-2:]
+    x32, fn32 = upcast(x_btnm), upcast(fn_nmj)
+    draw_btj = g_btj * rs_bt[..., None]
+    dms_bt = -0.5 * rs_bt ** 3 * jnp.sum(g_btj * raw_btj, axis=-1)
+    dx_btnm = functools.reduce(operator.add, [draw_btj[..., j, None, None] * fn32[..., j]
+                                              for j in range(fn32.shape[-1])])
+    dx_btnm = dx_btnm + x32 * (dms_bt * (2.0 / (n * m)))[..., None, None]
+    dfn_nmj = jnp.einsum("btnm,btj->nmj", x32, draw_btj)
+    return dx_btnm.astype(x_btnm.dtype), dfn_nmj.astype(fn_nmj.dtype)
+
+
+_mixes.defvjp(_mixes_fwd, _mixes_bwd)
 
 
 def hc_split(mixes_btj, scale_3, base_j, n: int, iters: int, eps: float):

@@ -115,6 +115,36 @@ def test_sinkhorn_custom_vjp_equals_autodiff(request, dtype, tol, iters, lead):
     _close(grad, r_grad, tol, "gradient")
 
 
+def _mixes_autodiff(x, fn, norm_eps):
+    """The mixes in their plain form, for autodiff: flatten, project, scale by the rsqrt."""
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    flat = x.reshape(*x.shape[:-2], -1)
+    proj = flat @ fn.reshape(-1, fn.shape[-1]).astype(x.dtype)
+    return proj * jax.lax.rsqrt(jnp.mean(jnp.square(flat), axis=-1, keepdims=True) + norm_eps)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float64, 1e-12), (jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("j", [N, (2 + N) * N])
+def test_mixes_custom_vjp_equals_autodiff(request, dtype, tol, j):
+    # hc_mixes' analytic backward (x's cotangent as slice products) against autodiff of the plain
+    # form, for a layer's (2+n)n mixes and the head's n; the cotangent of x comes in x's dtype.
+    if dtype == jnp.float64:
+        request.getfixturevalue("x64")
+    fdt = jnp.float64 if dtype == jnp.float64 else jnp.float32
+    x, fn = _stream(dtype, seed=21 + j), _normal(22 + j, (N, M, j), fdt, 0.5)
+    weights = _normal(23 + j, (2, 3, j), fdt)
+
+    def grads(f):
+        return jax.jit(jax.value_and_grad(lambda x, fn: jnp.sum(f(x, fn, NORM_EPS) * weights), (0, 1)))(x, fn)
+
+    (value, (dx, dfn)), (r_value, (r_dx, r_dfn)) = grads(mhc.hc_mixes), grads(_mixes_autodiff)
+    assert dx.dtype == x.dtype and dfn.dtype == fn.dtype
+    scale = float(np.max(np.abs(np.asarray(r_dx, np.float64))))
+    _close(value, r_value, tol * 10 if dtype != jnp.bfloat16 else 2e-5, "mixes")
+    _close(np.asarray(dx, np.float64) / scale, np.asarray(r_dx, np.float64) / scale, tol, "d x")
+    _close(dfn, r_dfn, tol * 10 if dtype != jnp.bfloat16 else 2e-5, "d fn")
+
+
 # ----------------------------------------------------------------------------- modules
 
 
