@@ -92,10 +92,13 @@ def layer_rope(cfg, compress_ratio: int) -> RopeSpec:
 
 
 def project_queries(c_q_btr, wq_b_rhd, positions_bt, *, eps: float, rope: RopeSpec, dtype):
-    """q = RoPE(rms(c_q W_qb)) * D^-1/2 in `dtype`: [B, T, R] x [R, H, D] -> [B, T, H, D]."""
+    """q = RoPE(rms(c_q W_qb) * D^-1/2) in `dtype`: [B, T, R] x [R, H, D] -> [B, T, H, D].
+
+    The softmax scale D^-1/2 joins the norm's float32 factor (a rotation commutes with it), so
+    the [B, T, H, D] queries take no pass of their own for it, forward or backward.
+    """
     q = jnp.einsum("btr,rhd->bthd", c_q_btr.astype(dtype), wq_b_rhd.astype(dtype))
-    q = apply_rope(rms_normalize(q, eps).astype(dtype), positions_bt, rope)
-    return q * jnp.asarray(q.shape[-1] ** -0.5, dtype)
+    return apply_rope((rms_normalize(q, eps) * q.shape[-1] ** -0.5).astype(dtype), positions_bt, rope)
 
 
 @dataclasses.dataclass(frozen=True)
