@@ -104,7 +104,7 @@ PLATFORM_CHOICES: dict[str, tuple[Any, Any]] = {
     "csa_topk_attention": (AUTO, _topk_attention),
     "attention_query_chunk_size": (AUTO_INT, _attention_chunk),
     "attention_projections": (AUTO, _attention_projections),
-    "lm_loss_chunk_size": (AUTO_INT, {"cpu": 256, "gpu": 256, "tpu": 1024}),
+    "lm_loss_chunk_size": (AUTO_INT, {"cpu": 256, "gpu": 256, "tpu": 2048}),
     # `full` here; an entry point that compiles the step (the run's preflight, the planner, the
     # benchmarks) takes `none` instead on a TPU where that step compiles within the chip
     # (core/train/program.py `remat_that_fits`)
