@@ -97,9 +97,8 @@ def apply_rope(x, positions, spec: RopeSpec, *, inverse: bool = False):
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     if inverse:
         sin = -sin
-    rot = x[..., x.shape[-1] - r:]
+    nope, rot = x[..., : x.shape[-1] - r], x[..., x.shape[-1] - r:]
     pairs = rot.astype(acc).reshape(rot.shape[:-1] + (r // 2, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     turned = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(rot.shape)
-    # written over x's last R features (a concatenation with the rest took a pass of its own on XLA:TPU)
-    return x.at[..., x.shape[-1] - r:].set(turned.astype(x.dtype))
+    return jnp.concatenate([nope, turned.astype(x.dtype)], axis=-1)
