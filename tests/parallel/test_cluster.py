@@ -230,10 +230,16 @@ def test_the_most_severe_stop_reason_wins():
 # stops, signals and losses; two processes x 4 devices train in tests/parallel/test_sharding.py, and one device
 # per process starts and steps faster). One uninterrupted reference run
 # serves every comparison: the Ctrl-C run, resumed and then stopped by SIGTERM, resumed again to the
-# end, must log the reference's metrics bitwise. A third run loses a process to kill -9.
+# end, must log the reference's metrics bitwise. Two more runs lose a process to kill -9.
 MULTI_STEPS = 80  # JAX's preemption sync point comes a few steps after SIGTERM, later under load; and a signal
 # sent once step 0 is logged must find the run still going on a loaded machine
 MULTI = (*SMALL[:-2], "checkpoint_period=100", f"learning_rate_schedule_steps={MULTI_STEPS}", "async_checkpointing=false")
+# The kill -9 runs compare with nothing and never reach their end: one layer (a CSA layer, hash-routed), whose
+# processes start with a smaller program to trace, lower and compile, and steps enough that the run is still
+# going when the kill comes, however late it comes on a loaded machine.
+LOST_STEPS = 1000
+LOST = ("compress_ratios=[4]", "base_num_decoder_layers=1", *SMALL[2:-2], "checkpoint_period=100",
+        f"learning_rate_schedule_steps={LOST_STEPS}", "async_checkpointing=false")
 # DSV4_HEARTBEAT_TIMEOUT_S of the kill -9 run: a heartbeat RPC that misses it ends a process, so a few
 # seconds are too few on a heavily loaded machine; the wait overlaps the other runs.
 MULTI_HEARTBEAT_S = 30
@@ -241,8 +247,8 @@ _CLUSTER_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID
                  "SLURM_JOB_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 
 
-def _launch(run, name: str, heartbeat_s: int | None = None) -> list:
-    """Both processes of a localhost run into `run` (their output: <run>.<name>.<id>.out|err)."""
+def _launch(run, name: str, heartbeat_s: int | None = None, steps: int = MULTI_STEPS, options=MULTI) -> list:
+    """Both processes of a localhost run of `steps` steps into `run` (their output: <run>.<name>.<id>.out|err)."""
     import socket
     import subprocess
     import sys
@@ -263,8 +269,8 @@ def _launch(run, name: str, heartbeat_s: int | None = None) -> list:
     for pid in range(2):
         out, err = (open(f"{run}.{name}.{pid}.{kind}", "w") for kind in ("out", "err"))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "dsv4cli.main", "warmup", "--steps", str(MULTI_STEPS), "--output", str(run),
-             "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid), *MULTI],
+            [sys.executable, "-m", "dsv4cli.main", "warmup", "--steps", str(steps), "--output", str(run),
+             "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid), *options],
             env=env, stdout=out, stderr=err))
     return procs
 
@@ -311,8 +317,9 @@ def _checkpoints(run) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster_runs(tmp_path_factory):
-    """The reference and the kill -9 run start together; the Ctrl-C -> SIGTERM -> resumed chain, and the run that
-    loses process 0, start once the step is compiled (the later runs read it from the compilation cache)."""
+    """The reference and the kill -9 run start together; the Ctrl-C -> SIGTERM -> resumed chain starts once the
+    reference's step is compiled, the run that loses process 0 once the kill -9 run's is (the later runs read
+    them from the compilation cache)."""
     import signal
     import threading
     import time
@@ -320,7 +327,7 @@ def cluster_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster")
     straight, lost, lost0, chain = root / "straight", root / "lost", root / "lost0", root / "chain"
     started = time.monotonic()
-    reference, dying = _launch(straight, "straight"), _launch(lost, "lost", MULTI_HEARTBEAT_S)
+    reference, dying = _launch(straight, "straight"), _launch(lost, "lost", MULTI_HEARTBEAT_S, LOST_STEPS, LOST)
     launched = [*reference, *dying]
 
     def kill_and_time(procs, victim: int) -> list:  # kill -9 of procs[victim]; [when the other ended - when killed]
@@ -333,7 +340,7 @@ def cluster_runs(tmp_path_factory):
     try:
         _when_logged(lost, dying, 1)
         survivor_ended = kill_and_time(dying, 1)
-        launched += (leaderless := _launch(lost0, "lost0", MULTI_HEARTBEAT_S))  # kill -9 of process 0, the service's host
+        launched += (leaderless := _launch(lost0, "lost0", MULTI_HEARTBEAT_S, LOST_STEPS, LOST))  # kill -9 of process 0, the service's host
         _when_logged(straight, reference, 0)
         launched += (procs := _launch(chain, "ctrl_c"))  # Ctrl-C on process 1 alone
         _when_logged(lost0, leaderless, 1)
