@@ -266,14 +266,18 @@ def test_the_teacher_initialisation_runs_once_and_resumes_bitwise(teacher_runs):
 def test_teacher_step0_kl_is_below_the_random_start_and_only_the_indexer_changes(stage_chain):
     """On the pre-trained model's calibration rows, every layer's KL to its teacher after the initialisation
     is below the warm-up preset's random start (weights_proj = 0: a uniform student, KL_uniform), and
-    nothing but the indexers' parameters moved."""
+    nothing but the indexers' parameters moved. On the run's mesh with sharded batches, as a warm-up
+    initialises (core/train/materialise.py): the chain's warm-up compiled these two programs."""
+    from core.parallel.mesh import make_mesh
+
     cfg = tiny_config("warmup", "indexer_init=teacher", "indexer_init_batches=2")
-    model, _, _ = ckpt.restore_model(stage_chain["pretrain"][0], None, cfg)
+    mesh = make_mesh(cfg)
+    model, _, _ = ckpt.restore_model(stage_chain["pretrain"][0], None, cfg, mesh=mesh)
     before = _variables(model)
     assert all(not v.any() for k, v in before.items() if k.endswith("indexer/weights_proj"))  # the random start
     batches = calibration_batches(train_batches(cfg, cfg.per_device_batch_size * jax.device_count()),
-                                  cfg.indexer_init_batches)
-    report = teacher_init(model, batches)
+                                  cfg.indexer_init_batches, mesh)
+    report = teacher_init(model, batches, mesh)
     assert len(report.layers) == len(cfg.csa_layers) and all(0 < t for t in report.temperature)
     assert all(k < u for k, u in zip(report.kl, report.kl_uniform)), (report.kl, report.kl_uniform)
     assert report.kl_captured > 0.3, report
