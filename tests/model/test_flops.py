@@ -5,9 +5,11 @@ the sums of the very masks the model uses (core/ops/masks.py) over a document's 
 matmuls: `step_matmuls`, given the dense reference's full [T, T] / [T, W] area, equals per
 component the dot_generals of the training step's own jaxpr (core/bench/train.py's `jaxpr_flops`,
 forward and backward, remat off, attention=masked, the direct indexer and LM losses,
-moe_impl=ragged) up to two named differences of the implementation: the masked path builds the
-teacher's queries a second time, and the MoE's load statistics are contractions that are not the
-model's. A dropped or wrong term, a wrong pass count or a wrong attribution fails (2).
+moe_impl=ragged) up to three named differences of the implementation: the masked path builds the
+teacher's queries a second time, the MoE's load statistics are contractions that are not the
+model's, and the mHC mixing projections' input gradient runs as products of slices added
+(core/model/mhc.py `hc_mixes`), not as a dot_general. A dropped or wrong term, a wrong pass count
+or a wrong attribution fails (2).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ def _implementation_extras(cfg, rows: int) -> dict[str, float]:
     the teacher's queries (c_q W_qb, detached: forward only) in each CSA layer whose indexer runs,
     and the MoE's load statistics (one-hot choice counts, the one-hot summed over the k slots
     first, in every layer; the load-balance loss's mean router probability in learned-routing
-    layers, with its gradient where the router trains)."""
+    layers, with its gradient where the router trains); less the mHC mixing projections'
+    input-gradient pass where the stream gets a gradient, which `hc_mixes` computes elementwise."""
     stage, n = stage_of(cfg), rows * cfg.max_target_length
     extras = dict.fromkeys(COMPONENTS, 0.0)
     for layer, ratio in enumerate(cfg.compress_ratios):
@@ -77,6 +80,10 @@ def _implementation_extras(cfg, rows: int) -> dict[str, float]:
         extras["MoE"] += 2 * n * cfg.num_experts
         if layer >= cfg.first_num_hash_layers:
             extras["MoE"] += 2 * n * cfg.num_experts * (1 + (2 if stage.trains_rest else 1))
+    if stage.trains_rest:
+        c, m = cfg.mhc_expansion_rate, cfg.emb
+        extras["mHC"] -= 2 * cfg.num_layers * 2 * n * c * m * (2 + c) * c  # attention's and the MoE's
+        extras["mHC"] -= 2 * n * c * m * c if stage.lm_loss else 0  # the head collapse's
     return extras
 
 
