@@ -217,8 +217,7 @@ def _mixes_parts(x_btnm, fn_nmj, norm_eps: float):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _mixes(x_btnm, fn_nmj, norm_eps: float):
-    raw_btj, rs_bt = _mixes_parts(x_btnm, fn_nmj, norm_eps)
-    return raw_btj * rs_bt[..., None]
+    return _mixes_fwd(x_btnm, fn_nmj, norm_eps)[0]
 
 
 def _mixes_fwd(x_btnm, fn_nmj, norm_eps):
