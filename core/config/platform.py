@@ -104,6 +104,9 @@ PLATFORM_CHOICES: dict[str, tuple[Any, Any]] = {
     "csa_topk_attention": (AUTO, _topk_attention),
     "attention_query_chunk_size": (AUTO_INT, _attention_chunk),
     "attention_projections": (AUTO, _attention_projections),
+    # the mHC mixes' input gradient in closed form on a TPU (no depth-J matmul and relayout there);
+    # the transposed einsum elsewhere, the faster on a CPU
+    "hc_mixes_backward": (AUTO, {"cpu": "autodiff", "gpu": "autodiff", "tpu": "closed"}),
     "lm_loss_chunk_size": (AUTO_INT, {"cpu": 256, "gpu": 256, "tpu": 2048}),
     # `full` here; an entry point that compiles the step (the run's preflight, the planner, the
     # benchmarks) takes `none` instead on a TPU where that step compiles within the chip

@@ -111,6 +111,7 @@ class Config:
     hc_sinkhorn_iters: int
     hc_eps: float
     hc_mix_form: str                  # einsum | slices (core/model/mhc.py)
+    hc_mixes_backward: str            # auto | autodiff | closed (core/model/mhc.py)
     # training
     steps: int
     per_device_batch_size: int        # sequences

@@ -46,6 +46,7 @@ _CHOICES = {
     "mu_dtype": ("float32", "bfloat16"),
     "nu_dtype": ("float32", "bfloat16"),
     "hc_mix_form": ("einsum", "slices"),
+    "hc_mixes_backward": ("auto", "autodiff", "closed"),
     "remat_policy": ("auto", "none", "minimal", "full"),
     "moe_impl": ("auto", "tiled", "dense", "ragged", "gmm"),
     "rope_type": ("default", "yarn"),

@@ -20,7 +20,8 @@ Implementation (XLA CPU runs this op-count bound: many tiny [B, T, 4, 4] ops in 
 docs/benchmarks.md#why-the-defaults):
 Sinkhorn runs on the token-minor layout [n, n, B*T], its row / column sums as adds of n slices,
 so one iteration is one elementwise fusion, with a custom VJP (the analytic backward of each
-normalisation in one reverse loop); the mixes are scaled after the projection. The copies are
+normalisation in one reverse loop); the mixes are scaled after the projection, their input
+gradient autodiff's or a closed form (`hc_mixes_backward`, chosen per platform). The copies are
 weighted, mixed and filled (`hc_mix_form`) by einsums, the default, or as `slices`, elementwise
 sums of n products; XLA:TPU runs the einsums as batched matmuls of a few rows per token, yet the
 slices measured slower there too (docs/tpu.md). Values and gradients equal the plain formulation to float32
@@ -196,15 +197,26 @@ def filled_copies(post_btn, out_btm, form: str):
     return post_btn[..., None] * out_btm[:, :, None, :]
 
 
-def hc_mixes(x_btnm, fn_nmj, norm_eps: float):
+MIXES_BACKWARDS = ("autodiff", "closed")
+
+
+def hc_mixes(x_btnm, fn_nmj, norm_eps: float, backward: str = "autodiff"):
     """float32 [B, T, J]: the flattened copies projected by fn, times their rsqrt(mean square + eps).
 
     The official order (project, then scale the J outputs): fewer elementwise passes than
-    normalising the n*M inputs first, in the forward and the backward. A custom VJP (`_mixes_bwd`)
-    computes x's cotangent as J products of slices added, not as the projection's transposed
-    matmul (docs/tpu.md#where-the-sparse-steps-time-goes).
+    normalising the n*M inputs first, in the forward and the backward. `backward`
+    (`hc_mixes_backward`): `autodiff` transposes the projection's einsum; `closed` (a custom VJP,
+    `_mixes_bwd`) computes x's cotangent as J products of slices added, where XLA:TPU ran the
+    transposed einsum as a matmul of depth J and a relayout (docs/tpu.md#where-the-sparse-steps-time-goes);
+    on a CPU the transposed einsum is the faster (docs/benchmarks.md#why-the-defaults).
     """
-    return _mixes(x_btnm, fn_nmj, float(norm_eps))
+    if backward not in MIXES_BACKWARDS:
+        raise ValueError(f"hc_mixes_backward={backward!r}: one of {', '.join(MIXES_BACKWARDS)} "
+                         "(core.config.platform.resolve turns auto into one)")
+    if backward == "closed":
+        return _mixes(x_btnm, fn_nmj, float(norm_eps))
+    raw_btj, rs_bt = _mixes_parts(x_btnm, fn_nmj, norm_eps)
+    return raw_btj * rs_bt[..., None]
 
 
 def _mixes_parts(x_btnm, fn_nmj, norm_eps: float):
@@ -273,9 +285,11 @@ def _pre_base_logit(n: int) -> float:
 class HyperConnection(nnx.Module):
     """The mHC around one sublayer: parameters fn, base, scale; `pre` and `post` as in DESIGN.md."""
 
-    def __init__(self, emb, n, sinkhorn_iters, eps, norm_eps, *, rngs, param_dtype=jnp.float32, form="einsum"):
+    def __init__(self, emb, n, sinkhorn_iters, eps, norm_eps, *, rngs, param_dtype=jnp.float32, form="einsum",
+                 mixes_backward="autodiff"):
         self.n = int(n)
         self.form = form  # MIX_FORMS: how `pre` weights the copies and `post` mixes and fills them
+        self.mixes_backward = mixes_backward  # MIXES_BACKWARDS: the mixes' input gradient (hc_mixes)
         self.iters = int(sinkhorn_iters)
         self.eps = float(eps)
         self.norm_eps = float(norm_eps)
@@ -300,7 +314,7 @@ class HyperConnection(nnx.Module):
           2. pre_btn, post_btn, comb_btnn = hc_split(mixes_btj)
           3. y_btm = sum_n pre_btn * x_btnm
         """
-        mixes_btj = hc_mixes(x_btnm, self.fn[...], self.norm_eps)
+        mixes_btj = hc_mixes(x_btnm, self.fn[...], self.norm_eps, self.mixes_backward)
         pre_btn, post_btn, comb_btnn = hc_split(mixes_btj, self.scale[...], self.base[...],
                                                 self.n, self.iters, self.eps)
         y_btm = weighted_copies(pre_btn, x_btnm, self.form)
@@ -316,9 +330,11 @@ class HyperConnection(nnx.Module):
 class HeadCollapse(nnx.Module):
     """Collapse the n copies before the final norm: y = sum_i (sigmoid(mix_i*scale + base_i) + eps) X[i]."""
 
-    def __init__(self, emb, n, eps, norm_eps, *, rngs, param_dtype=jnp.float32, form="einsum"):
+    def __init__(self, emb, n, eps, norm_eps, *, rngs, param_dtype=jnp.float32, form="einsum",
+                 mixes_backward="autodiff"):
         self.n = int(n)
         self.form = form
+        self.mixes_backward = mixes_backward
         self.eps = float(eps)
         self.norm_eps = float(norm_eps)
         self.fn = param(rngs, dense_init(in_axis=(0, 1), out_axis=2), (n, emb, n),
@@ -330,7 +346,7 @@ class HeadCollapse(nnx.Module):
 
     def __call__(self, x_btnm):
         """Args: x_btnm [B, T, n, M]. Returns: y_btm [B, T, M] in x's dtype."""
-        mixes_btn = hc_mixes(x_btnm, self.fn[...], self.norm_eps)
+        mixes_btn = hc_mixes(x_btnm, self.fn[...], self.norm_eps, self.mixes_backward)
         scale = upcast(self.scale[...])[0]
         pre_btn = jax.nn.sigmoid(mixes_btn * scale + upcast(self.base[...])) + self.eps
         y_btm = weighted_copies(pre_btn, x_btnm, self.form)

@@ -106,12 +106,13 @@ class BlockSpec:
     hc_eps: float
     moe: MoESpec
     hc_form: str
+    hc_mixes_backward: str
 
     @classmethod
     def from_config(cls, cfg, layer: int) -> "BlockSpec":
         return cls(AttentionSpec.from_config(cfg, layer), cfg.emb, cfg.normalization_layer_epsilon,
                    cfg.mhc_expansion_rate, cfg.hc_sinkhorn_iters, cfg.hc_eps, MoESpec.from_config(cfg, layer),
-                   cfg.hc_mix_form)
+                   cfg.hc_mix_form, resolve_here(cfg).hc_mixes_backward)
 
 
 def crosses_layers(cfg) -> bool:
@@ -135,8 +136,9 @@ class Block(nnx.Module):
         self.attn = Attention(spec.attn, dtype=dtype, **kw)
         self.ffn_norm = RMSNorm(spec.emb, spec.eps, **kw)
         self.ffn = MoE(spec.moe, seed_for_hash_table=seed_for_hash_table, dtype=dtype, **kw)
-        self.hc_attn = HyperConnection(spec.emb, spec.hc_n, spec.hc_iters, spec.hc_eps, spec.eps, form=spec.hc_form, **kw)
-        self.hc_ffn = HyperConnection(spec.emb, spec.hc_n, spec.hc_iters, spec.hc_eps, spec.eps, form=spec.hc_form, **kw)
+        hc = dict(form=spec.hc_form, mixes_backward=spec.hc_mixes_backward, **kw)
+        self.hc_attn = HyperConnection(spec.emb, spec.hc_n, spec.hc_iters, spec.hc_eps, spec.eps, **hc)
+        self.hc_ffn = HyperConnection(spec.emb, spec.hc_n, spec.hc_iters, spec.hc_eps, spec.eps, **hc)
 
     def __call__(self, x_btnm, tokens_bt, positions_bt, segment_ids_bt, *, dense: bool,
                  indexer_loss: bool, collect: bool, observe=None):
@@ -273,7 +275,8 @@ class Transformer(nnx.Module):
                            ("vocab", "embed"), pdt)
         self.layers = nnx.List([_segment(cfg, specs, *seg, rngs, kw) for seg in self.segments])
         self.hc_head = HeadCollapse(cfg.emb, self.n, cfg.hc_eps, cfg.normalization_layer_epsilon,
-                                    rngs=rngs, param_dtype=pdt, form=cfg.hc_mix_form)
+                                    rngs=rngs, param_dtype=pdt, form=cfg.hc_mix_form,
+                                    mixes_backward=resolve_here(cfg).hc_mixes_backward)
         self.norm = RMSNorm(cfg.emb, cfg.normalization_layer_epsilon, rngs=rngs, param_dtype=pdt)
         self.head = param(rngs, dense_init(), (cfg.emb, cfg.vocab_size), ("embed", "vocab"), pdt)
         trainable = mask_matcher(cfg.trainable_parameters_mask, cfg.frozen_parameters_mask)

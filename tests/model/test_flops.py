@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from core.bench.train import component_flops, sweep_config
+from core.config.platform import resolve_here
 from core.config.schema import load_config
 from core.config.stages import stage_of
 from core.model.flops import COMPONENTS, Area, causal_area, model_flops_per_step, step_matmuls
@@ -71,7 +72,8 @@ def _implementation_extras(cfg, rows: int) -> dict[str, float]:
     and the MoE's load statistics (one-hot choice counts, the one-hot summed over the k slots
     first, in every layer; the load-balance loss's mean router probability in learned-routing
     layers, with its gradient where the router trains); less the mHC mixing projections'
-    input-gradient pass where the stream gets a gradient, which `hc_mixes` computes elementwise."""
+    input-gradient pass where the stream gets a gradient and `hc_mixes_backward` is `closed` (an
+    elementwise pass then)."""
     stage, n = stage_of(cfg), rows * cfg.max_target_length
     extras = dict.fromkeys(COMPONENTS, 0.0)
     for layer, ratio in enumerate(cfg.compress_ratios):
@@ -80,7 +82,7 @@ def _implementation_extras(cfg, rows: int) -> dict[str, float]:
         extras["MoE"] += 2 * n * cfg.num_experts
         if layer >= cfg.first_num_hash_layers:
             extras["MoE"] += 2 * n * cfg.num_experts * (1 + (2 if stage.trains_rest else 1))
-    if stage.trains_rest:
+    if stage.trains_rest and resolve_here(cfg).hc_mixes_backward == "closed":
         c, m = cfg.mhc_expansion_rate, cfg.emb
         extras["mHC"] -= 2 * cfg.num_layers * 2 * n * c * m * (2 + c) * c  # attention's and the MoE's
         extras["mHC"] -= 2 * n * c * m * c if stage.lm_loss else 0  # the head collapse's
@@ -92,6 +94,7 @@ def _implementation_extras(cfg, rows: int) -> dict[str, float]:
     ("warmup", ["indexer_teacher=joint"]),
     ("sparse", []),
     ("sparse", ["indexer_loss_scaling_factor=0"]),  # the no-indexer-loss row: the indexer selects, learns nothing
+    ("pretrain", ["hc_mixes_backward=closed"]),  # a TPU's mixes backward
 ])
 def test_step_matmuls_equal_the_steps_own_jaxpr(stage, overrides):
     cfg = sweep_config(stage, SEQ, ROWS, [*TINY, *overrides])

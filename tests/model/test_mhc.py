@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,16 +33,16 @@ def _normal(seed, shape, dtype=jnp.float32, scale=1.0):
 sinkhorn = jax.jit(mhc.sinkhorn, static_argnums=(1, 2))
 
 
-def _hc(dtype, seed=0, form="einsum"):
+def _hc(dtype, seed=0, form="einsum", backward="autodiff"):
     """A HyperConnection with seeded NumPy weights (scales ~ 0.5 so every term matters)."""
-    abstract = nnx.eval_shape(lambda: mhc.HyperConnection(M, N, ITERS, EPS, NORM_EPS,
-                                                          rngs=nnx.Rngs(0), param_dtype=dtype, form=form))
+    abstract = nnx.eval_shape(lambda: mhc.HyperConnection(M, N, ITERS, EPS, NORM_EPS, rngs=nnx.Rngs(0),
+                                                          param_dtype=dtype, form=form, mixes_backward=backward))
     return ref.materialize(abstract, seed)
 
 
-def _head(dtype, seed=0, form="einsum"):
-    abstract = nnx.eval_shape(lambda: mhc.HeadCollapse(M, N, EPS, NORM_EPS, rngs=nnx.Rngs(0),
-                                                       param_dtype=dtype, form=form))
+def _head(dtype, seed=0, form="einsum", backward="autodiff"):
+    abstract = nnx.eval_shape(lambda: mhc.HeadCollapse(M, N, EPS, NORM_EPS, rngs=nnx.Rngs(0), param_dtype=dtype,
+                                                       form=form, mixes_backward=backward))
     return ref.materialize(abstract, seed)
 
 
@@ -123,11 +125,13 @@ def _mixes_autodiff(x, fn, norm_eps):
     return proj * jax.lax.rsqrt(jnp.mean(jnp.square(flat), axis=-1, keepdims=True) + norm_eps)
 
 
+@pytest.mark.parametrize("backward", mhc.MIXES_BACKWARDS)
 @pytest.mark.parametrize("dtype, tol", [(jnp.float64, 1e-12), (jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)])
 @pytest.mark.parametrize("j", [N, (2 + N) * N])
-def test_mixes_custom_vjp_equals_autodiff(request, dtype, tol, j):
-    # hc_mixes' analytic backward (x's cotangent as slice products) against autodiff of the plain
-    # form, for a layer's (2+n)n mixes and the head's n; the cotangent of x comes in x's dtype.
+def test_mixes_backwards_equal_autodiff_of_the_plain_form(request, dtype, tol, j, backward):
+    # hc_mixes' backwards (the closed form: x's cotangent as slice products; autodiff of its einsum)
+    # against autodiff of the plain form, for a layer's (2+n)n mixes and the head's n; the
+    # cotangent of x comes in x's dtype.
     if dtype == jnp.float64:
         request.getfixturevalue("x64")
     fdt = jnp.float64 if dtype == jnp.float64 else jnp.float32
@@ -137,12 +141,15 @@ def test_mixes_custom_vjp_equals_autodiff(request, dtype, tol, j):
     def grads(f):
         return jax.jit(jax.value_and_grad(lambda x, fn: jnp.sum(f(x, fn, NORM_EPS) * weights), (0, 1)))(x, fn)
 
-    (value, (dx, dfn)), (r_value, (r_dx, r_dfn)) = grads(mhc.hc_mixes), grads(_mixes_autodiff)
+    mixes = functools.partial(mhc.hc_mixes, backward=backward)
+    (value, (dx, dfn)), (r_value, (r_dx, r_dfn)) = grads(mixes), grads(_mixes_autodiff)
     assert dx.dtype == x.dtype and dfn.dtype == fn.dtype
     scale = float(np.max(np.abs(np.asarray(r_dx, np.float64))))
     _close(value, r_value, tol * 10 if dtype != jnp.bfloat16 else 2e-5, "mixes")
     _close(np.asarray(dx, np.float64) / scale, np.asarray(r_dx, np.float64) / scale, tol, "d x")
     _close(dfn, r_dfn, tol * 10 if dtype != jnp.bfloat16 else 2e-5, "d fn")
+    with pytest.raises(ValueError, match="hc_mixes_backward='auto': one of autodiff, closed"):
+        mhc.hc_mixes(x, fn, NORM_EPS, "auto")
 
 
 # ----------------------------------------------------------------------------- modules
@@ -194,12 +201,14 @@ def test_head_collapse_matches_reference(request, dtype, tol, form):
     _close(y, r_y, tol * 10, "head collapse")
 
 
-def test_the_mix_forms_agree_in_value_and_gradient():
-    """`slices` (TPU) against `einsum` (CPU): a layer's pre, post and the head collapse, float32, on fresh
-    seeded inputs; the gradients of every parameter and of the stream."""
+@pytest.mark.parametrize("form, backward", [("slices", "autodiff"), ("einsum", "closed"), ("slices", "closed")])
+def test_the_mix_forms_agree_in_value_and_gradient(form, backward):
+    """`slices` and the mixes' closed-form backward (a TPU's choices) against `einsum` with autodiff (a
+    CPU's): a layer's pre, post and the head collapse, float32, on fresh seeded inputs; the gradients of
+    every parameter and of the stream."""
 
-    def loss(form, x, out):
-        hc, head = _hc(jnp.float32, form=form), _head(jnp.float32, form=form)
+    def loss(form, x, out, backward="autodiff"):
+        hc, head = _hc(jnp.float32, form=form, backward=backward), _head(jnp.float32, form=form, backward=backward)
 
         def f(hc, head, x):
             y, post, comb = hc.pre(x)
@@ -209,7 +218,7 @@ def test_the_mix_forms_agree_in_value_and_gradient():
         return nnx.value_and_grad(f, argnums=(0, 1, 2))(hc, head, x)
 
     x, out = _stream(jnp.float32, seed=11, shape=(3, 5)), _normal(12, (3, 5, M))
-    (v_e, g_e), (v_s, g_s) = loss("einsum", x, out), loss("slices", x, out)
+    (v_e, g_e), (v_s, g_s) = loss("einsum", x, out), loss(form, x, out, backward)
     _close(v_s, v_e, 1e-5, "value")
     for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_e)):
         _close(a, b, 1e-4, "gradient")
