@@ -151,6 +151,24 @@ def _in_place(module: hlo.Module, root: hlo.Instruction | None) -> tuple[str, in
     return inner if buffer is not None and buffer.opcode == "parameter" and buffer.args.strip() == "0" else None
 
 
+def _lane_partial(update_text: str, buffer_text: str) -> bool:
+    """Whether an update covers part of its buffer's minor tiles: narrower than the buffer along the
+    layout's minor dimension by a width its tile does not divide (RoPE's 64 features written over the
+    last of 512). XLA:TPU then rewrites the whole buffer: on a v5e such a dynamic-update-slice of a
+    [1, 4096, 64, 64] bf16 update took 1.7 ms, its whole [1, 4096, 64, 512] buffer's time
+    (docs/planning.md#the-step-time-model)."""
+    update, buffer = _LAID_OUT.findall(update_text), _LAID_OUT.findall(buffer_text)
+    if len(update) != 1 or len(buffer) != 1 or not (m := _TILE.match(buffer[0][2] or "")):
+        return False
+    minor = [int(d) for d in m.group(1).split(",") if d][:1]
+    lane = int(m.group(2).split(",")[-1])
+    dims_u, dims_b = ([int(d) for d in t[1].split(",") if d] for t in (update[0], buffer[0]))
+    if not minor or len(dims_u) != len(dims_b) or minor[0] >= len(dims_b):
+        return False
+    u, b = dims_u[minor[0]], dims_b[minor[0]]
+    return u < b and u % lane != 0
+
+
 def _users(body: list[hlo.Instruction]) -> dict[str, list[tuple[int, hlo.Instruction]]]:
     """Each value of a computation -> (operand position, instruction) of its uses."""
     users: dict[str, list[tuple[int, hlo.Instruction]]] = {}
@@ -187,6 +205,8 @@ def _fusion(module: hlo.Module, inst: hlo.Instruction) -> Work:
     users = _users(body)
     root = body[-1] if body else None
     in_place = _in_place(module, root)
+    if in_place and _lane_partial(in_place[0], root.type_text):
+        in_place = None  # the whole buffer read and written
     if in_place:  # the update, written where the buffer lives (a scatter's rows read and written)
         space = (laid_out(root.type_text) or [(0, 0)])[0][1]
         _add(work, _in_space(in_place[0], space), in_place[1])
@@ -244,7 +264,8 @@ def instruction_work(module: hlo.Module, inst: hlo.Instruction) -> Work | None:
     if op in ("slice", "dynamic-slice"):
         _add(work, inst.type_text, 2)
     elif op == "dynamic-update-slice" and len(inst.operands) > 1:
-        _add(work, module.types.get(inst.operands[1], ""), 2)
+        update = module.types.get(inst.operands[1], "")
+        _add(work, inst.type_text if _lane_partial(update, inst.type_text) else update, 2)
     elif op == "scatter" and len(inst.operands) == 3:
         work.rows = _rows(module, inst)
         _add(work, module.types.get(inst.operands[1], ""))

@@ -204,6 +204,28 @@ def test_in_place_updates_count_the_update_through_a_nested_fusion():
     assert work.hbm_bytes == 3 * update + index and work.rows == 64  # updates read, rows read and written
 
 
+@pytest.mark.parametrize("width", [512, 256, 64])
+def test_an_update_across_part_of_the_minor_tiles_costs_the_whole_buffer(width):
+    """A dynamic-update-slice costs its update where it covers whole minor (lane) tiles, fused or not;
+    narrower than its buffer by a width the tile does not divide, the whole buffer read and written."""
+    fused = f"""%dus (b: bf16[4096,512], u: bf16[4096,{width}]) -> bf16[4096,512] {{
+  %b = bf16[4096,512]{{1,0:T(8,128)(2,1)}} parameter(0)
+  %u = bf16[4096,{width}]{{1,0:T(8,128)(2,1)}} parameter(1)
+  %z = s32[] constant(0)
+  ROOT %d = bf16[4096,512]{{1,0:T(8,128)(2,1)}} dynamic-update-slice(%b, %u, %z, %z)
+}}"""
+    args = f"""%b = bf16[4096,512]{{1,0:T(8,128)(2,1)}} parameter(0)
+%u = bf16[4096,{width}]{{1,0:T(8,128)(2,1)}} parameter(1)
+%z = s32[] constant(0)"""
+    buffer, update = 4096 * 512 * 2, 4096 * max(width, 128) * 2
+    want = 2 * buffer + update if width % 128 else 2 * update  # the update read and written, or all
+    m = hlo.parse(module(args + "\n%f = bf16[4096,512]{1,0:T(8,128)(2,1)} fusion(%b, %u), kind=kLoop, calls=%dus",
+                         fused))
+    assert cost.instruction_work(m, m.computations["main"][-1]).hbm_bytes == want
+    m = hlo.parse(module(args + "\n%d = bf16[4096,512]{1,0:T(8,128)(2,1)} dynamic-update-slice(%b, %u, %z, %z)"))
+    assert cost.instruction_work(m, m.computations["main"][-1]).hbm_bytes == (2 * buffer if width % 128 else 2 * update)
+
+
 RAGGED = """%lhs = bf16[2048,512]{1,0:T(8,128)(2,1)} parameter(0)
 %rhs = bf16[8,512,256]{2,1,0:T(8,128)(2,1)} parameter(1)
 %sizes = s32[8]{0:T(128)} parameter(2)
