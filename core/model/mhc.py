@@ -215,16 +215,7 @@ def hc_mixes(x_btnm, fn_nmj, norm_eps: float, backward: str = "autodiff"):
                          "(core.config.platform.resolve turns auto into one)")
     if backward == "closed":
         return _mixes(x_btnm, fn_nmj, float(norm_eps))
-    raw_btj, rs_bt = _mixes_parts(x_btnm, fn_nmj, norm_eps)
-    return raw_btj * rs_bt[..., None]
-
-
-def _mixes_parts(x_btnm, fn_nmj, norm_eps: float):
-    """(projection [B, T, J], rsqrt(mean square + eps) [B, T]) of the flattened copies, float32."""
-    x_btnm = upcast(x_btnm)
-    b, t, n, m = x_btnm.shape
-    ms_bt = jnp.mean(jnp.square(x_btnm.reshape(b, t, n * m)), axis=-1)
-    return jnp.einsum("btnm,nmj->btj", x_btnm, upcast(fn_nmj)), jax.lax.rsqrt(ms_bt + norm_eps)
+    return _mixes_fwd(x_btnm, fn_nmj, norm_eps)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -233,7 +224,13 @@ def _mixes(x_btnm, fn_nmj, norm_eps: float):
 
 
 def _mixes_fwd(x_btnm, fn_nmj, norm_eps):
-    raw_btj, rs_bt = _mixes_parts(x_btnm, fn_nmj, norm_eps)
+    """(mixes, residuals): the projection raw [B, T, J] and rs = rsqrt(mean square + eps) [B, T] of
+    the flattened copies, in float32; mixes = raw * rs."""
+    x32 = upcast(x_btnm)
+    b, t, n, m = x32.shape
+    ms_bt = jnp.mean(jnp.square(x32.reshape(b, t, n * m)), axis=-1)
+    raw_btj = jnp.einsum("btnm,nmj->btj", x32, upcast(fn_nmj))
+    rs_bt = jax.lax.rsqrt(ms_bt + norm_eps)
     return raw_btj * rs_bt[..., None], (x_btnm, fn_nmj, raw_btj, rs_bt)
 
 

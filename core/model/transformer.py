@@ -260,6 +260,7 @@ class Transformer(nnx.Module):
     """The decoder: `logits, aux = model(tokens, positions, segment_ids, mode=..., collect=...)`."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
+        cfg = resolve_here(cfg)  # once, for every layer's spec (a no-op on an entry point's resolved config)
         pdt, dt = jnp.dtype(cfg.weight_dtype), jnp.dtype(cfg.dtype)
         self.dtype, self.n = dt, cfg.mhc_expansion_rate
         self.num_layers, self.first_hash = cfg.num_layers, cfg.first_num_hash_layers
@@ -267,7 +268,7 @@ class Transformer(nnx.Module):
         self.stage = stage_of(cfg)  # what "train" switches on and off (core.config.stages)
         self.joint = cfg.indexer_teacher == "joint"
         self.cross_layer_gradient = crosses_layers(cfg)
-        self.remat_policy = resolve_here(cfg).remat_policy  # a resolved config's own; `full` for an unresolved auto
+        self.remat_policy = cfg.remat_policy  # a resolved config's own; `full` for an unresolved auto
         specs = [BlockSpec.from_config(cfg, i) for i in range(cfg.num_layers)]
         self.segments = layer_plan(specs, cfg.scan_layers)
         kw = dict(param_dtype=pdt, dtype=dt)
@@ -276,7 +277,7 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([_segment(cfg, specs, *seg, rngs, kw) for seg in self.segments])
         self.hc_head = HeadCollapse(cfg.emb, self.n, cfg.hc_eps, cfg.normalization_layer_epsilon,
                                     rngs=rngs, param_dtype=pdt, form=cfg.hc_mix_form,
-                                    mixes_backward=resolve_here(cfg).hc_mixes_backward)
+                                    mixes_backward=cfg.hc_mixes_backward)
         self.norm = RMSNorm(cfg.emb, cfg.normalization_layer_epsilon, rngs=rngs, param_dtype=pdt)
         self.head = param(rngs, dense_init(), (cfg.emb, cfg.vocab_size), ("embed", "vocab"), pdt)
         trainable = mask_matcher(cfg.trainable_parameters_mask, cfg.frozen_parameters_mask)

@@ -137,12 +137,13 @@ def _fused_work(module: hlo.Module, comp: str) -> Work:
 
 def _in_place(module: hlo.Module, root: hlo.Instruction | None) -> tuple[str, int] | None:
     """(the update's type, 2 if its rows are read and written else 1) when `root` updates its
-    operand 0 in place: a dynamic-update-slice, a scatter, or a fusion whose root so updates its
-    parameter 0; None otherwise."""
+    operand 0 in place: a dynamic-update-slice (unless across part of the buffer's minor tiles), a
+    scatter, or a fusion whose root so updates its parameter 0; None otherwise."""
     if root is None or not root.operands:
         return None
     if root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
-        return module.types.get(root.operands[1], ""), 1
+        update = module.types.get(root.operands[1], "")
+        return None if _lane_partial(update, root.type_text) else (update, 1)
     if root.opcode == "scatter" and len(root.operands) == 3:
         return module.types.get(root.operands[2], ""), 2
     body = module.computations.get(_callee(root), []) if root.opcode == "fusion" else []
@@ -154,19 +155,16 @@ def _in_place(module: hlo.Module, root: hlo.Instruction | None) -> tuple[str, in
 def _lane_partial(update_text: str, buffer_text: str) -> bool:
     """Whether an update covers part of its buffer's minor tiles: narrower than the buffer along the
     layout's minor dimension by a width its tile does not divide (RoPE's 64 features written over the
-    last of 512). XLA:TPU then rewrites the whole buffer: on a v5e such a dynamic-update-slice of a
-    [1, 4096, 64, 64] bf16 update took 1.7 ms, its whole [1, 4096, 64, 512] buffer's time
-    (docs/planning.md#the-step-time-model)."""
+    last of 512). XLA:TPU then rewrites the whole buffer, as measured on a v5e
+    (docs/tpu.md#where-the-sparse-steps-time-goes)."""
     update, buffer = _LAID_OUT.findall(update_text), _LAID_OUT.findall(buffer_text)
     if len(update) != 1 or len(buffer) != 1 or not (m := _TILE.match(buffer[0][2] or "")):
         return False
-    minor = [int(d) for d in m.group(1).split(",") if d][:1]
-    lane = int(m.group(2).split(",")[-1])
+    minor, lane = int(m.group(1).split(",")[0] or -1), int(m.group(2).split(",")[-1])
     dims_u, dims_b = ([int(d) for d in t[1].split(",") if d] for t in (update[0], buffer[0]))
-    if not minor or len(dims_u) != len(dims_b) or minor[0] >= len(dims_b):
+    if not 0 <= minor < len(dims_b) or len(dims_u) != len(dims_b):
         return False
-    u, b = dims_u[minor[0]], dims_b[minor[0]]
-    return u < b and u % lane != 0
+    return dims_u[minor] < dims_b[minor] and dims_u[minor] % lane != 0
 
 
 def _users(body: list[hlo.Instruction]) -> dict[str, list[tuple[int, hlo.Instruction]]]:
@@ -205,8 +203,6 @@ def _fusion(module: hlo.Module, inst: hlo.Instruction) -> Work:
     users = _users(body)
     root = body[-1] if body else None
     in_place = _in_place(module, root)
-    if in_place and _lane_partial(in_place[0], root.type_text):
-        in_place = None  # the whole buffer read and written
     if in_place:  # the update, written where the buffer lives (a scatter's rows read and written)
         space = (laid_out(root.type_text) or [(0, 0)])[0][1]
         _add(work, _in_space(in_place[0], space), in_place[1])
@@ -264,8 +260,8 @@ def instruction_work(module: hlo.Module, inst: hlo.Instruction) -> Work | None:
     if op in ("slice", "dynamic-slice"):
         _add(work, inst.type_text, 2)
     elif op == "dynamic-update-slice" and len(inst.operands) > 1:
-        update = module.types.get(inst.operands[1], "")
-        _add(work, inst.type_text if _lane_partial(update, inst.type_text) else update, 2)
+        in_place = _in_place(module, inst)  # the update read and written, else the whole buffer
+        _add(work, in_place[0] if in_place else inst.type_text, 2)
     elif op == "scatter" and len(inst.operands) == 3:
         work.rows = _rows(module, inst)
         _add(work, module.types.get(inst.operands[1], ""))

@@ -7,8 +7,8 @@ component the dot_generals of the training step's own jaxpr (core/bench/train.py
 forward and backward, remat off, attention=masked, the direct indexer and LM losses,
 moe_impl=ragged) up to three named differences of the implementation: the masked path builds the
 teacher's queries a second time, the MoE's load statistics are contractions that are not the
-model's, and the mHC mixing projections' input gradient runs as products of slices added
-(core/model/mhc.py `hc_mixes`), not as a dot_general. A dropped or wrong term, a wrong pass count
+model's, and with `hc_mixes_backward: closed` the mHC mixing projections' input gradient runs as
+products of slices added (core/model/mhc.py `hc_mixes`), not as a dot_general. A dropped or wrong term, a wrong pass count
 or a wrong attribution fails (2).
 """
 
