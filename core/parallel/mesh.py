@@ -213,6 +213,9 @@ def wait_for_peers(name: str, timeout_s: int = BARRIER_TIMEOUT_S) -> None:
     try:
         distributed.global_state.client.wait_at_barrier(f"{name}-{_BARRIERS[name]}", timeout_in_ms=timeout_s * 1000)
     except Exception as e:  # noqa: BLE001  (the client raises XlaRuntimeError / JaxRuntimeError)
+        from core.parallel import peers
+
+        peers.await_verdict()  # a peer lost meanwhile cancels the barrier: the watch's line names it, alone
         raise ClusterError(f"process {jax.process_index()} waited {timeout_s} s at {name!r} for the other "
                            f"{jax.process_count() - 1} process(es) and gave up ({first_line(e)}): check that "
                            "every process runs and can reach the coordinator, then rerun the same command on all of "

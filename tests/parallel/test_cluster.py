@@ -11,7 +11,7 @@ import types
 import jax
 import pytest
 
-from core.errors import ConfigError
+from core.errors import ClusterError, ConfigError
 from core.parallel import mesh as mesh_lib
 from tests.conftest import tiny_config
 
@@ -117,6 +117,26 @@ def test_the_watch_names_a_lost_process_once(monkeypatch, goodbyes, line):
 
 def test_a_single_process_passes_barriers_at_once():
     mesh_lib.wait_for_peers("test-barrier", timeout_s=1)  # no coordination service: nothing to wait for
+
+
+def test_a_failed_barrier_waits_for_the_watchs_verdict_before_its_own_line(monkeypatch):
+    """A peer killed while the others wait at a barrier cancels it at once: the barrier's error must give
+    the watch the time to end the process with the one line naming the lost peer, as a failed step does."""
+    from jax._src import distributed
+
+    from core.parallel import peers
+
+    class _Client:
+        def wait_at_barrier(self, name, timeout_in_ms):
+            raise RuntimeError("CANCELLED: Stale barrier invocation is cancelled because:  task disconnected")
+
+    asked = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(distributed.global_state, "client", _Client())
+    monkeypatch.setattr(peers, "await_verdict", lambda: asked.append("verdict"))
+    with pytest.raises(ClusterError, match="gave up") as info:
+        mesh_lib.wait_for_peers("test-barrier", timeout_s=1)
+    assert asked == ["verdict"] and "\n" not in str(info.value)
 
 
 class _Gpu:
