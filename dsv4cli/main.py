@@ -39,9 +39,9 @@ def _root(
 def _register() -> None:
     from dsv4cli import bench, eval_indexer, export_hf, import_hf, inspect_ckpt, plan, train_cmds
 
-    app.command("pretrain", help=train_cmds.PRETRAIN_HELP, short_help=train_cmds.PRETRAIN_HELP.split(":")[0] + ".", epilog=train_cmds.PRETRAIN_EPILOG)(train_cmds.pretrain)
-    app.command("warmup", help=train_cmds.WARMUP_HELP, short_help=train_cmds.WARMUP_HELP.split(":")[0] + ".", epilog=train_cmds.WARMUP_EPILOG)(train_cmds.warmup)
-    app.command("sparse", help=train_cmds.SPARSE_HELP, short_help=train_cmds.SPARSE_HELP.split(":")[0] + ".", epilog=train_cmds.SPARSE_EPILOG)(train_cmds.sparse)
+    for name, stage in train_cmds.STAGES.items():
+        app.command(name, help=stage.help, short_help=stage.help.split(":")[0] + ".", epilog=stage.epilog)(
+            train_cmds.command(name))
     app.command("eval-indexer", help=eval_indexer.HELP, short_help=eval_indexer.HELP.split(":")[0] + ".", epilog=eval_indexer.EPILOG)(eval_indexer.command)
     app.command("inspect-ckpt", help=inspect_ckpt.HELP, short_help=inspect_ckpt.HELP.split(":")[0] + ".", epilog=inspect_ckpt.EPILOG)(inspect_ckpt.command)
     app.command("bench", help=bench.HELP, short_help=bench.HELP.split(":")[0] + ".", epilog=bench.EPILOG)(bench.command)

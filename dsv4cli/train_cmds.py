@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 
@@ -46,7 +48,35 @@ InitFrom = Annotated[Optional[Path], typer.Option(
     "--init-from", help="A run directory (any stage) or checkpoint step to start from (fresh optimizer).")]
 
 
-def _train(stage: str, *, overrides, steps, output, model, config, init_from=None, hosts=(None, None, None)) -> None:
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """What tells one training command from another: its help, its example, whether it takes --init-from."""
+
+    help: str
+    epilog: str
+    init_from: bool
+
+
+STAGES = {  # the order of `dsv4 --help`
+    "pretrain": Stage(PRETRAIN_HELP, PRETRAIN_EPILOG, init_from=False),
+    "warmup": Stage(WARMUP_HELP, WARMUP_EPILOG, init_from=True),
+    "sparse": Stage(SPARSE_HELP, SPARSE_EPILOG, init_from=True),
+}
+
+
+def train(
+    stage: str,
+    overrides: opt.Overrides = None,
+    steps: opt.Steps = None,
+    output: opt.Output = None,
+    init_from: InitFrom = None,
+    model: opt.Model = "deepseek4-tiny",
+    config: opt.ConfigFile = None,
+    coordinator_address: opt.CoordinatorAddress = None,
+    num_processes: opt.NumProcesses = None,
+    process_id: opt.ProcessId = None,
+) -> None:
+    """`dsv4 STAGE`: the stage's config, the run directory, the cluster, then the Trainer's rows."""
     from rich.console import Console
 
     from core.checkpoint.run_files import check_output_dir
@@ -58,7 +88,8 @@ def _train(stage: str, *, overrides, steps, output, model, config, init_from=Non
     run_dir = check_output_dir(run_dir, "--output" if output else "run directory (base_output_directory/run_name)")
     from core.parallel.mesh import initialize_distributed, is_main_process
 
-    if initialize_distributed(*hosts):  # before any JAX work; a no-op for a plain single process
+    # before any JAX work; a no-op for a plain single process
+    if initialize_distributed(coordinator_address, num_processes, process_id):
         from core.parallel import peers
         from dsv4cli.errors import print_error
 
@@ -83,48 +114,15 @@ def _train(stage: str, *, overrides, steps, output, model, config, init_from=Non
     display.summary(trainer.summary())
 
 
-@handle_errors
-def pretrain(
-    overrides: opt.Overrides = None,
-    steps: opt.Steps = None,
-    output: opt.Output = None,
-    model: opt.Model = "deepseek4-tiny",
-    config: opt.ConfigFile = None,
-    coordinator_address: opt.CoordinatorAddress = None,
-    num_processes: opt.NumProcesses = None,
-    process_id: opt.ProcessId = None,
-) -> None:
-    _train("pretrain", overrides=overrides, steps=steps, output=output, model=model, config=config,
-           hosts=(coordinator_address, num_processes, process_id))
+def command(stage: str) -> Callable[..., None]:
+    """`dsv4 STAGE`'s Typer command: `train` with the stage bound, its options `train`'s less
+    --init-from where the stage takes none (Typer reads the options from the signature)."""
 
+    @handle_errors
+    def run(**options) -> None:
+        train(stage, **options)
 
-@handle_errors
-def warmup(
-    overrides: opt.Overrides = None,
-    steps: opt.Steps = None,
-    output: opt.Output = None,
-    init_from: InitFrom = None,
-    model: opt.Model = "deepseek4-tiny",
-    config: opt.ConfigFile = None,
-    coordinator_address: opt.CoordinatorAddress = None,
-    num_processes: opt.NumProcesses = None,
-    process_id: opt.ProcessId = None,
-) -> None:
-    _train("warmup", overrides=overrides, steps=steps, output=output, model=model, config=config,
-           init_from=init_from, hosts=(coordinator_address, num_processes, process_id))
-
-
-@handle_errors
-def sparse(
-    overrides: opt.Overrides = None,
-    steps: opt.Steps = None,
-    output: opt.Output = None,
-    init_from: InitFrom = None,
-    model: opt.Model = "deepseek4-tiny",
-    config: opt.ConfigFile = None,
-    coordinator_address: opt.CoordinatorAddress = None,
-    num_processes: opt.NumProcesses = None,
-    process_id: opt.ProcessId = None,
-) -> None:
-    _train("sparse", overrides=overrides, steps=steps, output=output, model=model, config=config,
-           init_from=init_from, hosts=(coordinator_address, num_processes, process_id))
+    run.__signature__ = inspect.Signature([
+        p for name, p in inspect.signature(train, eval_str=True).parameters.items()
+        if name != "stage" and (name != "init_from" or STAGES[stage].init_from)])
+    return run
