@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from tests.reference import visible, window  # noqa: F401  (the shared mask references)
+from tests.reference import topk_mask, visible, window  # noqa: F401  (the shared mask and top-k references)
 
 EPS = 1e-8
 
@@ -25,18 +25,6 @@ def indexer_scores(q_idx, k_idx, w_idx):
         for t in range(t_size):
             for w in range(w_size):
                 out[b, t, w] = sum(w_idx[b, t, i] * max(float(np.dot(q_idx[b, t, i], k_idx[b, w])), 0.0) for i in range(heads))
-    return out
-
-
-def topk_allowed(scores, vis, k):
-    """visible & top-k: the k_eff = min(k, #visible) best visible blocks, ties to the lower index."""
-    out = np.zeros(vis.shape, bool)
-    for b in range(vis.shape[0]):
-        for t in range(vis.shape[1]):
-            cands = [w for w in range(vis.shape[2]) if vis[b, t, w]]
-            cands.sort(key=lambda w: (-scores[b, t, w], w))  # stable: lower index first on ties
-            for w in cands[:k]:
-                out[b, t, w] = True
     return out
 
 

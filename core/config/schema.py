@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import operator
 import typing
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -161,22 +162,11 @@ class Config:
     dcn_tensor_parallelism: int
     dcn_expert_parallelism: int
 
-    # ---- derived values (MaxText's short names)
-    @property
-    def emb(self) -> int:
-        return self.base_emb_dim
-
-    @property
-    def num_heads(self) -> int:
-        return self.base_num_query_heads
-
-    @property
-    def num_layers(self) -> int:
-        return self.base_num_decoder_layers
-
-    @property
-    def moe_mlp_dim(self) -> int:
-        return self.base_moe_mlp_dim
+    # ---- derived values (MaxText's short names of base_* fields; not fields themselves)
+    emb = property(operator.attrgetter("base_emb_dim"))
+    num_heads = property(operator.attrgetter("base_num_query_heads"))
+    num_layers = property(operator.attrgetter("base_num_decoder_layers"))
+    moe_mlp_dim = property(operator.attrgetter("base_moe_mlp_dim"))
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:

@@ -40,11 +40,7 @@ _NON_NEGATIVE = {
 }
 _AUTO_INTS = {"attention_query_chunk_size": 1, "lm_loss_chunk_size": 0}  # key -> least explicit value
 _CHOICES = {
-    "dtype": ("float32", "bfloat16"),
-    "weight_dtype": ("float32", "bfloat16"),
-    "frozen_weight_dtype": ("float32", "bfloat16"),
-    "mu_dtype": ("float32", "bfloat16"),
-    "nu_dtype": ("float32", "bfloat16"),
+    **dict.fromkeys(("dtype", "weight_dtype", "frozen_weight_dtype", "mu_dtype", "nu_dtype"), ("float32", "bfloat16")),
     "hc_mix_form": ("einsum", "slices"),
     "hc_mixes_backward": ("auto", "autodiff", "closed"),
     "remat_policy": ("auto", "none", "minimal", "full"),

@@ -46,10 +46,6 @@ class EventWriter:
         for tag, value in scalars(row).items():
             self._writer.add_scalar(tag, value, global_step=int(row["step"]))
 
-    def flush(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()

@@ -7,20 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
-from dsv4cli.main import app
+from tests.cli import dsv4_ok
 from tests.hf_checkpoints import SMALL, write_official
 
-runner = CliRunner()
 # SMALL cut to a hash-routed SWA layer and a CSA layer with a k below the blocks of 128-token rows
 TWO_LAYERS = dict(SMALL, num_hidden_layers=2, compress_ratios=[0, 4], num_hash_layers=1, index_topk=8)
-
-
-def _invoke(*args: str):
-    result = runner.invoke(app, list(args))
-    assert result.exit_code == 0, result.output
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +21,8 @@ def reports(tmp_path_factory):
     write_official(root / "src", TWO_LAYERS, seed=3)
     out = {}
     for name, flags in (("kept", ("--keep-quantized",)), ("plain", ())):
-        _invoke("import-hf", str(root / "src"), "--output", str(root / name), *flags)
-        result = _invoke("eval-indexer", str(root / name), "--rows", "2", "--length", "128", "--topk", "2,8", "--json",
+        dsv4_ok("import-hf", str(root / "src"), "--output", str(root / name), *flags)
+        result = dsv4_ok("eval-indexer", str(root / name), "--rows", "2", "--length", "128", "--topk", "2,8", "--json",
                          "dataset_type=synthetic")
         out[name] = json.loads(result.stdout)
     return out

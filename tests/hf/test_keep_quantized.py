@@ -31,6 +31,7 @@ from core.checkpoint import store as ckpt
 from core.hf import safetensors_io as st
 from core.hf.importer import read_source
 from dsv4cli.main import app
+from tests.cli import dsv4_ok
 from tests.hf_checkpoints import SMALL, write_official
 
 pytestmark = pytest.mark.slow  # two imports and two warm-ups through the CLI, each compiled: the file starts early
@@ -41,12 +42,6 @@ WARMUP = ("--steps", "5", "dataset_type=synthetic", "max_target_length=128", "pe
 # official weight -> (dsv4 logical path of the held parameter, routed expert or None), written from the notes
 _HELD = re.compile(r"layers\.(\d+)\.(attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.shared_experts\.w[123]"
                    r"|ffn\.experts\.(\d+)\.(w[123]))\.weight")
-
-
-def _invoke(*args: str):
-    result = runner.invoke(app, list(args))
-    assert result.exit_code == 0, result.output
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +56,8 @@ def work(tmp_path_factory):
 def runs(work):
     """The kept and the plain import of the same source, through the CLI."""
     root, src, _ = work
-    kept = _invoke("import-hf", str(src), "--output", str(root / "kept"), "--keep-quantized")
-    _invoke("import-hf", str(src), "--output", str(root / "plain"))
+    kept = dsv4_ok("import-hf", str(src), "--output", str(root / "kept"), "--keep-quantized")
+    dsv4_ok("import-hf", str(src), "--output", str(root / "plain"))
     return root / "kept", root / "plain", kept.stdout
 
 
@@ -144,7 +139,7 @@ def warmed(work, runs):
     options = program.step_compiler_options
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(program, "step_compiler_options", lambda *a, **k: {**options(*a, **k), **PRODUCT_FUSION})
-        results = {name: _invoke("warmup", "--model", str(run / "config.yml"), "--init-from", str(run),
+        results = {name: dsv4_ok("warmup", "--model", str(run / "config.yml"), "--init-from", str(run),
                                  "--output", str(root / f"warm-{name}"), *WARMUP)
                    for name, run in zip(("kept", "plain"), runs[:2])}
     for name, result in results.items():
@@ -175,7 +170,7 @@ def test_export_official_writes_the_held_tensors_back_bit_for_bit(work, runs):
     root, src, table = work
     kept, plain, _ = runs
     out = root / "export-official"
-    result = _invoke("export-hf", str(kept), str(out), "--layout", "official")
+    result = dsv4_ok("export-hf", str(kept), str(out), "--layout", "official")
     assert "as held (FP8/FP4 codes and e8m0 scales)" in result.stdout, result.stdout
     exported = read_source(out)[1]
     source_config, config = (json.loads((d / "config.json").read_text()) for d in (src, out))
@@ -194,12 +189,12 @@ def test_export_official_writes_the_held_tensors_back_bit_for_bit(work, runs):
     np.testing.assert_array_equal(st.read_tensor(*exported[wq_b]),
                                   st.dequant_fp8(st.read_tensor(f, i), st.read_tensor(*s)))
     # back in with --keep-quantized: the same leaves, byte for byte
-    _invoke("import-hf", str(out), "--output", str(root / "again"), "--keep-quantized")
+    dsv4_ok("import-hf", str(out), "--output", str(root / "again"), "--keep-quantized")
     a, b = _state(kept), _state(root / "again")
     assert a.keys() == b.keys() and all(np.array_equal(_bytes(a[k]), _bytes(b[k])) for k in a)
     # the transformers layout dequantises: exactly the plain import's export
     for run, name in ((kept, "tf-kept"), (plain, "tf-plain")):
-        _invoke("export-hf", str(run), str(root / name), "--layout", "transformers")
+        dsv4_ok("export-hf", str(run), str(root / name), "--layout", "transformers")
     tk, tp = read_source(root / "tf-kept")[1], read_source(root / "tf-plain")[1]
     assert tk.keys() == tp.keys()
     assert json.loads((root / "tf-kept" / "config.json").read_text()).get("quantization_config") is None
@@ -210,13 +205,13 @@ def test_export_official_writes_the_held_tensors_back_bit_for_bit(work, runs):
 
 def test_inspect_names_the_held_formats_and_bytes(runs):
     kept, plain, _ = runs
-    out = _invoke("inspect-ckpt", str(kept)).stdout
+    out = dsv4_ok("inspect-ckpt", str(kept)).stdout
     row = lambda path: next(l for l in out.splitlines() if l.split() and l.split()[0] == path)  # noqa: E731
     assert re.search(r"float8_e4m3fn +2,048 +2\.0 KiB +held FP8 e4m3", row("layers/0/attn/wq_a/codes")), out
     assert re.search(r"float8_e8m0fnu +1 +1 B +e8m0 scales", row("layers/0/attn/wq_a/scales")), out
     assert re.search(r"int8 +8,192 +8\.0 KiB +held FP4 e2m1, 2 per byte", row("layers/0/ffn/experts/w1/codes")), out
     assert re.search(r"held released in \d+ leaves \(FP8 e4m3 / FP4 e2m1 codes \+ e8m0 scales, [\d.]+ KiB\)", out), out
-    totals = [json.loads(_invoke("inspect-ckpt", str(r), "--json").stdout)["totals"] for r in (kept, plain)]
+    totals = [json.loads(dsv4_ok("inspect-ckpt", str(r), "--json").stdout)["totals"] for r in (kept, plain)]
     assert totals[0]["parameters"] == totals[1]["parameters"]
     assert totals[0]["trainable"] + totals[0]["frozen"] == totals[1]["trainable"] + totals[1]["frozen"]
     assert totals[0]["parameter_bytes"] < totals[1]["parameter_bytes"]
@@ -238,7 +233,7 @@ def test_bad_inputs_are_one_line_exit_2(work, runs, tmp_path):
     _one_line_error(result, "dsv4 sparse trains layers/", "released FP8/FP4 format", "without --keep-quantized")
     assert not (tmp_path / "sparse" / "checkpoints").exists()
     # a transformers-layout source has no codes to keep
-    _invoke("export-hf", str(runs[1]), str(tmp_path / "tf"), "--layout", "transformers")
+    dsv4_ok("export-hf", str(runs[1]), str(tmp_path / "tf"), "--layout", "transformers")
     result = runner.invoke(app, ["import-hf", str(tmp_path / "tf"), "-o", str(tmp_path / "x"), "--keep-quantized"])
     _one_line_error(result, "transformers layout", "without --keep-quantized")
     # experts in FP8 (convert.py --expert-dtype fp8): dsv4 holds them as FP4 only

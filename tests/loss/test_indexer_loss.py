@@ -51,7 +51,7 @@ def problem(seed, b=2, t=16, h=4, d=8, hi=4, di=8, docs=None):
 def masks(p, sparse):
     vis = ref.visible(p["pos"], p["seg"], RATIO)
     scores = ref.indexer_scores(p["qi"], p["ki"], p["wi"])
-    allowed = vis & ref.topk_allowed(scores, vis, TOPK) if sparse else vis
+    allowed = vis & ref.topk_mask(scores, vis, TOPK) if sparse else vis
     return scores, allowed, ref.window(p["pos"], p["seg"], WINDOW)
 
 

@@ -133,7 +133,7 @@ def test_select_topk_k_eff_and_never_invisible():
     n_visible = vis.sum(-1)
     np.testing.assert_array_equal(ok.sum(-1), np.minimum(3, n_visible))
     assert np.all(np.take_along_axis(vis, idx, -1)[ok]), "a valid selection is always visible"
-    want = ref.topk_allowed(np.asarray(scores, np.float64), vis, 3)
+    want = ref.topk_mask(np.asarray(scores, np.float64), vis, 3)
     np.testing.assert_array_equal(np.asarray(selection_mask(idx, ok, vis.shape[-1])), want)
     idx_all, ok_all = topk_fn(scores, vis, 99)  # k clipped to W
     assert idx_all.shape[-1] == vis.shape[-1]
