@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from core.train.step import config_matcher, learning_rate_schedule
+
 
 def scale_by_adam(b1: float, b2: float, eps: float, mu_dtype, nu_dtype) -> optax.GradientTransformation:
     """optax.scale_by_adam with the second moment stored in `nu_dtype` too.
@@ -47,6 +49,19 @@ class AdamW:
     weight_decay: float  # adam_weight_decay (decoupled)
     mu_dtype: str        # mu_dtype: the first moment's storage dtype
     nu_dtype: str        # nu_dtype: the second moment's storage dtype
+
+
+def adamw_spec(cfg) -> AdamW:
+    """The config's `AdamW`."""
+    return AdamW(cfg.gradient_clipping_threshold, cfg.adam_b1, cfg.adam_b2, cfg.adam_eps, cfg.adam_weight_decay,
+                 cfg.mu_dtype, cfg.nu_dtype)
+
+
+def from_config(cfg) -> optax.GradientTransformation:
+    """The run's optimizer: `adamw` with the config's settings, its learning-rate schedule and its
+    trainable mask (core/train/step.py). A new object each call: a run takes it through
+    core/train/program.py's `make_optimizer`, one per compiled step."""
+    return adamw(adamw_spec(cfg), learning_rate_schedule(cfg), config_matcher(cfg))
 
 
 def adamw(spec: AdamW, schedule: Callable[[Any], Any], trainable: Callable[[Sequence[Any]], bool]

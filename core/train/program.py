@@ -15,8 +15,9 @@ compares the lowered programs).
   `state_shardings` (an evaluation's, which returns metrics alone) donates nothing.
 - `make_train_step`: the jitted step (core/train/step.py's `step_fn`), one per compile-relevant
   config, graphdef and mesh in a process, so a resumed or repeated run does not compile again;
-  `make_optimizer` keeps one optax transformation per config for the same reason (it is part of
-  the optimizer's graphdef: equal configs give equal graphdefs).
+  `make_optimizer` keeps one optax transformation (core/train/optimizer.py's `from_config`) per
+  config for the same reason (it is part of the optimizer's graphdef: equal configs give equal
+  graphdefs).
 - `compile_ahead(cfg, mesh, objects)`: the step compiled from abstract state while the model
   builds (`StepPrecompile`). On a CPU the first step of a run is mostly two serial waits: building
   the model eagerly and compiling the step; the step needs only shapes, dtypes and shardings.
@@ -34,6 +35,18 @@ import functools
 import os
 import threading
 from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from core.data.batches import BATCH_KEYS
+from core.model import transformer
+from core.ops.order import tied
+from core.parallel import sharding
+from core.parallel.mesh import make_mesh, mesh_platform
+from core.train import optimizer
+from core.train.step import step_fn
 
 AUTO_CPU_LEVEL = 1  # xla_backend_optimization_level -1 on CPU (step_compiler_options)
 
@@ -88,24 +101,13 @@ def cached_compiled(key):
 
 
 def make_optimizer(cfg):
-    """clip -> AdamW(schedule) for trainable leaves, set_to_zero (no state) for frozen ones
-    (core/train/optimizer.py), one object per compile-relevant config."""
-    from core.train import optimizer
-    from core.train.step import config_matcher, learning_rate_schedule
-
+    """core/train/optimizer.py's `from_config` (clip -> AdamW(schedule) for trainable leaves,
+    set_to_zero for frozen ones), one object per compile-relevant config."""
     key = _compile_key(cfg)
     with _CACHE_LOCK:
         if key not in _TX_CACHE:
-            _TX_CACHE[key] = optimizer.adamw(adamw_spec(cfg), learning_rate_schedule(cfg), config_matcher(cfg))
+            _TX_CACHE[key] = optimizer.from_config(cfg)
         return _TX_CACHE[key]
-
-
-def adamw_spec(cfg):
-    """The config's `core.train.optimizer.AdamW`."""
-    from core.train.optimizer import AdamW
-
-    return AdamW(cfg.gradient_clipping_threshold, cfg.adam_b1, cfg.adam_b2, cfg.adam_eps, cfg.adam_weight_decay,
-                 cfg.mu_dtype, cfg.nu_dtype)
 
 
 # ----------------------------------------------------------------------------- inputs and jit
@@ -115,10 +117,6 @@ def abstract_model_and_optimizer(cfg):
     """`cfg`'s (model, optimizer) from `nnx.eval_shape`: ShapeDtypeStructs, nothing allocated (the
     objects of `abstract_inputs` for the train step, and the restore targets of a run); the model is
     `transformer.abstract`'s, traced once per config."""
-    from flax import nnx
-
-    from core.model import transformer
-
     model = transformer.abstract(cfg)
     return model, nnx.eval_shape(lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param), model)
 
@@ -137,19 +135,11 @@ def abstract_inputs(cfg, objects: Any, mesh=None) -> StepInputs:
       devices rows of max_target_length int32 tokens, for each of `BATCH_KEYS`) split over the
       batch axes.
     """
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from core.data.batches import BATCH_KEYS
-    from core.parallel.mesh import make_mesh
-    from core.parallel.sharding import abstract_state, batch_sharding
-
     mesh = make_mesh(cfg) if mesh is None else mesh
     graphdef, state = nnx.split(objects)
     spec = jax.ShapeDtypeStruct((cfg.per_device_batch_size * mesh.size, cfg.max_target_length), jnp.int32,
-                                sharding=batch_sharding(mesh))
-    return StepInputs(graphdef, abstract_state(state, mesh), {k: spec for k in BATCH_KEYS}, mesh)
+                                sharding=sharding.batch_sharding(mesh))
+    return StepInputs(graphdef, sharding.abstract_state(state, mesh), {k: spec for k in BATCH_KEYS}, mesh)
 
 
 def jit_step(fn: Callable, cfg, mesh, state_shardings: Any = None):
@@ -161,10 +151,6 @@ def jit_step(fn: Callable, cfg, mesh, state_shardings: Any = None):
       state_shardings: the shardings of the returned state (`state_shardings(state, mesh)`: the
         input's rule shardings, so the next step reuses the program); None: nothing donated.
     """
-    import jax
-
-    from core.parallel.mesh import mesh_platform
-
     options = step_compiler_options(cfg, mesh_platform(mesh)) or None
     if state_shardings is None:
         return jax.jit(with_mesh(mesh, fn), compiler_options=options)
@@ -177,11 +163,6 @@ def with_mesh(mesh, fn):
     exchange: core/ops/expert_parallel.py); `jax.set_mesh` cannot be entered under jit. The
     collective-order ties (core/ops/order.py) are traced where the mesh needs them: on the CPU, with
     more than one device."""
-    import jax
-
-    from core.ops.order import tied
-    from core.parallel.mesh import mesh_platform
-
     @functools.wraps(fn)  # keeps the step's name: core/plan reads the jit_step dumps
     def traced(*args):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), tied(mesh_platform(mesh) == "cpu" and mesh.size > 1):
@@ -201,8 +182,6 @@ def step_compiler_options(cfg, backend: str | None = None) -> dict[str, Any]:
     Args:
       backend: the platform the step compiles for (default: `jax.default_backend()`).
     """
-    import jax
-
     level = cfg.xla_backend_optimization_level
     if "--xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
         return {}
@@ -224,15 +203,11 @@ def make_train_step(cfg, graphdef, state, mesh):
     The output state keeps the input's rule-given shardings (so step 1 reuses step 0's program);
     one jitted step is shared by every run of an equal (cfg, graphdef, mesh) in a process.
     """
-    from core.parallel.mesh import mesh_platform
-    from core.parallel.sharding import state_shardings
-    from core.train.step import step_fn
-
     key = step_key(cfg, graphdef, mesh)
     with _CACHE_LOCK:  # the compile thread asks too
         if key not in _STEP_CACHE:
             _STEP_CACHE[key] = jit_step(step_fn(cfg, graphdef, mesh_platform(mesh)), cfg, mesh,
-                                        state_shardings(state, mesh))
+                                        sharding.state_shardings(state, mesh))
         return _STEP_CACHE[key]
 
 

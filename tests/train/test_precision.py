@@ -29,7 +29,6 @@ from core.checkpoint import store as ckpt
 from core.config.schema import load_config
 from core.errors import ConfigError
 from core.train import optimizer as train_optimizer
-from core.train import program
 from core.train import step as train_step
 from core.train.materialise import build, materialise
 from core.train.preflight import preflight
@@ -68,7 +67,8 @@ def _adamw_movement(params, grads, **keys):
     """The parameter movement of AdamW (core.train.optimizer, no clipping) over the gradient sequence."""
     # dataclasses.replace: past validate, which refuses the b2 = 0.99 that one test shows
     cfg = dataclasses.replace(load_config("deepseek4-tiny", [*SMALL_LR, "gradient_clipping_threshold=0"]), **keys)
-    tx = train_optimizer.adamw(program.adamw_spec(cfg), train_step.learning_rate_schedule(cfg), lambda path: True)
+    tx = train_optimizer.adamw(train_optimizer.adamw_spec(cfg), train_step.learning_rate_schedule(cfg),
+                               lambda path: True)
     p, state = params, tx.init(params)
     for g in grads:
         updates, state = tx.update(g, state, p)
