@@ -72,7 +72,10 @@ class HeldWeight(nnx.Module):
     def dequantize(self, dtype=jnp.float32):
         """The weight in dsv4's layout [*stack, (G,) I, *out], in `dtype` (exact in float32)."""
         deq = dequantize_fp8 if self.fmt == "fp8" else dequantize_fp4
-        return to_ours(deq(self.codes[...], self.scales[...]), groups=self.groups, out=self.out).astype(dtype)
+        w = to_ours(deq(self.codes[...], self.scales[...]), groups=self.groups, out=self.out).astype(dtype)
+        # A whole buffer, as a float parameter is: fused into its consumer, the dequantisation changes the
+        # consumer's kernel (XLA:CPU's dot emitter, its reduction order), and so the last bits of the result.
+        return jax.lax.optimization_barrier(w)
 
     def __getitem__(self, index):
         return self.dequantize()[index]
