@@ -109,8 +109,8 @@ PLATFORM_CHOICES: dict[str, tuple[Any, Any]] = {
     "hc_mixes_backward": (AUTO, {"cpu": "autodiff", "gpu": "autodiff", "tpu": "closed"}),
     "lm_loss_chunk_size": (AUTO_INT, {"cpu": 256, "gpu": 256, "tpu": 2048}),
     # `full` here; an entry point that compiles the step (the run's preflight, the planner, the
-    # benchmarks) takes `none` instead on a TPU where that step compiles within the chip
-    # (core/train/program.py `remat_that_fits`)
+    # benchmarks) takes `none` or else `projections` instead on a TPU where that step compiles within
+    # the chip (core/train/program.py `remat_that_fits`)
     "remat_policy": (AUTO, {"cpu": "full", "gpu": "full", "tpu": "full"}),
 }
 

@@ -63,6 +63,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from core.config.platform import require_resolved, resolve_here
 from core.loss.indexer_kl import csa_indexer_loss
@@ -97,7 +98,7 @@ def project_queries(c_q_btr, wq_b_rhd, positions_bt, *, eps: float, rope: RopeSp
     The softmax scale D^-1/2 joins the norm's float32 factor (a rotation commutes with it), so
     the [B, T, H, D] queries take no pass of their own for it, forward or backward.
     """
-    q = jnp.einsum("btr,rhd->bthd", c_q_btr.astype(dtype), wq_b_rhd.astype(dtype))
+    q = checkpoint_name(jnp.einsum("btr,rhd->bthd", c_q_btr.astype(dtype), wq_b_rhd.astype(dtype)), "attn_q_proj")
     return apply_rope((rms_normalize(q, eps) * q.shape[-1] ** -0.5).astype(dtype), positions_bt, rope)
 
 
@@ -270,7 +271,7 @@ class Attention(nnx.Module):
             selection, aux = self._index(mode, x_btm, queries, keys, packing, Flags(dense, indexer_loss, collect, observe))
         if s.projections == "whole":  # one matmul per projection and weight gradient, [B, T, H, D] whole
             q = RowQueries.given(pin_rows(queries.of(queries.inputs, positions_bt), heads_axis=2))  # split as x is
-            o_bthd = pin_rows(mode.attend(q, keys, packing, selection, None), heads_axis=2)
+            o_bthd = checkpoint_name(pin_rows(mode.attend(q, keys, packing, selection, None), heads_axis=2), "attn_out")
             return self._output(o_bthd, positions_bt), aux
         return mode.attend(queries, keys, packing, selection, self._output), aux
 
@@ -281,7 +282,8 @@ class Attention(nnx.Module):
         b, t = o.shape[:2]
         o_btgf = o.reshape(b, t, s.o_groups, -1)
         # its weight gradient gathers o after the cotangent (docs/scaling.md#collective-order-on-the-cpu)
-        lat_btgr = einsum_after_cotangent("btgf,gfr->btgr", o_btgf, self.wo_a[...].astype(dt))
+        lat_btgr = checkpoint_name(einsum_after_cotangent("btgf,gfr->btgr", o_btgf, self.wo_a[...].astype(dt)),
+                                   "attn_o_lora")
         return jnp.einsum("btr,rm->btm", lat_btgr.reshape(b, t, -1), self.wo_b[...].astype(dt))
 
     def _index(self, mode: Mode, x_btm, queries: RowQueries, keys: Keys, packing: Packing, flags: Flags):

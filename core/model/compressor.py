@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from core.model.layers import RMSNorm, dense_init, param, rms_normalize
 from core.ops.masks import NEG, block_first_positions
@@ -66,8 +67,8 @@ def compress(x_btm, weights: CompressorWeights, positions_bt, *, ratio: int, eps
     in_dtype = x_btm.dtype
     acc = jnp.promote_types(in_dtype, jnp.float32)
     x_btm = x_btm[:, : w * ratio].astype(acc)
-    kv_btf = jnp.einsum("btm,mf->btf", x_btm, wkv_mf.astype(acc))
-    gate_btf = jnp.einsum("btm,mf->btf", x_btm, wgate_mf.astype(acc))
+    kv_btf = checkpoint_name(jnp.einsum("btm,mf->btf", x_btm, wkv_mf.astype(acc)), "compressor_proj")
+    gate_btf = checkpoint_name(jnp.einsum("btm,mf->btf", x_btm, wgate_mf.astype(acc)), "compressor_proj")
     f = kv_btf.shape[-1]
     kv_bwrf = kv_btf.reshape(b, w, ratio, f)
     gate_bwrf = gate_btf.reshape(b, w, ratio, f) + ape_rf.astype(acc)

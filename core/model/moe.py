@@ -301,8 +301,8 @@ def grouped_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: 
     k = idx_btk.shape[-1]
     slots = SlotOrder(idx_btk.reshape(b * t, k), w1_emf.shape[0])
     x_sm = slots.sort(x_btm.reshape(b * t, m))
-    gate_sf = matmul(x_sm, w1_emf, slots.group_sizes)
-    up_sf = matmul(x_sm, w3_emf, slots.group_sizes)
+    gate_sf = checkpoint_name(matmul(x_sm, w1_emf, slots.group_sizes), "moe_gate")
+    up_sf = checkpoint_name(matmul(x_sm, w3_emf, slots.group_sizes), "moe_up")
     weights_s = slots.weights(weights_btk.reshape(b * t, k).astype(_acc(x_btm)))
     h_sf = (swiglu_hidden(gate_sf, up_sf, limit) * weights_s[:, None]).astype(x_btm.dtype)
     return slots.gather_sum(matmul(h_sf, w2_efm, slots.group_sizes)).reshape(b, t, m)
@@ -412,8 +412,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x_btm):
         x_btm = x_btm.astype(self.dtype)
-        gate_btf = jnp.einsum("btm,mf->btf", x_btm, self.w1[...].astype(self.dtype))
-        up_btf = jnp.einsum("btm,mf->btf", x_btm, self.w3[...].astype(self.dtype))
+        gate_btf = checkpoint_name(jnp.einsum("btm,mf->btf", x_btm, self.w1[...].astype(self.dtype)), "moe_gate")
+        up_btf = checkpoint_name(jnp.einsum("btm,mf->btf", x_btm, self.w3[...].astype(self.dtype)), "moe_up")
         h_btf = swiglu_hidden(gate_btf, up_btf, self.limit).astype(self.dtype)
         return jnp.einsum("btf,fm->btm", h_btf, self.w2[...].astype(self.dtype),
                           preferred_element_type=_acc(x_btm))

@@ -25,24 +25,29 @@ Parameter tree (`segments[s] = (start, unit, repeats)`):
             shared_experts.{w1, w2, w3}}, hc_attn.{fn, base, scale}, hc_ffn.{fn, base, scale}
 Without `scan_layers` every segment is a single layer, so `layers.{i}` is layer i.
 
-Activation checkpointing (`remat_policy`, MaxText's names): every layer body, scanned or not, runs
-under `jax.checkpoint` with the policy of REMAT_POLICIES, which decides what the backward pass keeps
-from the forward and what it recomputes:
-  none     no remat: every residual the autodiff wants is kept, per layer (most memory, no recompute);
-  minimal  keep the outputs of matmuls without batch dimensions (x @ W projections, experts), recompute
-           the rest (norms, RoPE, attention scores and softmax, mHC mixing);
-  full     keep only each layer's input; the whole layer runs again in the backward (one extra
-           forward of the layers, least memory).
-Both remat policies also keep SAVED_NAMES, values tagged with `checkpoint_name` where they are
+Activation checkpointing (`remat_policy`, MaxText's names where MaxText has one): every layer body,
+scanned or not, runs under `jax.checkpoint` with the policy `remat_policy(name, platform)` gives,
+which decides what the backward pass keeps from the forward and what it recomputes:
+  none         no remat: every residual the autodiff wants is kept, per layer (most memory, no recompute);
+  minimal      keep the outputs of matmuls without batch dimensions (x @ W projections), recompute the
+               rest (norms, RoPE, attention scores and softmax, mHC mixing, Pallas kernels);
+  projections  keep the products that are costly to recompute, by name (PROJECTION_NAMES: the attention's
+               query and output projections, the fused attention kernels' output and log-sum-exp, the
+               compressor's projections, the experts' gate and up products, the megablox kernels' too),
+               recompute the elementwise work between them and the small projections, and offload each
+               layer's input to host memory where the platform has it apart from the device's (TPU, GPU);
+  full         keep only each layer's input; the whole layer runs again in the backward (one extra
+               forward of the layers, least memory).
+Every remat policy also keeps SAVED_NAMES, values tagged with `checkpoint_name` where they are
 made: the CSA top-k selection (int [B, T, k] + bool), the streamed indexer loss's closed-form
 gradients (per token [B, T, R + HI], its keys [B, W, DI], its query weight), the indexer's own
 gradient where `indexer_gradient: local` takes it in the forward (core.model.indexer.
 local_gradient_loss: one copy of the indexer's parameters per layer) and the MoE's routing
 (int: chosen experts, slot rows, tile experts). The backward then runs no indexer scoring, top-k,
-indexer loss nor routing sort again, for a few bytes per token and layer. The attention output
-[B, T, M] is not kept: keeping it grows the temporaries at long T more than it saves.
-The default (base.yml) is `full`: half the XLA temporaries of `minimal` for a few more FLOPs,
-since `minimal` already recomputes every non-matmul op (docs/benchmarks.md#why-the-defaults).
+indexer loss nor routing sort again, for a few bytes per token and layer. Under `full` the attention
+output [B, T, M] is not kept: keeping it grows the temporaries at long T more than it saves.
+`auto` (core/config/platform.py, core/train/program.py `remat_that_fits`) is `full`, or on a TPU the
+first of `none` and `projections` whose step compiles within the chip.
 In the warm-up nothing but the indexer trains and its gradient is local, so no gradient crosses a
 layer: the backward keeps no layer's input and runs no layer again, under any policy (the step's
 memory is one layer's plus the weights': tests/model/test_local_gradient.py).
@@ -63,6 +68,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from core.config.platform import resolve_here
 from core.config.stages import stage_of
@@ -74,6 +80,7 @@ from core.model.moe import MoE, MoESpec, hash_table, update_router_bias
 from core.model.params import mask_matcher
 from core.model import quant
 from core.ops.order import backward_after_cotangent
+from core.ops.placement import mesh_platform_of
 
 MODES = ("train", "eval", "eval_dense")
 COLLECT_KEYS = ("index_scores", "topk_idx", "topk_valid", "teacher_query", "compressed_kv", "visible", "indexer_x",
@@ -82,13 +89,36 @@ JOINT_KEYS = ("raw_kv", "window", "sink")
 # Small named values every remat policy keeps (module docstring): what the backward would
 # otherwise recompute at a high op count for a few bytes per token (checkpoint_name at the source).
 SAVED_NAMES = ("topk_idx", "topk_valid", "topk_mask", "indexer_loss_grads", "indexer_local_grads", "moe_routing")
-_SAVE_NAMES = jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
-REMAT_POLICIES = {  # name -> jax.checkpoint policy; "none" = no remat (module docstring)
-    "none": None,
-    "minimal": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims, _SAVE_NAMES),
-    "full": _SAVE_NAMES,
-}
+# The costly products `projections` keeps, named where they are made: the query projection c_q W_qb and
+# the grouped output projection (core.model.attention), the fused kernels' output and log-sum-exp
+# (core.ops.fused_attention), the compressor's float32 projections, the experts' gate and up products
+# (core.model.moe, routed and shared). Their elementwise consumers (norms, RoPE, SwiGLU) run again.
+PROJECTION_NAMES = ("attn_q_proj", "attn_o_lora", "attn_out", "attn_lse", "compressor_proj", "moe_gate", "moe_up")
+LAYER_INPUT = "decoder_layer_input"  # each layer body's input x [B, T, n, M] (run_segment)
+REMAT_POLICIES = ("none", "minimal", "projections", "full")  # module docstring
+
+
+def remat_policy(name: str, platform: str):
+    """The `jax.checkpoint` policy of remat_policy `name` for a step on `platform` (None: no remat).
+
+    `projections` offloads each layer's input to the host's pinned memory on a TPU or GPU (copied
+    out in the forward, back in the backward: MaxText's `decoder_layer_input: offload`); on a CPU,
+    whose device memory is the host's, it keeps it like any saved value."""
+    names = jax.checkpoint_policies.save_only_these_names
+    if name == "none":
+        return None
+    if name == "minimal":
+        return jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims, names(*SAVED_NAMES))
+    if name == "full":
+        return names(*SAVED_NAMES)
+    if name != "projections":
+        raise ValueError(f"remat_policy={name!r} is unknown: use one of {', '.join(REMAT_POLICIES)}")
+    if platform == "cpu":
+        return names(*SAVED_NAMES, *PROJECTION_NAMES, LAYER_INPUT)
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[*SAVED_NAMES, *PROJECTION_NAMES], names_which_can_be_offloaded=[LAYER_INPUT],
+        offload_src="device", offload_dst="pinned_host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +268,7 @@ def run_segment(layer, x_btnm, args, flags, *, remat: bool, policy, scanned: boo
     graphdef, state = nnx.split(layer)
 
     def body(x, variables, a):
-        return nnx.merge(graphdef, variables)(x, *a, **flags)
+        return nnx.merge(graphdef, variables)(checkpoint_name(x, LAYER_INPUT), *a, **flags)
 
     if remat:
         body = jax.checkpoint(body, policy=policy, prevent_cse=not scanned)
@@ -332,7 +362,7 @@ class Transformer(nnx.Module):
         args = (tokens, positions, segment_ids)
         x = expand(self.embed[...].astype(self.dtype)[tokens], self.n)  # cast first: FSDP gathers in dtype
 
-        policy = REMAT_POLICIES[self.remat_policy]
+        policy = remat_policy(self.remat_policy, mesh_platform_of(jax.sharding.get_abstract_mesh()))
         auxes = []  # per segment: [aux per unit position], arrays [repeats, ...] when scanned
         for (_, _, reps), layer in zip(self.segments, self.layers):
             x, aux = run_segment(layer, x, args, flags, remat=self.remat_policy != "none", policy=policy,

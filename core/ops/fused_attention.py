@@ -57,6 +57,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -404,6 +405,7 @@ def _attend(blk: _Blocks, q, kv, sink, qinfo, kinfo, ckv, allowed):
 def _attend_fwd(blk, q, kv, sink, qinfo, kinfo, ckv, allowed):
     reach = _reach_of(allowed, blk)  # once per call: the backward skips the same chunks
     o, lse = _forward(blk, q, kv, sink, qinfo, kinfo, ckv, allowed, reach)
+    lse = checkpoint_name(lse, "attn_lse")  # kept by remat_policy=projections, with the output (core.model.attention)
     return o, (q, kv, sink, qinfo, kinfo, ckv, allowed, reach, lse)  # not o: the backward finds delta without it
 
 

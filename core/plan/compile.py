@@ -240,7 +240,7 @@ def read_buffer_assignment(dump: str | None, module: str = "jit_step") -> str:
 def _child(args: dict[str, Any]) -> dict[str, Any]:
     from core.errors import DsvError
     from core.plan.report import usable_memory
-    from core.train.program import no_remat_candidate
+    from core.train.program import remat_candidates
 
     try:
         target = tg.parse_target(args["target"])
@@ -249,9 +249,10 @@ def _child(args: dict[str, Any]) -> dict[str, Any]:
         asked, cfg = cfg, resolve(cfg, target.platform, mesh.shape)
         kw = dict(top=args["top"], analytic=args["analytic"], dump=args.get("dump"), stage=args["stage"],
                   batch_rows=args.get("batch_rows"))
-        if args["stage"] != EVAL and no_remat_candidate(asked, cfg, target.platform, dict(mesh.shape),
-                                                        usable_memory(target)[0]):
-            light = compile_plan(cfg.replace(remat_policy="none"), target, **kw)  # the run's choice, as the run makes it
+        trials = () if args["stage"] == EVAL else remat_candidates(asked, cfg, target.platform, dict(mesh.shape),
+                                                                   usable_memory(target)[0])
+        for policy in trials:  # the run's choice, as the run makes it (core/train/program.py `remat_that_fits`)
+            light = compile_plan(cfg.replace(remat_policy=policy), target, **kw)
             if light["fits"]:
                 return light
         return compile_plan(cfg, target, **kw)

@@ -13,8 +13,9 @@ In order, each stopping the run in one line before the long phases start:
    have this config's structure (core/train/resume_checks.py);
 5. the parameters and AdamW's moments against one device's memory (core/train/memory.py);
 6. the masks against the stage table (core/train/step.py `check_masks`);
-7. last, on a TPU with `remat_policy=auto`: the step without layer remat compiled, and taken where it
-   fits the chip (core/train/program.py `remat_that_fits`; the run then finds it compiled).
+7. last, on a TPU with `remat_policy=auto`: the step without layer remat, then with `projections`,
+   compiled, and the first that fits the chip taken (core/train/program.py `remat_that_fits`; the run
+   then finds it compiled).
 The notices (what a resume changes, a dropped metrics line, a fresh indexer) and the warnings
 (top-k that never binds) travel in the record.
 """
@@ -104,13 +105,13 @@ def preflight(cfg, stage: str, run_dir: Path, init_from: str | Path | None = Non
     check_fits(cfg, stage, mesh, abstract[0])  # a model that cannot fit stops here, in one line
     labels = check_masks(cfg, abstract[0])
     warnings = tuple(w for w in (topk_warning(cfg),) if w)
-    # last, once every cheap check passed: on a TPU, remat_policy=auto compiles the step without remat
-    # and keeps it where it fits (the run then finds it compiled)
+    # last, once every cheap check passed: on a TPU, remat_policy=auto compiles the step without remat,
+    # then with `projections`, and keeps the first that fits (the run then finds it compiled)
     fitted = program.remat_that_fits(asked, cfg, mesh)
     if fitted is not cfg:
         cfg, abstract = fitted, program.abstract_model_and_optimizer(fitted)
-        notices.append("remat_policy=auto: none (the step without layer remat fits the chip, compiled; "
-                       "remat_policy=full keeps the layer remat)")
+        notices.append(f"remat_policy=auto: {cfg.remat_policy} (the first of none, projections whose step fits "
+                       "the chip, compiled; remat_policy=full keeps the whole layer remat)")
     return Preflight(cfg, mesh, abstract, labels, data, source, kept, tuple(notices), warnings)
 
 

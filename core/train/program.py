@@ -24,9 +24,10 @@ compares the lowered programs).
   The executable is cached like the jitted step; when the real state does not match what was
   compiled (another graphdef, sharding or shape) the jitted step runs, which compiles on its first
   call: the values of every step are the same either way.
-- `remat_that_fits(asked, cfg, mesh, usable)`: `remat_policy=auto` on a TPU, the step without layer
-  remat compiled and taken where it fits a chip (its executable cached for the run), after a
-  screen (`no_remat_worth_compiling`) that spares a compile that cannot fit or changes nothing.
+- `remat_that_fits(asked, cfg, mesh, usable)`: `remat_policy=auto` on a TPU, the steps without layer
+  remat and with `projections` compiled in turn, the first that fits a chip taken (its executable
+  cached for the run), after a screen (`remat_worth_compiling`) that spares a compile that cannot
+  fit or changes nothing; `full` where neither fits.
 """
 
 from __future__ import annotations
@@ -299,19 +300,31 @@ def kept_bytes_per_row(cfg) -> int:
 
 
 # About the largest share of `kept_bytes_per_row` that XLA:TPU kept in the steps without layer remat
-# measured (docs/benchmarks.md#why-the-defaults; far less where the layers are not scanned).
-KEPT_SHARE_SCREEN = 0.6
+# measured (docs/benchmarks.md#why-the-defaults; far less where the layers are not scanned). Under
+# `projections` the policy names what is kept, and XLA keeps it.
+KEPT_SHARE_SCREEN = {"none": 0.6, "projections": 1.0}
+REMAT_TRIALS = ("none", "projections")  # auto's candidates on a TPU, fastest first; `full` needs no compile
 
 
-def no_remat_worth_compiling(cfg, mesh_axes, usable_bytes: int) -> bool:
-    """Whether the step without layer remat may fit one device of `usable_bytes`, before compiling it:
-    False where no gradient crosses the layers (the warm-up: layer remat changes nothing,
-    `core.model.transformer.crosses_layers`), else whether the parameters and AdamW's moments per
-    device (`state_bytes_needed` on an abstract mesh of `mesh_axes`) plus KEPT_SHARE_SCREEN of what the
-    backward keeps without remat for the rows a device holds (`kept_bytes_per_row`) fit. A screen, not
-    the verdict: XLA:TPU recomputes what it must to fit its limit by itself, so the compile decides
+def offloaded_bytes_per_row(cfg) -> int:
+    """Bytes per batch row of the layers' inputs [T, n, M] in the compute dtype, which `projections`
+    keeps in host memory on a TPU (core.model.transformer.remat_policy), not on the device."""
+    import jax.numpy as jnp
+
+    width = cfg.max_target_length * cfg.mhc_expansion_rate * cfg.emb * jnp.dtype(cfg.dtype).itemsize
+    return cfg.num_layers * width
+
+
+def remat_worth_compiling(cfg, mesh_axes, usable_bytes: int) -> bool:
+    """Whether the step of `cfg`'s remat_policy (one of REMAT_TRIALS) may fit one device of
+    `usable_bytes`, before compiling it: False where no gradient crosses the layers (the warm-up:
+    layer remat changes nothing, `core.model.transformer.crosses_layers`), else whether the parameters
+    and AdamW's moments per device (`state_bytes_needed` on an abstract mesh of `mesh_axes`) plus
+    KEPT_SHARE_SCREEN of what the backward keeps on the device for the rows a device holds
+    (`kept_bytes_per_row`, less `offloaded_bytes_per_row` under `projections`) fit. A screen, not the
+    verdict: XLA:TPU recomputes what it must to fit its limit by itself, so the compile decides
     (`remat_that_fits`); the screen spares a compile that cannot fit (V4-Flash's 43 layers at full
-    size) or would change nothing."""
+    size without remat) or would change nothing."""
     import math
 
     from flax import nnx
@@ -331,23 +344,56 @@ def no_remat_worth_compiling(cfg, mesh_axes, usable_bytes: int) -> bool:
                                       cfg.nu_dtype)
     shards = math.prod(mesh_axes.get(a, 1) for a in BATCH_AXES)
     rows = cfg.per_device_batch_size * math.prod(mesh_axes.values()) // max(shards, 1)  # a device's batch shard
-    return state + KEPT_SHARE_SCREEN * rows * kept_bytes_per_row(cfg.replace(remat_policy="none")) <= usable_bytes
+    kept = kept_bytes_per_row(cfg)  # traced here on the CPU, where `projections` offloads nothing
+    if cfg.remat_policy == "projections":
+        kept -= offloaded_bytes_per_row(cfg)
+    return state + KEPT_SHARE_SCREEN[cfg.remat_policy] * rows * kept <= usable_bytes
 
 
-def no_remat_candidate(asked, cfg, platform: str, mesh_axes, usable_bytes: int | None) -> bool:
-    """Whether the step without layer remat is compiled first for `asked` (the config before `resolve`;
-    `cfg`, after it): `remat_policy=auto` on a TPU of known memory, past `no_remat_worth_compiling`. The
-    run (`remat_that_fits`) and `dsv4 plan` (core/plan/compile.py) ask this one question."""
-    return (asked.remat_policy == "auto" and cfg.remat_policy == "full" and platform == "tpu"
-            and usable_bytes is not None and no_remat_worth_compiling(cfg, mesh_axes, usable_bytes))
+def remat_candidates(asked, cfg, platform: str, mesh_axes, usable_bytes: int | None) -> tuple[str, ...]:
+    """The remat policies compiled in turn for `asked` (the config before `resolve`; `cfg`, after it),
+    fastest first, before `cfg`'s `full`: REMAT_TRIALS past `remat_worth_compiling` where `asked` says
+    `remat_policy=auto` and the platform is a TPU of known memory; none elsewhere (a CPU's and a GPU's
+    `auto` is `full`: core/config/platform.py). The run (`remat_that_fits`) and `dsv4 plan`
+    (core/plan/compile.py) ask this one question."""
+    if not (asked.remat_policy == "auto" and cfg.remat_policy == "full" and platform == "tpu"
+            and usable_bytes is not None):
+        return ()
+    return tuple(p for p in REMAT_TRIALS
+                 if remat_worth_compiling(cfg.replace(remat_policy=p), mesh_axes, usable_bytes))
+
+
+def fitting_remat(cfg, mesh, usable_bytes: int, candidates) -> Any:
+    """`cfg` with the first remat policy of `candidates` whose step compiles within `usable_bytes` per
+    device on `mesh` (its executable kept for the run: `compiled_step`'s cache), else `cfg` itself.
+    A compile XLA refuses for memory, or whose memory analysis exceeds `usable_bytes`, is passed over
+    (and not kept); any other compile error is raised."""
+    from core.errors import resource_exhausted
+    from core.train import memory
+
+    for policy in candidates:
+        trial = cfg.replace(remat_policy=policy)
+        inputs = abstract_inputs(trial, abstract_model_and_optimizer(trial), mesh)
+        try:
+            compiled = compiled_step(trial, *inputs)
+        except Exception as e:  # noqa: BLE001  (XLA:TPU refuses a program over its limit at compile)
+            if resource_exhausted(e) is None:
+                raise
+            continue
+        if memory.compiled_memory(compiled)["total_bytes"] <= usable_bytes:
+            return trial
+        with _CACHE_LOCK:
+            _COMPILED.pop(step_key(trial, inputs.graphdef, mesh), None)
+    return cfg
 
 
 def remat_that_fits(asked, cfg, mesh, usable_bytes: int | None = None):
     """The config a run of `asked` (the config before `resolve`) trains with on `mesh`: `cfg` (resolved:
-    `remat_policy=auto` is `full` there) or, where `no_remat_candidate`, `cfg` with `remat_policy=none`
-    when that step compiles within `usable_bytes` per device. Without layer remat the backward runs no
-    layer's forward again; XLA:TPU then recomputes by itself what it must to fit its limit. A compile
-    that fits is kept for the run (`compiled_step`'s cache), so the run does not compile again.
+    `remat_policy=auto` is `full` there) or, on a TPU, the first of `remat_candidates` (`none`, then
+    `projections`) whose step compiles within `usable_bytes` per device (`fitting_remat`). Without layer
+    remat the backward runs no layer's forward again, and XLA:TPU recomputes by itself what it must to
+    fit its limit; `projections` recomputes the elementwise work alone. A compile that fits is kept for
+    the run, so the run does not compile again.
 
     Args:
       mesh: a `jax.sharding.Mesh` of the run's devices, or of the planner's target's (an ahead-of-time
@@ -356,27 +402,13 @@ def remat_that_fits(asked, cfg, mesh, usable_bytes: int | None = None):
     """
     import jax
 
-    from core.errors import resource_exhausted
     from core.parallel.mesh import mesh_platform
     from core.train import memory
 
     if usable_bytes is None:
         usable_bytes = memory.device_memory_bytes(jax.local_devices()[0])[0]
-    if not no_remat_candidate(asked, cfg, mesh_platform(mesh), dict(mesh.shape), usable_bytes):
-        return cfg
-    light = cfg.replace(remat_policy="none")
-    inputs = abstract_inputs(light, abstract_model_and_optimizer(light), mesh)
-    try:
-        compiled = compiled_step(light, *inputs)
-    except Exception as e:  # noqa: BLE001  (XLA:TPU refuses a program over its limit at compile)
-        if resource_exhausted(e) is None:
-            raise
-        return cfg
-    if memory.compiled_memory(compiled)["total_bytes"] > usable_bytes:
-        with _CACHE_LOCK:
-            _COMPILED.pop(step_key(light, inputs.graphdef, mesh), None)
-        return cfg
-    return light
+    candidates = remat_candidates(asked, cfg, mesh_platform(mesh), dict(mesh.shape), usable_bytes)
+    return fitting_remat(cfg, mesh, usable_bytes, candidates) if candidates else cfg
 
 
 # ----------------------------------------------------------------------------- ahead of time

@@ -1,7 +1,8 @@
 """remat_policy=auto (core/train/program.py `remat_that_fits` and its screen): `full` by the platform rule;
 on a TPU mesh, `none` where the step without layer remat compiles within the device's memory, its executable kept
-for the run; `full` where the screen rules it out, the compiler refuses it or its memory analysis exceeds the
-device. The TPU's branches run here on a CPU mesh with the platform patched; the planner's through libtpu."""
+for the run, else `projections` where that step does; `full` where the screen rules them out, the compiler
+refuses them or their memory analysis exceeds the device. The TPU's branches run here on a CPU mesh with the
+platform patched; the planner's through libtpu."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from core.config.platform import resolve
 from core.config.schema import load_config
 from core.train import memory, program
 
-# one CSA layer of 64 tokens: every part of the sparse step, a compile of seconds
-SMALL = ("compress_ratios=[4]", "base_num_decoder_layers=1", "first_num_hash_layers=0", "vocab_size=512",
+# two CSA layers of 64 tokens, scanned: every part of the sparse step, a compile of seconds, and residuals
+# across layers that outweigh the rest of the step's memory (with one layer, none's step is XLA:CPU's smallest)
+SMALL = ("compress_ratios=[4,4]", "base_num_decoder_layers=2", "first_num_hash_layers=0", "vocab_size=512",
          "max_target_length=64", "per_device_batch_size=2")
 HUGE = 1 << 50
 
@@ -51,16 +53,36 @@ def test_no_remat_where_it_fits_and_its_compile_is_kept_for_the_run(on_a_tpu):
     assert program.has_config(light)  # the run's compile_ahead starts no second compile
 
 
-def test_full_where_the_step_without_remat_exceeds_the_device(on_a_tpu, monkeypatch):
-    asked, cfg, mesh = _configs("remat_policy=auto")  # the previous test's: its compile is cached (or made here)
-    light = program.remat_that_fits(asked, cfg, mesh, HUGE)
-    inputs = program.abstract_inputs(light, program.abstract_model_and_optimizer(light), mesh)
-    key = program.step_key(light, inputs.graphdef, mesh)
-    total = memory.compiled_memory(program.cached_compiled(key))["total_bytes"]
-    monkeypatch.setattr(program, "no_remat_worth_compiling", lambda *a: True)  # past the screen, the compile decides
-    assert program.remat_that_fits(asked, cfg, mesh, total).remat_policy == "none"  # exactly the device: fits
-    assert program.remat_that_fits(asked, cfg, mesh, total - 1) is cfg
-    assert program.cached_compiled(key) is None  # the executable that does not fit is not kept
+def _compiled_total(cfg, mesh):
+    """The step of `cfg` compiled (or found compiled) on `mesh`: its total bytes and its cache key."""
+    inputs = program.abstract_inputs(cfg, program.abstract_model_and_optimizer(cfg), mesh)
+    program.compiled_step(cfg, *inputs)
+    key = program.step_key(cfg, inputs.graphdef, mesh)
+    return memory.compiled_memory(program.cached_compiled(key))["total_bytes"], key
+
+
+def test_auto_takes_none_then_projections_then_full_as_the_device_shrinks(on_a_tpu, monkeypatch):
+    asked, cfg, mesh = _configs("remat_policy=auto")  # the previous test's: its compile of none is cached
+    (none, none_key), (kept, kept_key) = (_compiled_total(cfg.replace(remat_policy=p), mesh)
+                                          for p in ("none", "projections"))
+    assert none > kept, (none, kept)
+    monkeypatch.setattr(program, "remat_worth_compiling", lambda *a: True)  # past the screen, the compile decides
+    assert program.remat_that_fits(asked, cfg, mesh, none).remat_policy == "none"  # exactly the device: fits
+    assert program.remat_that_fits(asked, cfg, mesh, none - 1).remat_policy == "projections"
+    assert program.cached_compiled(none_key) is None  # the executable that does not fit is not kept
+    assert program.remat_that_fits(asked, cfg, mesh, kept).remat_policy == "projections"
+    assert program.remat_that_fits(asked, cfg, mesh, kept - 1) is cfg  # full: compiled by the run itself
+    assert program.cached_compiled(kept_key) is None
+
+
+def test_the_screen_passes_over_a_policy_alone(on_a_tpu, monkeypatch):
+    """A policy the screen rules out is not compiled; the next one is."""
+    asked, cfg, mesh = _configs("remat_policy=auto")
+    monkeypatch.setattr(program, "remat_worth_compiling", lambda c, *a: c.remat_policy == "projections")
+    assert program.remat_candidates(asked, cfg, "tpu", dict(mesh.shape), HUGE) == ("projections",)
+    assert program.remat_candidates(asked, cfg, "cpu", dict(mesh.shape), HUGE) == ()
+    assert program.remat_candidates(asked, cfg, "tpu", dict(mesh.shape), None) == ()
+    assert program.remat_that_fits(asked, cfg, mesh, HUGE).remat_policy == "projections"
 
 
 def test_full_where_the_screen_rules_it_out_or_the_compiler_refuses(on_a_tpu, monkeypatch):
@@ -91,7 +113,7 @@ def test_the_warm_up_keeps_full_without_compiling(on_a_tpu, monkeypatch):
     assert program.remat_that_fits(asked, cfg, mesh, HUGE) is cfg and cfg.remat_policy == "full"
 
 
-@pytest.mark.parametrize("policy", ["none", "minimal", "full"])
+@pytest.mark.parametrize("policy", ["none", "minimal", "projections", "full"])
 def test_an_explicit_policy_is_kept(on_a_tpu, monkeypatch, policy):
     asked, cfg, mesh = _configs(f"remat_policy={policy}")
     monkeypatch.setattr(program, "compiled_step", lambda *a, **k: pytest.fail("compiled"))
@@ -105,8 +127,9 @@ def test_what_the_backward_keeps_per_row():
         return program.kept_bytes_per_row(resolve(load_config("deepseek4-tiny", [*SMALL, f"remat_policy={policy}"],
                                                              stage=stage), "tpu"))
 
-    sparse = {p: kept(p, "sparse") for p in ("none", "minimal", "full")}
+    sparse = {p: kept(p, "sparse") for p in ("none", "minimal", "projections", "full")}
     assert sparse["none"] > sparse["minimal"] > sparse["full"] > 0, sparse
+    assert sparse["none"] > sparse["projections"] > sparse["full"], sparse
     assert kept("none", "warmup") == kept("full", "warmup") == 0
 
 
