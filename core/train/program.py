@@ -33,6 +33,7 @@ compares the lowered programs).
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from typing import Any, Callable, NamedTuple
@@ -40,14 +41,17 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AbstractMesh, AxisType
 
 from core.data.batches import BATCH_KEYS
+from core.errors import resource_exhausted
 from core.model import transformer
 from core.ops.order import tied
 from core.parallel import sharding
 from core.parallel.mesh import make_mesh, mesh_platform
-from core.train import optimizer
-from core.train.step import step_fn
+from core.parallel.sharding import BATCH_AXES, abstract_state
+from core.train import memory, optimizer
+from core.train.step import config_matcher, step_fn, training_loss
 
 AUTO_CPU_LEVEL = 1  # xla_backend_optimization_level -1 on CPU (step_compiler_options)
 
@@ -67,7 +71,6 @@ _CACHE_LOCK = threading.RLock()
 
 class StepInputs(NamedTuple):
     """A step's abstract inputs: `fn(state, batch)` of `jit_step` over `graphdef`'s objects on `mesh`."""
-
     graphdef: Any
     state: Any
     batch: dict[str, Any]
@@ -274,15 +277,6 @@ def kept_bytes_per_row(cfg) -> int:
     besides (the parameters, their casts) is the same for both and cancels. It is the jaxpr's count:
     XLA keeps at most that (it may recompute a cheap elementwise result instead of keeping it).
     """
-    import math
-
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from core.data.batches import BATCH_KEYS
-    from core.train.step import config_matcher, training_loss
-
     model, _ = abstract_model_and_optimizer(cfg)
     trainable = config_matcher(cfg)
     graphdef, params, rest = nnx.split(model, nnx.All(nnx.Param, lambda path, _: trainable(path)), ...)
@@ -309,8 +303,6 @@ REMAT_TRIALS = ("none", "projections")  # auto's candidates on a TPU, fastest fi
 def offloaded_bytes_per_row(cfg) -> int:
     """Bytes per batch row of the layers' inputs [T, n, M] in the compute dtype, which `projections`
     keeps in host memory on a TPU (core.model.transformer.remat_policy), not on the device."""
-    import jax.numpy as jnp
-
     width = cfg.max_target_length * cfg.mhc_expansion_rate * cfg.emb * jnp.dtype(cfg.dtype).itemsize
     return cfg.num_layers * width
 
@@ -325,17 +317,7 @@ def remat_worth_compiling(cfg, mesh_axes, usable_bytes: int) -> bool:
     verdict: XLA:TPU recomputes what it must to fit its limit by itself, so the compile decides
     (`remat_that_fits`); the screen spares a compile that cannot fit (V4-Flash's 43 layers at full
     size without remat) or would change nothing."""
-    import math
-
-    from flax import nnx
-    from jax.sharding import AbstractMesh, AxisType
-
-    from core.model.transformer import crosses_layers
-    from core.parallel.sharding import BATCH_AXES, abstract_state
-    from core.train import memory
-    from core.train.step import config_matcher
-
-    if not crosses_layers(cfg):
+    if not transformer.crosses_layers(cfg):
         return False
     names = tuple(mesh_axes)
     mesh = AbstractMesh(tuple(mesh_axes[n] for n in names), names, axis_types=(AxisType.Auto,) * len(names))
@@ -368,9 +350,6 @@ def fitting_remat(cfg, mesh, usable_bytes: int, candidates) -> Any:
     device on `mesh` (its executable kept for the run: `compiled_step`'s cache), else `cfg` itself.
     A compile XLA refuses for memory, or whose memory analysis exceeds `usable_bytes`, is passed over
     (and not kept); any other compile error is raised."""
-    from core.errors import resource_exhausted
-    from core.train import memory
-
     for policy in candidates:
         trial = cfg.replace(remat_policy=policy)
         inputs = abstract_inputs(trial, abstract_model_and_optimizer(trial), mesh)
@@ -400,11 +379,6 @@ def remat_that_fits(asked, cfg, mesh, usable_bytes: int | None = None):
         topology); usable_bytes: one device's memory, by default this process's first device's
         (`core.train.memory.device_memory_bytes`; unknown: `cfg` is kept).
     """
-    import jax
-
-    from core.parallel.mesh import mesh_platform
-    from core.train import memory
-
     if usable_bytes is None:
         usable_bytes = memory.device_memory_bytes(jax.local_devices()[0])[0]
     candidates = remat_candidates(asked, cfg, mesh_platform(mesh), dict(mesh.shape), usable_bytes)
@@ -432,7 +406,6 @@ class StepPrecompile:
     error at once and exits when the compile ends; a daemon thread still inside XLA at interpreter
     exit aborts the process (exit 134 instead of 2).
     """
-
     def __init__(self, cfg, inputs: StepInputs):
         self.cfg, self.error = cfg, None
         self._lowered = threading.Event()
