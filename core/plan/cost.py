@@ -45,6 +45,7 @@ against MaxText's published runs (tools/maxtext_step_check.py).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from typing import Any
@@ -231,16 +232,18 @@ def _fusion(module: hlo.Module, inst: hlo.Instruction) -> Work:
     work.flops /= hlo.masked_groups(module, inst)
     users = _users(body)
     updated = []  # the outputs written in place
-    for out in _outputs(body):
-        in_place = _in_place(module, out)
+    outputs = _outputs(body)
+    arrays = [m.group(0) for m in _LAID_OUT.finditer(inst.type_text)]  # as the fusion lays them out
+    if len(arrays) != len(outputs):
+        arrays = [out.type_text for out in outputs] if outputs else [inst.type_text]
+    for out, text in itertools.zip_longest(outputs, arrays):
+        in_place = _in_place(module, out) if out is not None else None
         if in_place:  # the update, written where the buffer lives (a scatter's rows read and written)
-            space = (laid_out(out.type_text) or [(0, 0)])[0][1]
+            space = (laid_out(text) or [(0, 0)])[0][1]
             _add(work, _in_space(in_place[0], space), in_place[1])
             updated.append(out)
         else:
-            _add(work, out.type_text)
-    if not body:
-        _add(work, inst.type_text)
+            _add(work, text)
     for param in body:
         if param.opcode != "parameter":
             continue
