@@ -76,7 +76,7 @@ class Efficiency:
 
 
 # fitted on a TPU v5e chip's profiles (docs/planning.md#the-step-time-model)
-V5E = Efficiency(mxu=0.93, mxu_kernel=0.57, hbm=0.84, vmem=0.07, row_s=8e-9, op_s=0.6e-6)
+V5E = Efficiency(mxu=0.93, mxu_kernel=0.72, hbm=0.84, vmem=0.07, row_s=8e-9, op_s=0.6e-6)
 
 
 @dataclasses.dataclass(frozen=True)
