@@ -8,7 +8,7 @@ In the trace (plane "/device:TPU:0"), each "XLA Ops" event is named by its instr
 op being the token after '%', and a while loop's event encloses its body's, so an op's time is its
 exclusive time; the "Steps" line gives the steps. Prints, per run, the measured step, the estimate
 and its parts, and the measured and estimated seconds per step by kind of instruction (fusion kind
-or opcode). `--fit` refits the model's efficiencies (mxu, hbm, vmem, row_s; op_s stays) by least
+or opcode). `--fit` refits the model's efficiencies (mxu, mxu_kernel, hbm, vmem, row_s; op_s stays) by least
 squares over every instruction's measured time, over all the runs given (`--fit-on`: over those
 runs only), and prints every run's estimate with them (needs scipy). The model and its calibration: docs/planning.md#the-step-time-model.
 """
@@ -99,23 +99,25 @@ def fit(runs: list[tuple[str, float, dict[str, float]]], ceilings: cost.Ceilings
     data = []
     for text, step, ops in runs:
         rows = instructions(text, ceilings)
-        work = np.array([[w.flops, w.hbm_bytes, w.vmem_bytes, w.rows] for _, _, _, w in rows], float)
+        work = np.array([[w.flops * (not w.kernel), w.hbm_bytes, w.vmem_bytes, w.rows, w.flops * w.kernel]
+                         for _, _, _, w in rows], float)
         data.append((work, np.array([r for _, _, r, _ in rows], float), np.array([ops.get(n, 0.0) for n, *_ in rows]), step))
 
     def loss(p):
-        mxu, hbm, vmem, row_ns = p
-        if min(p) <= 0 or mxu > 1 or hbm > 1:
+        mxu, hbm, vmem, row_ns, kernel = p
+        if min(p) <= 0 or mxu > 1 or hbm > 1 or kernel > 1:
             return 1e9
         total = 0.0
         for work, runs_, meas, step in data:
-            t = np.maximum.reduce([work[:, 0] / (ceilings.peak_flops * mxu),
+            t = np.maximum.reduce([work[:, 0] / (ceilings.peak_flops * mxu) + work[:, 4] / (ceilings.peak_flops * kernel),
                                    (work[:, 1] + vmem * work[:, 2]) / (ceilings.hbm_bandwidth * hbm), work[:, 3] * row_ns * 1e-9])
             total += np.sum(((t + eff.op_s) * runs_ - meas) ** 2) / step ** 2
         return total
 
-    p = minimize(loss, [eff.mxu, eff.hbm, eff.vmem, eff.row_s * 1e9], method="Nelder-Mead",
+    p = minimize(loss, [eff.mxu, eff.hbm, eff.vmem, eff.row_s * 1e9, eff.mxu_kernel], method="Nelder-Mead",
                  options={"maxiter": 8000, "xatol": 1e-6, "fatol": 1e-14}).x
-    return dataclasses.replace(eff, mxu=float(p[0]), hbm=float(p[1]), vmem=float(p[2]), row_s=float(p[3]) * 1e-9)
+    return dataclasses.replace(eff, mxu=float(p[0]), hbm=float(p[1]), vmem=float(p[2]), row_s=float(p[3]) * 1e-9,
+                               mxu_kernel=float(p[4]))
 
 
 def main() -> None:
@@ -126,7 +128,7 @@ def main() -> None:
     parser.add_argument("--fit-on", nargs="+", type=Path, default=[], help="refit on these runs only (among DIRs)")
     args = parser.parse_args()
     chip = TPU_CHIPS[args.chip][2]
-    ceilings = cost.Ceilings(chip.peak_flops, chip.hbm_bandwidth, chip.link_bandwidth)
+    ceilings = cost.Ceilings(chip.peak_flops, chip.hbm_bandwidth, chip.link_bandwidth)  # one chip: no links
     runs = [(str(d), _read(d, "hlo.txt").decode(), *measured(d)) for d in args.dirs]
     eff = cost.V5E
     if args.fit or args.fit_on:

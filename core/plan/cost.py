@@ -6,14 +6,16 @@ while loop's body as often as it runs), of each instruction's time
 
     t = max(F / (peak x mxu), (H + vmem x V) / (HBM bandwidth x hbm), R x row_s) + op_s
 
-- F: its matmul FLOPs: dots and convolutions, fused or not (`hlo.matmul_flops`' rules); a
-  grouped-matmul kernel (Pallas / Mosaic `tpu_custom_call`, whose body the HLO does not show)
-  from its operand and result shapes, three bf16 passes of the MXU when an operand is float32;
-  XLA:TPU's masked convolution of a ragged dot's transpose runs 1/G of its G groups (its
-  iteration skipper skips the rows of the other groups);
+- F: its matmul FLOPs: dots and convolutions, fused or not (`hlo.matmul_flops`' rules), at `mxu`
+  of the peak; a Pallas / Mosaic kernel's (`tpu_custom_call`, whose body the HLO does not show:
+  as it declares them, else a grouped matmul's from its operand and result shapes, three bf16
+  passes of the MXU when an operand is float32) at `mxu_kernel`; XLA:TPU's masked convolution of
+  a ragged dot's transpose runs 1/G of its G groups (its iteration skipper skips the rows of the
+  other groups);
 - H: the bytes it reads and writes in HBM, each array padded to its layout's tiles (`T(8,128)`
   pads a minor dimension of 24 to 128); a fusion's operand read only through slices or gathers
-  counts what they take, an in-place dynamic-update-slice or scatter its update;
+  counts what they take, an in-place dynamic-update-slice or scatter its update (also as one
+  output of a multi-output fusion);
 - V: the bytes it reads and writes in on-chip memory (memory space `S(1)`, a TPU's VMEM);
 - R: the rows it gathers or scatters, one per index: a TPU moves them one at a time;
 - op_s: a fixed cost per executed array instruction.
@@ -21,18 +23,29 @@ while loop's body as often as it runs), of each instruction's time
 Asynchronous copies (copy-start / slice-start ... -done: XLA:TPU's prefetches into VMEM and its
 evictions) queue on one DMA engine, first in first out, at the HBM rate; they advance during the HBM
 time that the instructions between start and done leave idle, and a -done waits for what remains
-of its copy and of those queued before it. Asynchronous collectives queue likewise at the link
-bandwidth and overlap the instructions between start and done completely; synchronous ones take
-their bytes over the link bandwidth. A conditional costs all its branches (as `hlo.runs` counts
+of its copy and of those queued before it.
+
+A collective moves a ring's bytes per device over the links its group spans: all-gather and
+reduce-scatter (n - 1) / n of the unsharded array, all-reduce twice that, a permute its array to one
+peer over one link. A group of n devices spans the fewest torus axes whose sizes multiply to n, each
+axis 2 links per device on a ring (wrapped around), 1 on a line (`Ceilings.links`); through a switch
+(NVLink) a device has one port. Asynchronous collectives (-start ... -done, or a synchronous one
+that XLA:TPU runs as an asynchronous collective fusion, `async_collective_name`) are in flight
+together, each at its own links' rate (no contention between them), beside the instructions that
+follow; the first instruction that reads the value waits for the rest (a fused one overlaps that
+first user too). Synchronous ones, alone or fused (XLA:TPU's reduce-scatter is a fusion around an
+all-reduce), take their time in line. A conditional costs all its branches (as `hlo.runs` counts
 them). Everything is per device.
 
 The efficiencies (`V5E`) were fitted on a v5e chip's profiles; v5p and GPU targets use the same
-model and constants with their own published peaks and bandwidths.
+model and constants with their own published peaks and bandwidths; on v5p the model was checked
+against MaxText's published runs (tools/maxtext_step_check.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from typing import Any
@@ -45,13 +58,17 @@ _SPACE = re.compile(r"S\((\d+)\)")
 VMEM = 1  # XLA:TPU's memory space of on-chip vector memory; 0 is HBM, others hold scalars and flags
 _FREE_CALLS = ("AllocateBuffer", "ConcatBitcast", "AssumeGatherIndicesInBound")  # no data moved
 _ROWS = ("gather", "scatter")
+# the frontend attribute of a collective that XLA:TPU runs as an asynchronous collective fusion
+# (--xla_tpu_enable_async_collective_fusion): written synchronous, it overlaps what runs up to its first user
+_ASYNC_FUSED = "async_collective_name="
 
 
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
     """The fitted constants of the model (module docstring), each a physical rate or cost."""
 
-    mxu: float     # fraction of the peak FLOP/s a matmul reaches
+    mxu: float     # fraction of the peak FLOP/s an XLA matmul (dot or convolution, fused or not) reaches
+    mxu_kernel: float  # ... a Pallas / Mosaic kernel's matmul reaches
     hbm: float     # fraction of the HBM bandwidth a streaming instruction reaches
     vmem: float    # cost of an on-chip byte, as a fraction of an HBM byte's
     row_s: float   # seconds per gathered or scattered row
@@ -59,7 +76,7 @@ class Efficiency:
 
 
 # fitted on a TPU v5e chip's profiles (docs/planning.md#the-step-time-model)
-V5E = Efficiency(mxu=0.76, hbm=0.84, vmem=0.07, row_s=8e-9, op_s=0.6e-6)
+V5E = Efficiency(mxu=0.93, mxu_kernel=0.72, hbm=0.84, vmem=0.07, row_s=8e-9, op_s=0.6e-6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +85,18 @@ class Ceilings:
 
     peak_flops: float
     hbm_bandwidth: float
-    link_bandwidth: float
+    link_bandwidth: float  # bytes/s one way: per link on a torus, per device through a switch
+    torus: tuple[tuple[int, int], ...] = ()  # (devices, links per device) along each axis; () a switch
+
+    def links(self, devices: int) -> int:
+        """The links per device of a group of `devices`: those of the torus axes it spans (the
+        largest first: a mesh axis fills whole physical axes), 1 through a switch."""
+        spanned, links = 1, 0
+        for size, count in sorted(self.torus, reverse=True):
+            if spanned >= devices:
+                break
+            spanned, links = spanned * size, links + count
+        return max(links, 1)
 
 
 @dataclasses.dataclass
@@ -79,6 +107,7 @@ class Work:
     hbm_bytes: int = 0
     vmem_bytes: int = 0
     rows: int = 0
+    kernel: bool = False  # its matmuls run in a Pallas / Mosaic kernel
 
 
 # ----------------------------------------------------------------------------- arrays as laid out
@@ -196,24 +225,31 @@ def _taken(module: hlo.Module, uses: list[tuple[int, hlo.Instruction]]) -> list[
 
 def _fusion(module: hlo.Module, inst: hlo.Instruction) -> Work:
     """A fusion's work: the bytes of its parameters (sliced ones by what the slices take, nested
-    fusions' slices included) and root."""
+    fusions' slices included) and outputs (each element of a root tuple; one updated in place by
+    its update, its buffer parameter not read)."""
     body = module.computations.get(_callee(inst), [])
     work = _fused_work(module, _callee(inst))
     work.flops /= hlo.masked_groups(module, inst)
     users = _users(body)
-    root = body[-1] if body else None
-    in_place = _in_place(module, root)
-    if in_place:  # the update, written where the buffer lives (a scatter's rows read and written)
-        space = (laid_out(root.type_text) or [(0, 0)])[0][1]
-        _add(work, _in_space(in_place[0], space), in_place[1])
-    else:
-        _add(work, inst.type_text if root is None or root.opcode == "tuple" else root.type_text)
+    updated = []  # the outputs written in place
+    outputs = _outputs(body)
+    arrays = [m.group(0) for m in _LAID_OUT.finditer(inst.type_text)]  # as the fusion lays them out
+    if len(arrays) != len(outputs):
+        arrays = [out.type_text for out in outputs] if outputs else [inst.type_text]
+    for out, text in itertools.zip_longest(outputs, arrays):
+        in_place = _in_place(module, out) if out is not None else None
+        if in_place:  # the update, written where the buffer lives (a scatter's rows read and written)
+            space = (laid_out(text) or [(0, 0)])[0][1]
+            _add(work, _in_space(in_place[0], space), in_place[1])
+            updated.append(out)
+        else:
+            _add(work, text)
     for param in body:
         if param.opcode != "parameter":
             continue
         uses = users.get(param.name, [])
-        if in_place:  # the buffer updated in place costs its update (above), not a read
-            uses = [(pos, u) for pos, u in uses if not (pos == 0 and u is root)]
+        # a buffer updated in place costs its update (above), not a read
+        uses = [(pos, u) for pos, u in uses if not (pos == 0 and any(u is o for o in updated))]
         taken = _taken(module, uses)
         if taken is None:
             _add(work, param.type_text)
@@ -222,6 +258,19 @@ def _fusion(module: hlo.Module, inst: hlo.Instruction) -> Work:
             for text in taken:
                 _add(work, _in_space(text, space))
     return work
+
+
+def _outputs(body: list[hlo.Instruction]) -> list[hlo.Instruction]:
+    """The instructions whose values a fused computation returns: its root, or each element of a
+    root tuple (a multi-output fusion, such as a scan step's update of its stacked output beside
+    the value it passes on)."""
+    if not body:
+        return []
+    root = body[-1]
+    if root.opcode != "tuple":
+        return [root]
+    named = {i.name: i for i in body}
+    return [named[n] for n in root.operands if n in named]
 
 
 def _in_space(type_text: str, space: int) -> str:
@@ -235,7 +284,7 @@ def _custom_call(module: hlo.Module, inst: hlo.Instruction) -> Work | None:
     target = target.group(1) if target else ""
     if target in _FREE_CALLS:
         return None
-    work = Work(hlo.matmul_flops_of(module, inst))
+    work = Work(hlo.matmul_flops_of(module, inst), kernel=target == "tpu_custom_call")
     shaped = hlo.declared_flops(inst) is None  # FLOPs from a grouped matmul's shapes, not declared
     if shaped and target == "tpu_custom_call" and any(module.types.get(o, "").startswith("f32[") for o in inst.operands):
         work.flops *= 3  # a kernel's float32 matmul: three bf16 passes of the MXU
@@ -298,12 +347,20 @@ class Breakdown:
             setattr(self, field.name, getattr(self, field.name) + times * getattr(other, field.name))
 
 
-def _collective_s(inst: hlo.Instruction, ceilings: Ceilings) -> float:
-    """A collective's largest array over the link bandwidth; 0 when every group is one device."""
+def _collective_s(module: hlo.Module, inst: hlo.Instruction, ceilings: Ceilings) -> float:
+    """A collective's seconds on the links (module docstring): a ring's bytes per device over the
+    links its group spans; 0 when every group is one device."""
     groups = hlo._groups(inst.attrs)
     if groups is not None and all(len(g) <= 1 for g in groups):
         return 0.0
-    return max((size for size, _ in laid_out(inst.type_text)), default=0) / ceilings.link_bandwidth
+    kind = inst.opcode.removesuffix("-start")
+    arrays = [inst.type_text] + [module.types.get(o, "") for o in inst.operands]
+    full = max((size for text in arrays for size, _ in laid_out(text)), default=0)  # the unsharded side
+    if kind == "collective-permute":
+        return full / ceilings.link_bandwidth  # to one peer, over one link
+    n = max(len(g) for g in groups) if groups else 0
+    moved = full * (n - 1) / n if n else full  # each device receives all but its own part
+    return moved * (2 if kind == "all-reduce" else 1) / (ceilings.links(n) * ceilings.link_bandwidth)
 
 
 def _drain(queue: list[list], seconds: float) -> None:
@@ -314,6 +371,22 @@ def _drain(queue: list[list], seconds: float) -> None:
         seconds -= step
         if queue[0][1] <= 0:
             queue.pop(0)
+
+
+def _advance(flight: dict[str, float], seconds: float) -> None:
+    """Advance transfers in flight concurrently (each on its own links) by `seconds`."""
+    for name in list(flight):
+        flight[name] -= seconds
+        if flight[name] <= 0:
+            del flight[name]
+
+
+def _arrive(flight: dict[str, float], name: str) -> float:
+    """Seconds until transfer `name` completes; the others advance as long."""
+    left = max(flight.get(name, 0.0), 0.0)
+    _advance(flight, left)
+    flight.pop(name, None)
+    return left
 
 
 def _wait(queue: list[list], name: str) -> float:
@@ -328,7 +401,7 @@ def _wait(queue: list[list], name: str) -> float:
 
 
 def _op(work: Work, ceilings: Ceilings, eff: Efficiency) -> Breakdown:
-    terms = {"compute_s": work.flops / (ceilings.peak_flops * eff.mxu),
+    terms = {"compute_s": work.flops / (ceilings.peak_flops * (eff.mxu_kernel if work.kernel else eff.mxu)),
              "memory_s": (work.hbm_bytes + eff.vmem * work.vmem_bytes) / (ceilings.hbm_bandwidth * eff.hbm),
              "gather_s": work.rows * eff.row_s}
     decides = max(terms, key=terms.get)
@@ -342,19 +415,21 @@ def _walk(module: hlo.Module, comp: str, ceilings: Ceilings, eff: Efficiency, me
     """One run of computation `comp`, its instructions in schedule order (module docstring)."""
     if comp in memo or depth > 64:
         return memo.get(comp, Breakdown())
-    total, dma, ici = Breakdown(), [], []
+    total, dma, ici = Breakdown(), [], {}
+    fused: set[str] = set()
+    arriving: dict[str, str] = {}  # a collective's value (its -done's, or its own when fused) -> its transfer
     for inst in module.computations.get(comp, []):
-        op, part = inst.opcode, Breakdown()
+        op, part, waited = inst.opcode, Breakdown(), 0.0
         if op == "while":
             trips = hlo._trip_count(module, inst)
             for callee in re.findall(r"\b(?:body|condition)=%?([\w.\-]+)", inst.attrs):
                 part.add(_walk(module, callee, ceilings, eff, memo, depth + 1), trips)
             part.overhead_s += eff.op_s
         elif op.endswith("-start") and op.removesuffix("-start") in hlo._COLLECTIVES:
-            ici.append([inst.name, _collective_s(inst, ceilings)])
+            ici[inst.name] = _collective_s(module, inst, ceilings)
         elif op == "async-start" and (wrapped := [i for i in module.computations.get(_callee(inst), [])
                                                   if i.opcode in hlo._COLLECTIVES]):
-            ici.append([inst.name, sum(_collective_s(i, ceilings) for i in wrapped)])
+            ici[inst.name] = sum(_collective_s(module, i, ceilings) for i in wrapped)
         elif op in ("conditional", "call", "async-start"):
             branches = re.search(r"branch_computations=\{([^}]*)\}", inst.attrs)
             callees = (re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches else
@@ -366,17 +441,32 @@ def _walk(module: hlo.Module, comp: str, ceilings: Ceilings, eff: Efficiency, me
             moved = arrays[1][0] if len(arrays) > 1 else 0  # (source, destination, context)
             dma.append([inst.name, moved / (ceilings.hbm_bandwidth * eff.hbm)])
         elif op.endswith("-done") and inst.operands:
-            if any(n == inst.operands[0] for n, _ in ici):
-                part.collective_s = _wait(ici, inst.operands[0])
+            if inst.operands[0] in ici:
+                arriving[inst.name] = inst.operands[0]  # waited for by its first user
             else:
                 part.dma_wait_s = part.hbm_busy_s = _wait(dma, inst.operands[0])
+        elif op in hlo._COLLECTIVES and _ASYNC_FUSED in inst.attrs:
+            ici[inst.name] = _collective_s(module, inst, ceilings)
         elif op in hlo._COLLECTIVES:
-            part.collective_s = _collective_s(inst, ceilings)
+            part.collective_s = _collective_s(module, inst, ceilings)
         elif (work := instruction_work(module, inst)) is not None:
             part = _op(work, ceilings, eff)
-        _drain(dma, part.step_s - part.hbm_busy_s)
-        _drain(ici, part.step_s)
+            if op == "fusion":  # XLA:TPU's reduce-scatter: a fusion around an all-reduce
+                part.collective_s = sum(_collective_s(module, i, ceilings)
+                                        for i in module.computations.get(_callee(inst), []) if i.opcode in hlo._COLLECTIVES)
+        used = [n for n in inst.operands if n in arriving]
+        for name in [n for n in used if n not in fused]:  # its first user waits for it
+            waited += _arrive(ici, arriving.pop(name))
+        _advance(ici, part.step_s)
+        for name in [n for n in used if n in fused]:  # fused into its first user: overlaps it too
+            waited += _arrive(ici, arriving.pop(name))
+        _drain(dma, part.step_s - part.hbm_busy_s + waited)
+        if op in hlo._COLLECTIVES and _ASYNC_FUSED in inst.attrs:
+            arriving[inst.name] = inst.name
+            fused.add(inst.name)
+        part.collective_s += waited
         total.add(part)
+    total.collective_s += sum(_arrive(ici, name) for name in arriving.values())
     memo[comp] = total
     return total
 

@@ -35,7 +35,7 @@ import os
 import re
 from typing import Any
 
-from core.plan.targets import JAX_PREALLOCATE_FRACTION, Target
+from core.plan.targets import JAX_PREALLOCATE_FRACTION, Target, ceilings
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
           "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
@@ -266,8 +266,7 @@ def step_estimate(target: Target, hlo_text: str, tokens: int) -> dict[str, Any]:
         return {"estimated_step_s": None, "estimated_tokens_per_s": None,
                 "step_estimate": "no estimate: fake CPU devices have no peak figures"}
     chip = target.chip
-    ceilings = cost.Ceilings(chip.peak_flops, chip.hbm_bandwidth, chip.link_bandwidth)
-    parts = cost.estimate(hlo_text, ceilings)
+    parts = cost.estimate(hlo_text, ceilings(target))
     step = parts.pop("step_s")
     return {"estimated_step_s": step, "estimated_tokens_per_s": tokens / step if step else None,
             "step_estimate": {**parts, "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,

@@ -48,16 +48,18 @@ class Chip:
     hbm_bytes: int          # per chip
     peak_flops: float       # dense bf16 FLOP/s per chip
     hbm_bandwidth: float    # bytes/s per chip
-    link_bandwidth: float   # bytes/s per chip over ICI / NVLink, one direction
+    link_bandwidth: float   # bytes/s one direction: per ICI link on a TPU, per GPU into NVLink's switch
 
 
 # TPU generation -> (topology prefix, cores per chip (megacore), chip); HBM as the compiler reports it,
-# v5e's as a chip's allocator limits it (its memory_stats' bytes_limit: docs/planning.md#on-a-chip).
+# v5e's as a chip's allocator limits it (its memory_stats' bytes_limit: docs/planning.md#on-a-chip);
+# a link's bandwidth one way is the chip's bidirectional ICI bandwidth over 2 x its links (4 on a 2-D
+# torus, 6 on a 3-D one; v5e's and v5p's sources: docs/planning.md#the-step-time-model).
 TPU_CHIPS = {
-    "v4": ("v4", 2, Chip(32 * GIB, PEAK_BF16_FLOPS["v4"], 1.2e12, 2.7e11)),
-    "v5e": ("v5e", 1, Chip(16_909_336_064, PEAK_BF16_FLOPS["v5e"], 8.19e11, 2.0e11)),
-    "v5p": ("v5", 2, Chip(int(95.74 * GIB), PEAK_BF16_FLOPS["v5p"], 2.765e12, 6.0e11)),
-    "v6e": ("v6e", 1, Chip(32 * GIB, PEAK_BF16_FLOPS["v6e"], 1.64e12, 4.5e11)),
+    "v4": ("v4", 2, Chip(32 * GIB, PEAK_BF16_FLOPS["v4"], 1.2e12, 4.5e10)),
+    "v5e": ("v5e", 1, Chip(16_909_336_064, PEAK_BF16_FLOPS["v5e"], 8.19e11, 5.0e10)),
+    "v5p": ("v5", 2, Chip(int(95.74 * GIB), PEAK_BF16_FLOPS["v5p"], 2.765e12, 1.0e11)),
+    "v6e": ("v6e", 1, Chip(32 * GIB, PEAK_BF16_FLOPS["v6e"], 1.64e12, 1.125e11)),
 }
 # chips -> topology of the slice (MaxText's accelerator_to_spec_map); 3-D for v4/v5p, 2-D for v5e/v6e
 TPU_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 192: "4x4x12",
@@ -103,12 +105,31 @@ class Target:
         return self.platform == "cpu"
 
     @property
+    def torus(self) -> tuple[tuple[int, int], ...]:
+        """(chips, links per chip) along each axis of a TPU slice longer than 1: 2 on a ring (a v4 or
+        v5p slice of whole 4x4x4 cubes wraps around each axis; a v5e or v6e one, an axis of 16), 1 on
+        a line; () off a TPU (a GPU's NVLink is a switch)."""
+        if self.platform != "tpu":
+            return ()
+        dims = [int(d) for d in self.topology.split(":")[1].split("x")]
+        cubes = len(dims) == 3 and self.devices >= 64
+        return tuple((d, 2 if d > 2 and (cubes or d == 16) else 1) for d in dims if d > 1)
+
+    @property
     def granules(self) -> int:
         """Granules over DCN as `make_mesh` counts them on this target's compile-only devices: TPU
         slices; GPU hosts of 8 (each device carries its host's process index); 1 for cpu:N."""
         if self.platform == "cuda":
             return max(self.devices // GPUS_PER_HOST, 1)
         return self.slices
+
+
+def ceilings(target: Target):
+    """The step-time model's ceilings (core.plan.cost.Ceilings) of a target with a chip."""
+    from core.plan import cost
+
+    chip = target.chip
+    return cost.Ceilings(chip.peak_flops, chip.hbm_bandwidth, chip.link_bandwidth, target.torus)
 
 
 def parse_target(name: str) -> Target:

@@ -14,7 +14,7 @@ import pytest
 from core.plan import cost, hlo
 
 CEILINGS = cost.Ceilings(peak_flops=1e12, hbm_bandwidth=1e11, link_bandwidth=1e10)
-EFF = cost.Efficiency(mxu=0.5, hbm=0.5, vmem=0.25, row_s=1e-8, op_s=1e-6)
+EFF = cost.Efficiency(mxu=0.5, mxu_kernel=0.5, hbm=0.5, vmem=0.25, row_s=1e-8, op_s=1e-6)
 BYTES_S = 1 / (1e11 * 0.5)  # seconds per HBM byte at hbm x the bandwidth
 FLOP_S = 1 / (1e12 * 0.5)
 
@@ -282,22 +282,125 @@ def test_a_ragged_dots_masked_convolution_counts_one_group_in_g():
     assert cost.instruction_work(m, m.computations["main"][-1]).flops == pytest.approx(dense / 8)
 
 
-def test_collectives_take_the_link_and_asynchronous_ones_overlap():
-    gather = ("%ag = (bf16[1024,1024]{1,0}, bf16[4096,1024]{1,0}) all-gather-start(%x), dimensions={0}, "
-              "replica_groups={{0,1,2,3}}")
-    entry = f"""%x = bf16[1024,1024]{{1,0}} parameter(0)
-{DOT_ARGS}
-{gather}
-{DOT_CALL}
-%agd = bf16[4096,1024]{{1,0}} all-gather-done(%ag)"""
-    link_s = 4096 * 1024 * 2 / 1e10
-    e = estimate(module(entry, DOT))
-    assert e["collective_s"] == pytest.approx(max(0.0, link_s - DOT_FLOPS * FLOP_S - 1e-6))
-    sync = module("%x = bf16[4096,1024]{1,0} parameter(0)\n%ar = bf16[4096,1024]{1,0} all-reduce(%x), "
-                  "replica_groups={{0,1,2,3}}, to_apply=%sum",
-                  "%sum (a: bf16[], b: bf16[]) -> bf16[] {\n  %a = bf16[] parameter(0)\n  %b = bf16[] parameter(1)\n"
-                  "  ROOT %c = bf16[] add(%a, %b)\n}")
-    assert estimate(sync)["collective_s"] == pytest.approx(link_s)
+TORUS = cost.Ceilings(peak_flops=1e12, hbm_bandwidth=1e11, link_bandwidth=1e10, torus=((4, 2), (4, 2), (2, 1)))
+SUM = """%sum (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %c = bf16[] add(%a, %b)
+}"""
+RING4 = "replica_groups=[8,4]<=[32]"  # 8 groups of 4 devices
+RING16 = "replica_groups=[2,16]<=[32]"
+
+
+def test_a_group_takes_the_links_of_the_torus_axes_it_spans():
+    assert [TORUS.links(n) for n in (1, 2, 4, 8, 16, 32)] == [1, 2, 2, 4, 4, 5]
+    assert CEILINGS.links(64) == 1  # a switch: one port per device, whatever the group
+
+
+@pytest.mark.parametrize("kind, text, want", [
+    ("all-gather over 4", f"%y = bf16[4096,1024]{{1,0}} all-gather(%x), dimensions={{0}}, {RING4}", 3 / 4 / 2),
+    ("all-gather over 16", f"%y = bf16[4096,1024]{{1,0}} all-gather(%x), dimensions={{0}}, {RING16}", 15 / 16 / 4),
+    ("all-reduce over 4", f"%y = bf16[4096,1024]{{1,0}} all-reduce(%x), {RING4}, to_apply=%sum", 2 * 3 / 4 / 2),
+    ("reduce-scatter over 4: its operand's bytes", f"%y = bf16[1024,1024]{{1,0}} reduce-scatter(%x), dimensions={{0}}, "
+     f"{RING4}, to_apply=%sum", 3 / 4 / 2),
+    ("permute to one peer", "%y = bf16[4096,1024]{1,0} collective-permute(%x), source_target_pairs={{0,1},{1,0}}", 1.0),
+])
+def test_a_collective_moves_a_rings_bytes_over_its_links(kind, text, want):
+    x = "%x = bf16[4096,1024]{1,0} parameter(0)" if "all-gather" not in kind else "%x = bf16[1024,1024]{1,0} parameter(0)"
+    e = cost.estimate(module(f"{x}\n{text}", SUM), TORUS, EFF)
+    assert e["collective_s"] == pytest.approx(4096 * 1024 * 2 * want / 1e10), kind
+
+
+def _permute(name: str, direction: str) -> str:
+    pairs = "{{0,1},{1,0}}" if direction == "+" else "{{1,0},{0,1}}"
+    return (f"%{name} = (bf16[4096,1024]{{1,0}}, bf16[4096,1024]{{1,0}}, u32[], u32[]) collective-permute-start(%x), "
+            f"source_target_pairs={pairs}")
+
+
+PERMUTE_S = 4096 * 1024 * 2 / 1e10  # one link
+
+
+def test_an_asynchronous_collective_overlaps_until_its_first_user():
+    """A -done costs nothing by itself: the first instruction that reads its value waits for what is
+    left, so the independent work scheduled between the done and that user hides it too."""
+    use = "%u = bf16[4096,1024]{1,0} negate(%pd)"
+    use_s = 2 * 4096 * 1024 * 2 * BYTES_S
+    args = f"%x = bf16[4096,1024]{{1,0}} parameter(0)\n{DOT_ARGS}"
+    text = "\n".join([args, _permute("p", "+"), "%pd = bf16[4096,1024]{1,0} collective-permute-done(%p)", DOT_CALL, use])
+    e = cost.estimate(module(text, DOT), TORUS, EFF)
+    dot_s = DOT_FLOPS * FLOP_S + 1e-6
+    assert e["collective_s"] == pytest.approx(PERMUTE_S - dot_s)  # a start or done costs no op of its own
+    assert e["step_s"] == pytest.approx(PERMUTE_S + use_s + 1e-6)
+    unused = "\n".join([args, _permute("p", "+"), "%pd = bf16[4096,1024]{1,0} collective-permute-done(%p)", DOT_CALL])
+    assert cost.estimate(module(unused, DOT), TORUS, EFF)["collective_s"] == pytest.approx(PERMUTE_S - dot_s)
+
+
+def test_collectives_in_flight_move_at_once_each_on_its_links():
+    args = "%x = bf16[4096,1024]{1,0} parameter(0)"
+    both = "\n".join([args, _permute("p", "+"), _permute("q", "-"),
+                      "%pd = bf16[4096,1024]{1,0} collective-permute-done(%p)",
+                      "%qd = bf16[4096,1024]{1,0} collective-permute-done(%q)",
+                      "%s = bf16[4096,1024]{1,0} add(%pd, %qd)"])
+    e = cost.estimate(module(both), TORUS, EFF)
+    assert e["collective_s"] == pytest.approx(PERMUTE_S)  # not twice: the two run side by side
+
+
+def test_a_fused_asynchronous_collective_overlaps_its_first_user():
+    """XLA:TPU's asynchronous collective fusion writes the collective synchronously, with the name of
+    the async pair it replaces: it runs beside what follows, its first user included."""
+    gather = (f"%g = bf16[4096,1024]{{1,0}} all-gather(%x), dimensions={{0}}, {RING4}, "
+              'frontend_attributes={async_collective_name="all-gather-start.1"}')
+    consumer = "%zero = bf16[] constant(0)\n%u = bf16[1024]{0} reduce(%g, %zero), dimensions={0}, to_apply=%sum"
+    use_s = (4096 + 1) * 1024 * 2 * BYTES_S
+    gather_s = 4096 * 1024 * 2 * 3 / 4 / 2 / 1e10
+    text = "\n".join(["%x = bf16[1024,1024]{1,0} parameter(0)", gather, consumer])
+    e = cost.estimate(module(text, SUM), TORUS, EFF)
+    assert gather_s > use_s and e["step_s"] == pytest.approx(gather_s)
+    plain = cost.estimate(module(text.replace(gather[gather.index(", frontend"):], ""), SUM), TORUS, EFF)
+    assert plain["step_s"] == pytest.approx(gather_s + use_s + 1e-6)  # synchronous: one after the other
+
+
+def test_a_fusion_around_a_collective_costs_it():
+    """XLA:TPU writes a reduce-scatter as a fusion of an all-reduce and the slice of it a device keeps."""
+    body = f"""%rs (p: bf16[4096,1024]) -> bf16[1024,1024] {{
+  %p = bf16[4096,1024]{{1,0}} parameter(0)
+  %r = bf16[4096,1024]{{1,0}} all-reduce(%p), {RING4}, to_apply=%sum
+  ROOT %s = bf16[1024,1024]{{1,0}} slice(%r), slice={{[0:1024], [0:1024]}}
+}}"""
+    text = "%x = bf16[4096,1024]{1,0} parameter(0)\n%f = bf16[1024,1024]{1,0} fusion(%x), kind=kCustom, calls=%rs"
+    e = cost.estimate(module(text, SUM, body), TORUS, EFF)
+    assert e["collective_s"] == pytest.approx(4096 * 1024 * 2 * 2 * 3 / 4 / 2 / 1e10)
+
+
+def test_a_multi_output_fusion_updating_in_place_counts_its_update():
+    """A scan step's fusion returns its stacked output updated in place beside the value it passes on:
+    the update and the other output are written, the stack is not read."""
+    body = """%step (b: bf16[64,1024,1024], x: bf16[1024,1024], i: s32[]) -> (bf16[64,1024,1024], bf16[1024,1024]) {
+  %b = bf16[64,1024,1024]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %x = bf16[1024,1024]{1,0:T(8,128)(2,1)} parameter(1)
+  %i = s32[] parameter(2)
+  %n = bf16[1024,1024]{1,0:T(8,128)(2,1)} negate(%x)
+  %r = bf16[1,1024,1024]{2,1,0:T(8,128)(2,1)} bitcast(%n)
+  %z = s32[] constant(0)
+  %d = bf16[64,1024,1024]{2,1,0:T(8,128)(2,1)} dynamic-update-slice(%b, %r, %i, %z, %z)
+  ROOT %t = (bf16[64,1024,1024]{2,1,0:T(8,128)(2,1)}, bf16[1024,1024]{1,0:T(8,128)(2,1)}) tuple(%d, %n)
+}"""
+    entry = """%b = bf16[64,1024,1024]{2,1,0:T(8,128)(2,1)} parameter(0)
+%x = bf16[1024,1024]{1,0:T(8,128)(2,1)} parameter(1)
+%i = s32[] parameter(2)
+%f = (bf16[64,1024,1024]{2,1,0:T(8,128)(2,1)}, bf16[1024,1024]{1,0:T(8,128)(2,1)}) fusion(%b, %x, %i), kind=kLoop, calls=%step"""
+    m = hlo.parse(module(entry, body))
+    one = 1024 * 1024 * 2
+    assert cost.instruction_work(m, m.computations["main"][-1]).hbm_bytes == 3 * one + 4  # x and i read; update, n written
+
+
+def test_a_kernels_matmul_runs_at_its_own_efficiency():
+    flops = 2 * 2048 * 512 * 256
+    eff = cost.Efficiency(mxu=0.5, mxu_kernel=0.25, hbm=0.5, vmem=0.25, row_s=1e-8, op_s=1e-6)
+    e = cost.estimate(module(RAGGED), CEILINGS, eff)
+    assert e["compute_s"] == pytest.approx(flops / (1e12 * 0.25))
+    assert cost.estimate(module(DOT_ARGS + "\n" + DOT_CALL, DOT), CEILINGS, eff)["compute_s"] == pytest.approx(
+        DOT_FLOPS / (1e12 * 0.5))
 
 
 def test_the_plan_reports_the_estimate_and_its_parts():
@@ -312,3 +415,18 @@ def test_the_plan_reports_the_estimate_and_its_parts():
     assert out["estimated_tokens_per_s"] == pytest.approx(4096 / out["estimated_step_s"])
     assert parts["compute_s"] == pytest.approx(DOT_FLOPS / (parts["peak_flops"] * cost.V5E.mxu))
     assert step_estimate(parse_target("cpu:2"), text, tokens=4096)["estimated_step_s"] is None
+
+
+@pytest.mark.parametrize("name, torus", [
+    ("v5p-128", ((4, 2), (4, 2), (4, 2))),    # a whole cube: each axis a ring
+    ("v5p-64", ((2, 1), (4, 1), (4, 1))),     # less than a cube: lines
+    ("v5e-256", ((16, 2), (16, 2))),          # a whole v5e pod: rings
+    ("v5e-8", ((2, 1), (4, 1))),
+    ("v5e-1", ()),
+    ("h200x8", ()),                           # NVLink: a switch
+])
+def test_a_targets_torus(name, torus):
+    from core.plan.targets import ceilings, parse_target
+
+    assert parse_target(name).torus == torus
+    assert ceilings(parse_target(name)).torus == torus
