@@ -5,7 +5,8 @@ the sums of the very masks the model uses (core/ops/masks.py) over a document's 
 matmuls: `step_matmuls`, given the dense reference's full [T, T] / [T, W] area, equals per
 component the dot_generals and ragged dots of the training step's own jaxpr, dead code eliminated
 (core/bench/train.py's `jaxpr_flops`: forward and backward, remat off, attention=masked, the direct
-indexer and LM losses, moe_impl=ragged), for every row of the stage table, up to the named
+indexer and LM losses, moe_impl=ragged; and the warm-up's own chunked path, remat on, its window
+banded, its loss fed the attention's teacher), for every row of the stage table, up to the named
 differences of the implementation (`_implementation_extras`): the loss's teacher builds its queries
 and its logits a second time (the attention's q and q·k), the MoE's load statistics are
 contractions that are not the model's, and with `hc_mixes_backward: closed` the mHC mixing
@@ -24,6 +25,7 @@ from core.config.platform import resolve_here
 from core.config.schema import load_config
 from core.config.stages import stage_of
 from core.model.flops import COMPONENTS, Area, causal_area, live_parts, model_flops_per_step, step_matmuls
+from core.ops.chunked_attention import band_run, num_chunks
 from core.ops.masks import compressed_visibility, sliding_window_mask
 
 # Every layer kind (hash-routed CSA, HCA, SWA), the dense reference paths, no remat.
@@ -67,6 +69,25 @@ def _full_area(cfg, layer: int) -> Area:
     return Area(t * t, blocks, blocks)
 
 
+def _chunked_area(cfg, layer: int) -> Area:
+    """The chunked attention's area (core/ops/chunked_attention.py): each query meets its chunk's
+    window band (2u keys per run of u queries, or the chunk's C + S - 1) and every block."""
+    t, ratio, window = cfg.max_target_length, cfg.compress_ratios[layer], cfg.sliding_window_size
+    c, n = num_chunks(t, cfg.attention_query_chunk_size)
+    run = band_run(c, window) if n > 1 else 0
+    blocks = t * (t // ratio) if ratio else 0
+    return Area(t * (2 * run if run else c + (window - 1 if n > 1 else 0)), blocks, blocks)
+
+
+def _teacher_fed(cfg) -> bool:
+    """The dense loss runs in the chunked attention's scan and reads its teacher off the attention's
+    logits (core/model/attention.py `_teacher_tap`): no second teacher."""
+    stage = stage_of(cfg)
+    return (cfg.attention == "chunked" and not stage.csa_topk and stage.indexer_loss != "off"
+            and cfg.indexer_gradient == "local" and cfg.csa_query_chunk_size == 0
+            and cfg.max_target_length % min(cfg.attention_query_chunk_size, cfg.max_target_length) == 0)
+
+
 def _implementation_extras(cfg, rows: int) -> dict[str, float]:
     """The live step's contractions that are not the model's matmuls, or not where it counts them:
     - in each CSA layer with the indexer loss, the loss's teacher builds the queries a second time
@@ -88,7 +109,7 @@ def _implementation_extras(cfg, rows: int) -> dict[str, float]:
     for layer, (ratio, live) in enumerate(zip(cfg.compress_ratios, live_parts(cfg))):
         if live == "none":
             continue
-        if ratio == 4 and stage.indexer_loss != "off":
+        if ratio == 4 and stage.indexer_loss != "off" and not _teacher_fed(cfg):
             logits = 2 * rows * t * (t // 4) * hd + (2 * rows * t * t * hd if cfg.indexer_teacher == "joint" else 0)
             extras["indexer"] += logits
             if live == "teacher":
@@ -115,12 +136,15 @@ def _implementation_extras(cfg, rows: int) -> dict[str, float]:
     ("sparse", []),
     ("sparse", ["indexer_loss_scaling_factor=0"]),  # the no-indexer-loss row: the indexer selects, learns nothing
     ("pretrain", ["hc_mixes_backward=closed"]),  # a TPU's mixes backward
+    # the warm-up's default path: chunked attention (its window banded), the loss in its scan fed the
+    # attention's teacher, remat (no gradient crosses a layer: nothing runs again)
+    ("warmup", ["attention=chunked", "attention_query_chunk_size=128", "remat_policy=full"]),
 ])
 def test_step_matmuls_equal_the_steps_own_live_jaxpr(stage, overrides):
     cfg = sweep_config(stage, SEQ, ROWS, [*TINY, *overrides])
     counted = component_flops(cfg, compile=False)["components"]
     expected = _implementation_extras(cfg, ROWS)
-    for mm in step_matmuls(cfg, ROWS, area=_full_area):
+    for mm in step_matmuls(cfg, ROWS, area=_chunked_area if cfg.attention == "chunked" else _full_area):
         assert mm.component in COMPONENTS and mm.flops > 0 and 1 <= mm.passes <= 3, mm
         if mm.name != "expert combine":  # moe_impl=ragged scales the hidden by it: no contraction
             expected[mm.component] += mm.step_flops
