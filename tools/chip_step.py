@@ -8,7 +8,9 @@ process: build the training command's own model, optimizer and step (core/bench/
 `compiled_shape`, the step `dsv4 STAGE` runs), run one untimed step, time `--steps` more, then run
 `--trace` steps under jax.profiler. The variant's state is freed before the next one is built, so
 each may use the whole accelerator. Prints one JSON line per variant as soon as it is timed (median
-and minimum step, tokens/s, compile seconds, XLA's temporaries, the last losses), so that a trace
+and minimum step, tokens/s, the model TFLOP per step and the model MFU at the median step
+(core/model/flops.py over the device's peak, as the training log counts them), compile seconds,
+XLA's temporaries, the last losses), so that a trace
 cut short by a time limit loses no timing, then with `--trace` one more (`traced_step_s`, the traced
 steps' mean); with `--out` it writes into
 DIR/<n>/: `hlo.txt.gz` (the compiled step's optimised HLO) and `trace.xplane.pb.gz` (the profile),
@@ -51,6 +53,8 @@ def main() -> None:
     from core.bench.train import compiled_shape
     from core.config.platform import resolve
     from core.config.schema import load_config
+    from core.model.flops import model_flops_per_step
+    from core.parallel.chips import peak_flops, utilization
     from core.parallel.mesh import make_mesh
     from core.train.program import remat_that_fits
 
@@ -78,7 +82,10 @@ def main() -> None:
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - start)
         median = statistics.median(times)
+        flops = model_flops_per_step(cfg, run["batch_rows"])["total"]
+        peak = peak_flops(jax.local_devices()[0], cfg.dtype)[0]
         row.update(step_s=median, min_step_s=min(times), tokens_per_s=run["tokens_per_step"] / median,
+                   model_tflop=flops / 1e12, mfu=utilization(flops, median, run["devices"], peak)["mfu"],
                    compile_s=run["compile_s"] + chosen_s, temp_bytes=run["temp_bytes"],
                    last={k: float(v) for k, v in jax.device_get(metrics).items()})
         print(json.dumps(row), flush=True)

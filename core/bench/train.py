@@ -13,9 +13,10 @@ on the real build or on program.py's `abstract_inputs`.
   model TFLOP/s per device and MFU (core/model/flops.py's model FLOPs over the device's peak,
   core/parallel/chips.py).
 - `component_flops(cfg)`: FLOPs of one step attributed to attention, compressor, indexer, MoE,
-  mHC, head, optimizer and the rest, counted from the jaxpr of `step_fn` on the abstract inputs
-  (traced outside the mesh's abstract mesh: the model's maths on the global batch, without expert
-  parallelism's per-device exchange, which moves tokens and computes nothing): every dot_general's
+  mHC, head, optimizer and the rest, counted from the live equations of the jaxpr of `step_fn` (dead
+  code eliminated, as XLA prunes it) on the abstract inputs (traced outside the mesh's abstract
+  mesh: the model's maths on the global batch, without expert parallelism's per-device exchange,
+  which moves tokens and computes nothing): every dot_general's
   2 * batch * free * contracted sizes (scan bodies times their trip count, remat recomputation
   and the backward pass included, as XLA will run them) and one FLOP per output element for the
   other arithmetic. An equation belongs to the innermost project module on its traceback
@@ -137,6 +138,17 @@ def _walk(jaxpr, mult: float, totals: dict[str, list[float]]) -> None:
         totals[c][1] += other * mult
 
 
+def live_jaxpr(closed):
+    """The closed jaxpr less the equations none of its outputs needs, inside loops and calls too
+    (`pe.dce_jaxpr`): what XLA runs of it, the dead work pruned (in the warm-up, the last layer's
+    experts: nothing reads them)."""
+    from jax._src.interpreters import partial_eval as pe
+    from jax.extend import core as jcore
+
+    jaxpr = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)[0]
+    return jcore.ClosedJaxpr(jaxpr, closed.consts)
+
+
 def jaxpr_flops(closed) -> dict[str, dict[str, float]]:
     """FLOPs of a closed jaxpr per component (module docstring): {name: {"matmul_flops", "other_flops"}}."""
     totals = {c: [0.0, 0.0] for c in COMPONENTS}
@@ -160,7 +172,7 @@ def component_flops(cfg, mesh=None, *, compile: bool = True) -> dict[str, Any]:
     from core.train.step import step_fn
 
     graphdef, state, batch, mesh = program.abstract_inputs(cfg, program.abstract_model_and_optimizer(cfg), mesh)
-    components = jaxpr_flops(jax.make_jaxpr(step_fn(cfg, graphdef, mesh_platform(mesh)))(state, batch))
+    components = jaxpr_flops(live_jaxpr(jax.make_jaxpr(step_fn(cfg, graphdef, mesh_platform(mesh)))(state, batch)))
     compiled = compile_train_step(cfg, mesh) if compile else {"xla_flops": None, "temp_bytes": None}
     tokens = batch["tokens"].shape[0] * batch["tokens"].shape[1]
     return {"components": components, "total_flops": sum(sum(c.values()) for c in components.values()),

@@ -35,6 +35,7 @@ class Spec(NamedTuple):
     topk: int | None = None   # streamed only: sparse selection
     window: int = 0           # streamed only: sliding window S for the joint teacher
     index_chunk: int = 0      # streamed only: indexer heads per scan step (divides HI)
+    inputs_grad: bool = True  # streamed only: the gradient reaches the indexer queries' per-token inputs
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["queries", "compressed_bwd", "raw_bsd", "sink_h"],

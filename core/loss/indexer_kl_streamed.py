@@ -9,6 +9,8 @@ give, to float32 rounding in value and gradient, and shares its teacher and KL r
 (core/loss/indexer_kl_rows.py). Gradients (custom VJP): the forward pass of the differentiated call
 pulls the closed-form d loss / d scores of each block back through that block's indexer scores
 and queries, so the backward pass is one multiply; exactly zero reaches the teacher inputs.
+`csa_indexer_loss_tap` is the same dense loss run block by block inside the chunked attention's
+scan, its teacher rows read off the attention's own logits, its gradient taken in the forward.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from core.loss.indexer_kl_rows import (Spec, Teacher, check_teacher, compute_dtype, kl_rows, per_valid_row,
-                                       resolve_chunk, scan_blocks, slice_t, teacher_input, teacher_rows)
-from core.ops.chunked_attention import RowQueries
+from core.loss.indexer_kl_rows import (TEACHERS, Spec, Teacher, check_teacher, compute_dtype, kl_rows,
+                                       per_valid_row, resolve_chunk, scan_blocks, slice_t, teacher_input,
+                                       teacher_rows)
+from core.ops.chunked_attention import ChunkTap, RowQueries
 from core.ops.masks import Packing, block_last_positions, block_segment_ids, visible_rows, window_rows
 from core.ops.topk import IndexerInputs, indexer_scores, topk_mask
 
@@ -52,10 +55,12 @@ def _indexer_vjp(q_btid, k_bwd, w_bti, visible_btw, grad_btw, head_chunk: int):
     return grads
 
 
-def _stream_block(spec: Spec, t0, inputs, block_masks, with_grad: bool):
-    """One query block: visibility, scores, selection, teacher rows, KL (and its pull-back).
+def _stream_block(spec: Spec, t0, inputs, block_masks, with_grad: bool, psum_btw=None):
+    """One query block: visibility, scores, selection, teacher rows (unless given: `psum_btw`, the
+    attention's), KL (and its pull-back).
 
-    The gradient w.r.t. the indexer queries comes back as (d inputs of the block, d params).
+    The gradient w.r.t. the indexer queries comes back as (d inputs of the block, d params), or
+    with detached inputs (`spec.inputs_grad` false) as (None, d params).
     """
     (queries_i, k_idx, w_idx), (query, kv, raw_kv, sink), positions, segment_ids = inputs
     seg_bw, last_bw = block_masks
@@ -64,7 +69,13 @@ def _stream_block(spec: Spec, t0, inputs, block_masks, with_grad: bool):
     w_blk = slice_t(w_idx, t0, qc)
     fn = lambda per_token, params: queries_i.fn(per_token, params, pos_bt)
     q_args = (slice_t(queries_i.inputs, t0, qc), queries_i.params)
-    q_blk, q_pull = jax.vjp(fn, *q_args) if with_grad else (fn(*q_args), None)
+    if not with_grad:
+        q_blk, q_pull = fn(*q_args), None
+    elif spec.inputs_grad:
+        q_blk, q_pull = jax.vjp(fn, *q_args)
+    else:
+        q_blk, pull_params = jax.vjp(functools.partial(fn, q_args[0]), q_args[1])
+        q_pull = lambda dq: (None, *pull_params(dq))  # noqa: E731
     visible_btw = visible_rows(pos_bt, seg_bt, seg_bw, last_bw)
     pull = None
     if with_grad and spec.index_chunk == q_blk.shape[2]:  # one group: keep its residuals, no recompute
@@ -74,11 +85,12 @@ def _stream_block(spec: Spec, t0, inputs, block_masks, with_grad: bool):
     allowed_btw = visible_btw
     if spec.topk is not None:
         allowed_btw = topk_mask(scores_btw, visible_btw, spec.topk)  # visible only
-    window_bts = None
-    if spec.joint:
-        window_bts = window_rows(pos_bt, seg_bt, positions, segment_ids, spec.window)
-    query_btd = query.rows(t0, qc, pos_bt).astype(kv.dtype)
-    psum_btw = teacher_rows(spec, query_btd, kv, allowed_btw, raw_kv, window_bts, sink)
+    if psum_btw is None:
+        window_bts = None
+        if spec.joint:
+            window_bts = window_rows(pos_bt, seg_bt, positions, segment_ids, spec.window)
+        query_btd = query.rows(t0, qc, pos_bt).astype(kv.dtype)
+        psum_btw = teacher_rows(spec, query_btd, kv, allowed_btw, raw_kv, window_bts, sink)
     kl, n, grad_btw = kl_rows(scores_btw, psum_btw, allowed_btw, with_grad)
     if not with_grad:
         return kl, n, None
@@ -90,34 +102,61 @@ def _stream_block(spec: Spec, t0, inputs, block_masks, with_grad: bool):
     return kl, n, (q_pull(grads[0]), *grads[1:])
 
 
-def _streamed_pass(spec: Spec, inputs, with_grad: bool):
-    """(mean KL over valid rows, its gradients ((d q inputs, d q params), d k_idx, d w_idx) or None)."""
-    (queries_i, k_idx, w_idx), teacher, positions, segment_ids = inputs
-    t, ratio = positions.shape[1], positions.shape[1] // k_idx.shape[1]
-    block_masks = (block_segment_ids(segment_ids, ratio), block_last_positions(positions, ratio))
-    qc = spec.query_chunk
+def _block_masks(positions, segment_ids, num_blocks: int):
+    """(segment id, last position) of each of the W blocks: int [B, W] each."""
+    ratio = positions.shape[1] // num_blocks
+    return block_segment_ids(segment_ids, ratio), block_last_positions(positions, ratio)
 
-    def block(carry, t0):
-        kl, n, grads = carry
-        kl_j, n_j, grads_j = _stream_block(spec, t0, inputs, block_masks, with_grad)
-        if with_grad:  # accumulate in (at least) float32 whatever the inputs' dtype
-            grads_j = jax.tree.map(lambda g, z: g.astype(z.dtype), grads_j, grads)
-            (dq_in, dq_params), dk, dw = grads
-            put = lambda acc, g: jax.lax.dynamic_update_slice_in_dim(acc, g, t0, axis=1)
-            # per-token inputs get their rows, the parameters a sum over blocks
-            dq = (put(dq_in, grads_j[0][0]), jax.tree.map(jnp.add, dq_params, grads_j[0][1]))
-            grads = (dq, dk + grads_j[1], put(dw, grads_j[2]))
-        return kl + kl_j, n + n_j, grads
 
-    primal = ((queries_i.inputs, queries_i.params), k_idx, w_idx)
-    dtype = teacher[1].dtype  # the teacher's compute dtype
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, compute_dtype(x)), primal) if with_grad else None
-    kl, n, grads = scan_blocks(block, (jnp.zeros((), dtype), jnp.int32(0), zeros), t // qc, qc)
-    inv = per_valid_row(n, dtype)
+def _init(spec: Spec, index, dtype, with_grad: bool):
+    """The pass's carry before the first block: (KL sum, valid rows, gradients or None), the
+    gradients' zeros in (at least) float32 ((d q inputs or None, d q params), d k_idx, d w_idx)."""
+    queries_i, k_idx, w_idx = index
+    zeros = lambda x: jnp.zeros(x.shape, compute_dtype(x))  # noqa: E731
+    grads = None
+    if with_grad:
+        dq_in = zeros(queries_i.inputs) if spec.inputs_grad else None
+        grads = ((dq_in, jax.tree.map(zeros, queries_i.params)), zeros(k_idx), zeros(w_idx))
+    return jnp.zeros((), dtype), jnp.int32(0), grads
+
+
+def _accumulate(spec: Spec, inputs, block_masks, with_grad: bool, carry, t0, psum_btw=None):
+    """`carry` after the block at row t0 (`_stream_block`): sums, and each block's rows put in place."""
+    kl, n, grads = carry
+    kl_j, n_j, grads_j = _stream_block(spec, t0, inputs, block_masks, with_grad, psum_btw)
+    if with_grad:  # accumulate in (at least) float32 whatever the inputs' dtype
+        grads_j = jax.tree.map(lambda g, z: g.astype(z.dtype), grads_j, grads)
+        (dq_in, dq_params), dk, dw = grads
+        put = lambda acc, g: jax.lax.dynamic_update_slice_in_dim(acc, g, t0, axis=1)  # noqa: E731
+        # per-token inputs get their rows, the parameters a sum over blocks
+        dq = (None if dq_in is None else put(dq_in, grads_j[0][0]), jax.tree.map(jnp.add, dq_params, grads_j[0][1]))
+        grads = (dq, dk + grads_j[1], put(dw, grads_j[2]))
+    return kl + kl_j, n + n_j, grads
+
+
+def _finish(carry, index):
+    """(mean KL over valid rows, its gradients as `IndexerInputs` or None) from the last carry."""
+    kl, n, grads = carry
+    queries_i, k_idx, w_idx = index
+    inv = per_valid_row(n, kl.dtype)
     if grads is None:
         return kl * inv, None
+    detached = grads[0][0] is None
+    primal = ((None if detached else queries_i.inputs, queries_i.params), k_idx, w_idx)
     (dq_in, dq_params), dk, dw = jax.tree.map(lambda g, x: (g * inv).astype(x.dtype), grads, primal)
+    dq_in = jnp.zeros_like(queries_i.inputs) if detached else dq_in
     return kl * inv, IndexerInputs(RowQueries(queries_i.fn, dq_in, dq_params), dk, dw)
+
+
+def _streamed_pass(spec: Spec, inputs, with_grad: bool):
+    """(mean KL over valid rows, its gradients ((d q inputs, d q params), d k_idx, d w_idx) or None)."""
+    index, teacher, positions, segment_ids = inputs
+    t = positions.shape[1]
+    block_masks = _block_masks(positions, segment_ids, index[1].shape[1])
+    qc = spec.query_chunk
+    block = lambda carry, t0: _accumulate(spec, inputs, block_masks, with_grad, carry, t0)  # noqa: E731
+    carry = scan_blocks(block, _init(spec, index, teacher[1].dtype, with_grad), t // qc, qc)
+    return _finish(carry, index)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -195,3 +234,49 @@ def csa_indexer_loss_streamed(index: IndexerInputs, teacher: Teacher, packing: P
     teacher_inputs = tuple(teacher_input(x, dtype) for x in (teacher.queries, teacher.compressed_bwd, raw_kv, sink))
     loss = _streamed_mean_kl(spec, index, teacher_inputs, positions, segment_ids)
     return jnp.asarray(scale, loss.dtype) * loss
+
+
+def csa_indexer_loss_tap(index: IndexerInputs, packing: Packing, *, teacher: str, scale=1.0, head_chunk: int = 0,
+                         query_chunk: int):
+    """The dense streamed loss fed by the attention: its teacher rows read off the attention's own
+    block logits, one query block per chunk of `core.ops.chunked_attention.chunked_attention` (its
+    `tap`), where `csa_indexer_loss_streamed` builds the teacher's queries and logits a second time.
+
+    The same loss as `csa_indexer_loss_streamed(index, teacher, packing, topk=None, ...)`, its
+    gradient taken in the forward (the closed form of each block, summed over blocks), for
+    detached query inputs: the gradient reaches the queries' params, k_I and w_I.
+
+    Args:
+      index: as `csa_indexer_loss_streamed`'s; its queries' per-token inputs are detached.
+      packing: positions and segment ids [B, T]; the ratio is T // W.
+      teacher: "compressed" | "joint" (the rows the attention reads off its logits).
+      scale, head_chunk: as `csa_indexer_loss_streamed`'s (head_chunk must divide HI).
+      query_chunk: the attention's chunk C, one loss block each (must divide T).
+
+    Returns:
+      (ChunkTap for `chunked_attention`, finish): finish(the tap's last carry) -> (the scaled loss, a
+      float32 scalar; d it / d `index` as IndexerInputs, zero for the queries' per-token inputs).
+    """
+    positions, segment_ids = packing
+    t, num_blocks = positions.shape[1], index.keys_bwd.shape[1]
+    if num_blocks == 0 or t % num_blocks:
+        raise ValueError(f"T={t} must be a multiple of the W={num_blocks} compressed blocks")
+    if teacher not in TEACHERS:
+        raise ValueError(f"teacher={teacher!r} is unknown: use one of {', '.join(TEACHERS)}")
+    spec = Spec(head_chunk=0, query_chunk=resolve_chunk(query_chunk, t, "query_chunk", "query positions"),
+                joint=teacher == "joint", index_chunk=resolve_chunk(head_chunk, _heads(index.queries, positions),
+                                                                    "head_chunk", "indexer heads"),
+                inputs_grad=False)
+    inputs = (index, (None,) * 4, positions, segment_ids)
+    masks = _block_masks(positions, segment_ids, num_blocks)
+    dtype = compute_dtype(index.keys_bwd, index.weights_bti)
+
+    def step(carry, t0, psum_btw):
+        return _accumulate(spec, inputs, masks, True, carry, t0, psum_btw.astype(dtype))
+
+    def finish(carry):
+        loss, grads = _finish(carry, index)
+        factor = jnp.asarray(scale, loss.dtype)
+        return factor * loss, jax.tree.map(lambda g: (factor * g).astype(g.dtype), grads)
+
+    return ChunkTap(teacher, _init(spec, index, dtype, True), step), finish

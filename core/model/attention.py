@@ -29,7 +29,9 @@ layer call:
   HCA and CSA over every visible block: logits [B, H, C, W]. The indexer's top-k is chunked the
   same way (`select_topk_chunked`), and the streamed indexer loss builds its indexer and teacher
   queries per block of csa_query_chunk_size rows or, when that is 0, of the largest divisor of
-  T <= C. Memory O(T (M + D + k) + C (S + k) H D), plus O(T H D) with `whole`; work
+  T <= C. Where that block is the chunk (C divides T) in the dense warm-up with the local gradient,
+  the loss runs inside the attention's scan and reads its teacher off the chunk's block logits
+  (`_teacher_tap`): the teacher's queries and logits are not built a second time. Memory O(T (M + D + k) + C (S + k) H D), plus O(T H D) with `whole`; work
   O(T (S + k) H D) with top-k, O(T W H D) over every visible block (the window banded per run of
   about S queries where a chunk holds two, else C + S keys per query: core.ops.chunked_attention).
 - `fused`: `fused_layer_attention` (core.ops.fused_attention), a forward and a backward Pallas
@@ -68,9 +70,9 @@ from jax.ad_checkpoint import checkpoint_name
 from core.config.platform import require_resolved, resolve_here
 from core.loss.indexer_kl import csa_indexer_loss
 from core.loss.indexer_kl_rows import Teacher
-from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed
+from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed, csa_indexer_loss_tap
 from core.model.compressor import Compressor
-from core.model.indexer import Indexer, IndexerSpec, local_gradient_loss
+from core.model.indexer import Indexer, IndexerSpec, local_gradient_loss, local_gradient_surrogate
 from core.model.layers import RMSNorm, dense_init, param, rms_normalize
 from core.ops.chunked_attention import Keys, RowQueries, chunked_attention, masked_attention
 from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
@@ -266,14 +268,22 @@ class Attention(nnx.Module):
                         positions_bt, s.rope)
         keys = Keys(kv, self.attn_sink[...].astype(jnp.promote_types(dt, jnp.float32)), s.window,
                     self.compressor(x_btm, positions_bt) if s.ratio else None, s.ratio)
-        selection, aux = None, {}
+        selection, aux, tap = None, {}, None
         if s.indexer_heads:
-            selection, aux = self._index(mode, x_btm, queries, keys, packing, Flags(dense, indexer_loss, collect, observe))
+            selection, aux, tap = self._index(mode, x_btm, queries, keys, packing,
+                                              Flags(dense, indexer_loss, collect, observe))
+        attend = mode.attend if tap is None else functools.partial(mode.attend, tap=tap[0])
         if s.projections == "whole":  # one matmul per projection and weight gradient, [B, T, H, D] whole
             q = RowQueries.given(pin_rows(queries.of(queries.inputs, positions_bt), heads_axis=2))  # split as x is
-            o_bthd = checkpoint_name(pin_rows(mode.attend(q, keys, packing, selection, None), heads_axis=2), "attn_out")
-            return self._output(o_bthd, positions_bt), aux
-        return mode.attend(queries, keys, packing, selection, self._output), aux
+            got = attend(q, keys, packing, selection, None)
+            o_bthd, carry = got if tap is not None else (got, None)
+            out = self._output(checkpoint_name(pin_rows(o_bthd, heads_axis=2), "attn_out"), positions_bt)
+        else:
+            got = attend(queries, keys, packing, selection, self._output)
+            out, carry = got if tap is not None else (got, None)
+        if tap is not None:
+            aux["indexer_loss"] = tap[1](carry)
+        return out, aux
 
     def _output(self, o_bthd, positions_bt):
         """Inverse RoPE, then the grouped low-rank projection back to the model width."""
@@ -287,7 +297,8 @@ class Attention(nnx.Module):
         return jnp.einsum("btr,rm->btm", lat_btgr.reshape(b, t, -1), self.wo_b[...].astype(dt))
 
     def _index(self, mode: Mode, x_btm, queries: RowQueries, keys: Keys, packing: Packing, flags: Flags):
-        """The indexer of a CSA layer: (the selection attention uses, None for every visible block; aux).
+        """The indexer of a CSA layer: (the selection attention uses, None for every visible block; aux;
+        None, or the loss's (tap, finish) when the chunked attention feeds it, `_teacher_tap`).
 
         The scores [B, T, W] are built whole in the masked mode, for `collect`, and for a loss that
         cannot stream; otherwise the top-k runs per chunk and the loss streams.
@@ -295,7 +306,11 @@ class Attention(nnx.Module):
         s, sg, pos = self.spec, jax.lax.stop_gradient, packing.positions_bt
         aux = {"indexer_loss": jnp.zeros((), jnp.float32)}
         if flags.dense and not flags.indexer_loss and not flags.collect and flags.observe is None:  # no part
-            return None, aux
+            return None, aux, None
+        plain = flags.dense and flags.indexer_loss and not flags.collect and flags.observe is None
+        if plain and s.attention == "chunked" and s.indexer_gradient == "local" and \
+                mode.loss_rows == min(s.attention_chunk, x_btm.shape[1]):  # one loss block per chunk
+            return None, aux, self._teacher_tap(x_btm, queries, packing, mode.loss_rows)
         joint = s.teacher == "joint"
         teacher = Teacher(sg(queries), sg(keys.compressed_bwd), sg(keys.raw_bsd) if joint else None,
                           sg(keys.sink_h) if joint else None, kind=s.teacher, window=s.window if joint else 0)
@@ -328,7 +343,27 @@ class Attention(nnx.Module):
                        indexer_x=sg(x_btm), indexer_c_q=sg(queries.inputs))
             if joint:
                 aux.update(raw_kv=teacher.raw_bsd, window=sliding_window_mask(*packing, s.window), sink=teacher.sink_h)
-        return (None if flags.dense else selection), aux
+        return (None if flags.dense else selection), aux, None
+
+    def _teacher_tap(self, x_btm, queries: RowQueries, packing: Packing, rows: int):
+        """The dense streamed loss with its gradient taken here (`indexer_gradient: local`), its teacher
+        read off the chunked attention's own block logits, one loss block per chunk of `rows` queries
+        (core.loss.indexer_kl_streamed.csa_indexer_loss_tap): (the attention's ChunkTap, finish), where
+        finish(the tap's last carry) is the layer's loss as `local_gradient_loss` gives it. The same
+        loss and indexer gradient as the streamed loss's own teacher, which builds the queries and
+        the logits a second time."""
+        s, pos = self.spec, packing.positions_bt
+        graphdef, params, rest = nnx.split(self.indexer, nnx.Param, ...)
+        index, pull = jax.vjp(lambda p: nnx.merge(graphdef, p, rest).inputs(x_btm, queries.inputs, pos),
+                              jax.lax.stop_gradient(params))
+        tap, finish = csa_indexer_loss_tap(index, packing, teacher=s.teacher, scale=s.loss_scale,
+                                           head_chunk=s.head_chunk, query_chunk=rows)
+
+        def loss(carry):
+            value, d_index = finish(carry)
+            return local_gradient_surrogate(params, value, pull(d_index)[0])
+
+        return tap, loss
 
     def _indexer_loss(self, index: IndexerInputs, teacher: Teacher, packing: Packing, whole, topk, rows: int):
         """The layer's scaled indexer loss: streamed in blocks of `rows` query rows, or with rows 0

@@ -43,10 +43,18 @@ def local_gradient_loss(module: nnx.Module, loss_of):
     not the layer's activations: no layer of the warm-up runs again in the backward, and no layer's
     input is kept for it (core/model/transformer.py).
     """
-    sg = jax.lax.stop_gradient
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-    value, grads = jax.value_and_grad(lambda p: loss_of(nnx.merge(graphdef, p, rest)))(sg(params))
+    value, grads = jax.value_and_grad(lambda p: loss_of(nnx.merge(graphdef, p, rest)))(jax.lax.stop_gradient(params))
+    return local_gradient_surrogate(params, value, grads)
+
+
+def local_gradient_surrogate(params, value, grads):
+    """`local_gradient_loss`'s surrogate of a loss `value` whose gradient `grads` w.r.t. `params`
+    (an nnx.State of a module's Params, as `nnx.split` gives it) is already known:
+    stop_gradient(value) + sum over p of sum((p - stop_gradient(p)) * g_p)."""
+    sg = jax.lax.stop_gradient
     grads = jax.tree.map(lambda g: checkpoint_name(sg(g), "indexer_local_grads"), grads)
+
     def inner(p, g):  # in float32 (float64 for float64 parameters); its gradient is g, cast to p's dtype
         acc = jnp.promote_types(p.dtype, jnp.float32)
         return jnp.sum((p.astype(acc) - sg(p).astype(acc)) * g.astype(acc))

@@ -31,8 +31,11 @@ by one inside a document, so the keys of a query's window are among its S - 1 pr
 Queries arrive as `RowQueries`: a pure function of per-token inputs (e.g. the low-rank c_q) run
 for any run of rows, so the chunked path builds the [B, C, H, D] queries of one chunk at a time
 and the [B, T, H, D] queries never exist whole. The output projection runs per chunk as well
-(`out_fn`). Work is O(T (S + k) H D) with top-k, O(T (S + W) H D) over every block; without a banded
-window (fewer than two runs in a chunk) the window's S becomes C + S.
+(`out_fn`). A `ChunkTap` takes each chunk's indexer-loss teacher rows, read off its block logits
+(`merged_softmax`'s `teacher`), and carries what it makes of them through the chunks (the dense
+streamed loss: core/loss/indexer_kl_streamed.py `csa_indexer_loss_tap`). Work is O(T (S + k) H D)
+with top-k, O(T (S + W) H D) over every block; without a banded window (fewer than two runs in a
+chunk) the window's S becomes C + S.
 """
 
 from __future__ import annotations
@@ -98,6 +101,15 @@ class Keys:
     window: int                 # sliding window S (tokens)
     compressed_bwd: Any = None  # compressed entries [B, W, D] (keys = values), None in SWA layers
     ratio: int = 0              # tokens per compressed entry (4 CSA, 128 HCA)
+
+
+class ChunkTap(NamedTuple):
+    """What `chunked_attention` hands each chunk's teacher rows to: carry = step(carry, t0, psum_bcw)
+    from init, psum_bcw the detached [B, C, W] rows of `merged_softmax`'s `teacher`."""
+
+    teacher: str      # "compressed" | "joint"
+    init: Any
+    step: Callable
 
 
 class Band(NamedTuple):
@@ -178,7 +190,7 @@ def block_keys(positions_bt, segment_ids_bt, ratio: int):
             block_last_positions(positions_bt[:, : w * ratio], ratio))
 
 
-def merged_softmax(q_bchd, sink_h, parts):
+def merged_softmax(q_bchd, sink_h, parts, teacher: str | None = None):
     """One softmax over several key sets and the sink, merged by log-sum-exp.
 
     The products take the queries and keys in their own (compute) dtype and accumulate in float32
@@ -191,10 +203,15 @@ def merged_softmax(q_bchd, sink_h, parts):
       parts: (keys, mask) pairs: keys [B, U, D] shared by the chunk's queries with mask
         bool [B, C, U], keys [B, C, U, D] per query (gathered blocks) with mask bool [B, C, U], or
         `Band` keys [B, n, U, D] per run of C / n queries with mask bool [B, C, U].
+      teacher: None, or the indexer loss's teacher ("compressed" | "joint", DESIGN.md "The indexer
+        loss") over the last part, keys shared by the chunk's queries (the compressed entries):
+        its rows are then read off these very logits.
 
     Returns:
       o_bchd [B, C, H, D] in the accumulation dtype: sum over parts of p * v (a row with nothing
-      allowed gives 0).
+      allowed gives 0); with `teacher`, (o_bchd, psum_bcu): sum over heads of each head's softmax
+      on the last part's allowed keys, normalised over those keys alone ("compressed") or over
+      everything the head attends, window and sink included ("joint"), detached.
     """
     acc = jnp.promote_types(q_bchd.dtype, jnp.float32)
     b, c, h, d = q_bchd.shape
@@ -238,7 +255,18 @@ def merged_softmax(q_bchd, sink_h, parts):
     exps = [jnp.where(m, jnp.exp(l - from_bhc(mx_bhc, k)), 0.0) for (l, m), (k, _) in zip(logits, parts)]
     denom_bhc = jnp.exp(sink_bhc - mx_bhc) + sum(to_bhc(jnp.sum(e, axis=-1), k) for e, (k, _) in zip(exps, parts))
     o_bchd = sum((values(e, k) for e, (k, _) in zip(exps, parts)), jnp.zeros(q_bchd.shape, acc))
-    return o_bchd / jnp.transpose(denom_bhc, (0, 2, 1))[..., None]
+    o_bchd = o_bchd / jnp.transpose(denom_bhc, (0, 2, 1))[..., None]
+    if teacher is None:
+        return o_bchd
+    l_bhcu, mask_b1cu = jax.tree.map(jax.lax.stop_gradient, logits[-1])
+    if teacher == "joint":  # the head's own log-sum-exp over everything it attends
+        lse_bhc = mx_bhc + jnp.log(jax.lax.stop_gradient(denom_bhc))
+    else:  # over the last part alone, with its own max: nothing underflows against the window's
+        own_bhc = jnp.max(l_bhcu, axis=-1)
+        sum_bhc = jnp.sum(jnp.where(mask_b1cu, jnp.exp(l_bhcu - own_bhc[..., None]), 0.0), axis=-1)
+        lse_bhc = own_bhc + jnp.log(jnp.where(sum_bhc > 0, sum_bhc, 1.0))
+    psum_bcu = jnp.sum(jnp.where(mask_b1cu, jnp.exp(l_bhcu - lse_bhc[..., None]), 0.0), axis=1)
+    return o_bchd, psum_bcu
 
 
 def softmax_attention(q_bthd, kv_bsd, window_bts, sink_h, ckv_bwd=None, allowed_btw=None):
@@ -303,7 +331,7 @@ def masked_attention(queries: RowQueries, keys: Keys, packing: Packing, selectio
 
 
 def chunked_attention(queries: RowQueries, keys: Keys, packing: Packing, selection=None, out_fn=None, *,
-                      chunk: int):
+                      chunk: int, tap=None):
     """`masked_attention` one query chunk at a time, without a [T, T] or [T, W] tensor.
 
     Args:
@@ -311,9 +339,14 @@ def chunked_attention(queries: RowQueries, keys: Keys, packing: Packing, selecti
       out_fn: (o [B, C, H, D] in q's dtype, positions [B, C]) -> per-token output, run per chunk;
         None keeps o.
       chunk: query positions per scan step C (static; T need not be a multiple).
+      tap: None, or `ChunkTap`: the indexer loss's teacher read off each chunk's block logits
+        (`merged_softmax`'s `teacher`) and handed, with the chunk's first row, to tap.step, which
+        carries tap.init through the chunks (the streamed indexer loss, one block per chunk: T a
+        multiple of C, every visible block attended, keys shared by the chunk).
 
     Returns:
-      [B, T, ...]: out_fn of the attention output (o_bthd [B, T, H, D] in q's dtype by default).
+      [B, T, ...]: out_fn of the attention output (o_bthd [B, T, H, D] in q's dtype by default);
+      with `tap`, (that, the carry after the last chunk).
 
     Shapes (per chunk of c = min(C, T) queries starting at t0):
       1. q_bchd = queries of rows [t0, t0 + c);  band keys kv[t0 - P : t0 + c], P = S - 1 (0 if one chunk)
@@ -335,6 +368,8 @@ def chunked_attention(queries: RowQueries, keys: Keys, packing: Packing, selecti
     if ckv_bwd is not None:
         seg_bw, last_bw = block_keys(positions_bt, segment_ids_bt, keys.ratio)
     gathered = hasattr(selection, "idx_btk")  # a core.ops.topk.Selection (topk imports this module)
+    if tap is not None and (pad_end or gathered or ckv_bwd is None):
+        raise ValueError(f"a teacher tap needs T={t} a multiple of the chunk {c} and every block's keys shared")
     xs = [to_chunks(queries.inputs, c, n), to_chunks(positions_bt, c, n), to_chunks(segment_ids_bt, c, n),
           jnp.arange(n) * c]
     if gathered:
@@ -358,11 +393,18 @@ def chunked_attention(queries: RowQueries, keys: Keys, packing: Packing, selecti
             else:
                 visible_bcw = visible_rows(pos_bc, seg_bc, seg_bw, last_bw)
                 parts.append((ckv, visible_bcw & sel[0] if sel else visible_bcw))
-        o = merged_softmax(q, sink_h, parts).astype(q.dtype)
-        return out_fn(o, pos_bc)
+        if tap is None:
+            return out_fn(merged_softmax(q, sink_h, parts).astype(q.dtype), pos_bc)
+        o, psum_bcw = merged_softmax(q, sink_h, parts, tap.teacher)
+        return out_fn(o.astype(q.dtype), pos_bc), psum_bcw
 
-    if n == 1:
-        ys = body(*(x[0] for x in xs))[None]
-    else:
-        _, ys = jax.lax.scan(lambda carry, x: (carry, body(*x)), None, tuple(xs))
-    return from_chunks(ys, t)
+    def step(carry, x):
+        if tap is None:
+            return carry, body(*x)
+        y, psum_bcw = body(*x)
+        return tap.step(carry, x[3], psum_bcw), y
+
+    carry, ys = (step(None if tap is None else tap.init, tuple(x[0] for x in xs)) if n == 1 else
+                 jax.lax.scan(step, None if tap is None else tap.init, tuple(xs)))
+    ys = from_chunks(ys[None] if n == 1 else ys, t)
+    return ys if tap is None else (ys, carry)

@@ -5,8 +5,14 @@ carries no weights.
   the layer ("backward"), in the dense warm-up and the sparse stage, for both teachers: to float32
   rounding, since the indexer scores in float32 whatever the dtype (core/ops/topk.py), and the two
   sum its gradient in different orders.
-- The whole model in the warm-up: the loss is the same; every indexer gradient equals the
-  whole-stack backward's to float32 rounding; every other parameter gets exactly zero.
+- One CSA layer in float64, the dense warm-up's chunked attention feeding the loss its teacher (one
+  loss block per chunk, core/loss/indexer_kl_streamed.py `csa_indexer_loss_tap`): the loss and the
+  indexer's gradient equal the streamed loss's own teacher's and autodiff's, the layer's output is
+  unchanged, nothing outside the indexer gets a gradient, and the step's jaxpr lacks exactly the
+  teacher's second query projection and logits.
+- The whole model in the warm-up (the attention's teacher: one chunk per loss block): the loss is
+  the same; every indexer gradient equals the whole-stack backward's to float32 rounding; every
+  other parameter gets exactly zero.
 - The compiled warm-up step of deepseek4-tiny (one CPU, 4 x 256) holds neither a stacked copy of a
   scanned segment's weights nor its layers' inputs: no temporary has the shape of a scanned
   expert stack or of the residual stream stacked over a segment's repeats, and the temporaries stay
@@ -57,6 +63,51 @@ def test_layer_local_gradient_equals_backward_float64(x64, teacher, dense):
             np.testing.assert_allclose(ga[k], gb[k], rtol=1e-5, atol=1e-5 * np.abs(gb[k]).max(), err_msg=k)
         else:  # nothing outside the indexer: exactly zero either way
             assert not np.any(ga[k]) and not np.any(gb[k]), k
+
+
+def _layer_grads(teacher: str, **kw):
+    """(3 x the indexer loss, {parameter: gradient}, the output, the jaxpr's matmul FLOPs per component) of
+    test_attention's CSA layer on the packed rows in float64, dense."""
+    from core.bench.train import jaxpr_flops, live_jaxpr
+
+    state = nnx.state(make_layer(spec(4), jnp.float64, seed=11)[0])
+    pos, seg = (jnp.asarray(a) for a in packed(ROWS, T))
+    x = jax.random.normal(jax.random.key(5), (2, T, 16), jnp.float64)
+    s = spec(4, loss_scale=0.1, teacher=teacher, attention_chunk=8, **kw)
+    layer = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Attention(s, rngs=nnx.Rngs(0)))), state)
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    def loss(p):
+        out, aux = nnx.merge(graphdef, p, rest)(x, pos, seg, dense=True, indexer_loss=True)
+        return 3.0 * aux["indexer_loss"], out
+
+    fn = jax.value_and_grad(loss, has_aux=True)
+    (value, out), g = jax.jit(fn)(params)
+    flops = {c: f["matmul_flops"] for c, f in jaxpr_flops(live_jaxpr(jax.make_jaxpr(fn)(params))).items()}
+    grads = {".".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(g)}
+    return float(value), grads, np.asarray(out), flops
+
+
+@pytest.mark.parametrize("teacher", ["compressed", "joint"])
+def test_attention_fed_teacher_equals_the_losses_own_float64(x64, teacher):
+    fed = _layer_grads(teacher, query_chunk=0)  # blocks of the chunk's 8 rows: the attention's logits
+    hd, rows, w = 4 * 8, 2 * T, T // 4
+    for how, query_chunk in (("local", 4), ("backward", 0)):
+        value, grads, out, flops = _layer_grads(teacher, query_chunk=query_chunk, indexer_gradient=how)
+        np.testing.assert_allclose(fed[0], value, rtol=1e-6)
+        np.testing.assert_array_equal(fed[2], out)
+        assert fed[1].keys() == grads.keys()
+        for k, g in grads.items():
+            if "indexer" in k:
+                assert np.any(g != 0), k
+                np.testing.assert_allclose(fed[1][k], g, rtol=1e-5, atol=1e-5 * np.abs(g).max(), err_msg=k)
+            else:  # nothing outside the indexer: exactly zero either way
+                assert not np.any(fed[1][k]) and not np.any(g), k
+        # the loss's own teacher: the queries c_q W_qb and the logits over every block again (joint: every raw key)
+        again = 2 * rows * 8 * hd + 2 * rows * w * hd + (2 * rows * T * hd if teacher == "joint" else 0)
+        assert flops["indexer"] + flops["attention"] - again == fed[3]["indexer"] + fed[3]["attention"], (flops, fed[3])
+        assert {c: f for c, f in flops.items() if c not in ("indexer", "attention")} == \
+            {c: f for c, f in fed[3].items() if c not in ("indexer", "attention")}
 
 
 CFG = ["vocab_size=512", "sliding_window_size=8", "first_num_hash_layers=1", "hc_sinkhorn_iters=3",
