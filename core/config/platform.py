@@ -36,13 +36,17 @@ def _topk_attention(cfg, platform: str, axes) -> str:
 
 
 def _moe_impl(cfg, platform: str, axes) -> str:
-    """A grouped matmul on a TPU whose experts are whole on every device: the megablox kernels with
-    tiles per pass (`gmm`; `lax.ragged_dot` tiles the forward only); tiles of plain einsums
-    elsewhere: XLA:CPU lowers ragged_dot densely; under expert parallelism the tiled dispatch is
-    what the exchange sends tokens to; and with the experts split over fsdp or tensor, a Mosaic
-    kernel (which XLA cannot partition) would need each layer's experts gathered whole on every
-    device (V4-Flash's sparse stage on v5p-128 then exceeds the chip)."""
-    return "gmm" if platform == "tpu" and _split(cfg, axes, ("expert", "fsdp", "tensor")) == 1 else "tiled"
+    """A grouped matmul on a TPU: the megablox kernels with tiles per pass (`gmm`; `lax.ragged_dot`
+    tiles the forward only), on each device's own tokens where the experts are whole on every device,
+    and on each device's local experts under expert parallelism (the tokens sent to them); tiles of
+    plain einsums elsewhere (XLA:CPU lowers ragged_dot densely), and on a TPU whose experts are split
+    over fsdp or tensor but not over expert: a Mosaic kernel (which XLA cannot partition) would need
+    each layer's experts gathered whole on every device (V4-Flash's sparse stage on v5p-128 then
+    exceeds the chip)."""
+    if platform != "tpu":
+        return "tiled"
+    whole = _split(cfg, axes, ("expert", "fsdp", "tensor")) == 1
+    return "gmm" if whole or _split(cfg, axes, ("expert",)) > 1 else "tiled"
 
 
 def _split(cfg, axes, names) -> int:

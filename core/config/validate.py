@@ -140,10 +140,6 @@ def _check_shapes(cfg) -> None:
     _check(not cfg.moe_gmm_tiles or (len(cfg.moe_gmm_tiles) == 9 and min(cfg.moe_gmm_tiles) >= 1),
            f"moe_gmm_tiles={list(cfg.moe_gmm_tiles)} must be nine positive ints (rows, contracted, output of the "
            "forward, the input gradient and the weight gradient), or [] for auto.")
-    expert_parallel = cfg.ici_expert_parallelism != 1 or cfg.dcn_expert_parallelism != 1
-    _check(not (expert_parallel and cfg.moe_impl in ("ragged", "gmm")),
-           f"moe_impl={cfg.moe_impl} runs no expert parallelism (ici/dcn_expert_parallelism != 1): use "
-           "moe_impl=tiled or auto, which move the tokens to their experts' devices.")
 
 
 def _check_indexer(cfg) -> None:

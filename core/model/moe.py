@@ -34,12 +34,12 @@ core/config/platform.py: tiled on CPU and GPU, gmm on TPU, docs/benchmarks.md#wh
   (core/ops/grouped_matmul.py).
 All four agree to float32 rounding in value and gradient (tests/model/test_moe.py, test_moe_dispatch.py).
 On a mesh whose `expert` axis is larger than 1 (`jax.sharding.get_abstract_mesh()` during the trace:
-traced under `jax.set_mesh` or `jax.sharding.use_abstract_mesh`), "tiled" becomes expert parallelism that moves tokens:
-an all-to-all sends each token to its experts' devices (once per device, in rounds), which run the tiled
-dispatch over their local experts (core/ops/expert_parallel.py; drop-free unless `capacity_factor`, aux["dropped"]).
-"dense" stays GSPMD-partitioned; "ragged" and "gmm" run inside `jax.shard_map` on each device's own tokens
-(XLA cannot partition a Mosaic kernel, core/ops/expert_parallel.py's `token_parallel_experts`) and
-refuse an `expert` axis: their `auto` resolves to "tiled" under expert parallelism.
+traced under `jax.set_mesh` or `jax.sharding.use_abstract_mesh`), "tiled", "ragged" and "gmm" become
+expert parallelism that moves tokens: a ragged all-to-all sends each slot to its expert's device, which
+runs the same computation over its local experts (core/ops/expert_parallel.py; drop-free unless
+`capacity_factor`, aux["dropped"]). "dense" stays GSPMD-partitioned. Without an `expert` axis, "ragged"
+and "gmm" run inside `jax.shard_map` on each device's own tokens (XLA cannot partition a Mosaic kernel,
+core/ops/expert_parallel.py's `token_parallel_experts`).
 
 Parameter layout is [in, out] (JAX convention; the official Linear stores [out, in]):
 gate.weight [M, E], gate.bias [E], gate.tid2eid [V, k], experts.w1/w3 [E, M, F], experts.w2
@@ -60,7 +60,7 @@ from core.config.platform import require_resolved, resolve_here
 from core.model.layers import dense_init, param, upcast
 from core.ops.grouped_matmul import GmmTiling, SlotOrder, gmm, ragged_dot
 from core.ops.expert_parallel import (Exchange, expert_axis_size, expert_parallel_experts, token_parallel_experts,
-                                      token_rounds, token_shards)
+                                      token_shards)
 from core.ops.moe_dispatch import Tiling, tiled_experts
 from core.ops.placement import mesh_platform_of
 from core.ops.order import after, cotangent_after_value
@@ -328,8 +328,9 @@ def megablox_gmm(out_dtype, tiling: GmmTiling, platform: str):
 
 
 def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):
-    """(y_btm, dropped): the routed experts by `spec.impl`; "tiled" on a mesh whose `expert` axis is
-    larger than 1 sends the tokens to their experts' devices (core/ops/expert_parallel.py).
+    """(y_btm, dropped): the routed experts by `spec.impl`; on a mesh whose `expert` axis is larger than
+    1, every impl but "dense" sends the slots to their experts' devices (core/ops/expert_parallel.py),
+    where the impl's computation runs over the local experts.
 
     Args:
       spec: the layer's MoESpec.
@@ -348,26 +349,26 @@ def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):
         combine_bte = jnp.einsum("btk,btke->bte", weights_btk,
                                  jax.nn.one_hot(idx_btk, spec.num_experts, dtype=jnp.float32))
         return dense_experts(x_btm, combine_bte, w1, w2, w3, spec.swiglu_limit), no_drops
+    tokens = x_btm.shape[0] * x_btm.shape[1]
     if spec.impl in ("ragged", "gmm"):
         dt = x_btm.dtype
         matmul = ragged(dt) if spec.impl == "ragged" else megablox_gmm(dt, spec.gmm_tiling(), mesh_platform_of(mesh))
-        grouped = functools.partial(grouped_experts, limit=spec.swiglu_limit, matmul=matmul)
+        local = functools.partial(grouped_experts, limit=spec.swiglu_limit, matmul=matmul)
         if mesh is None or mesh.empty or mesh.size == 1:
-            return grouped(x_btm, idx_btk, weights_btk, w1, w2, w3), no_drops
-        if devices > 1:
-            raise ValueError(f"moe_impl={spec.impl} runs no expert parallelism (the mesh's expert axis is {devices}): "
-                             "use moe_impl=tiled or auto, which moves the tokens to their experts")
-        return token_parallel_experts(grouped, x_btm, idx_btk, weights_btk, w1, w2, w3, mesh), no_drops
-    tokens = x_btm.shape[0] * x_btm.shape[1]
-    if devices == 1:
+            return local(x_btm, idx_btk, weights_btk, w1, w2, w3), no_drops
+        if devices == 1:
+            return token_parallel_experts(local, x_btm, idx_btk, weights_btk, w1, w2, w3, mesh), no_drops
+    elif devices == 1:
         tiling = Tiling(spec.tile_size or auto_tile(tokens, spec.num_experts, spec.k), spec.tiles_per_step)
         return tiled_experts(x_btm, idx_btk, weights_btk, w1, w2, w3, tiling, hidden=hidden), no_drops
-    # A destination sees about a round's n_r k slots (from all devices together) over its E_l local experts.
-    local_tokens, local_experts = tokens // token_shards(mesh), spec.num_experts // devices
-    _, round_tokens = token_rounds(max(local_tokens, 1), devices)
-    tiling = Tiling(spec.tile_size or auto_tile(round_tokens, local_experts, spec.k), spec.tiles_per_step)
-    return expert_parallel_experts(x_btm, idx_btk, weights_btk, w1, w2, w3,
-                                   Exchange(mesh, tiling, spec.capacity_factor), hidden=hidden)
+    else:
+        # a destination receives about the device's own n k slots (one per row) over its E_l local experts
+        local_slots, local_experts = tokens // token_shards(mesh) * spec.k, spec.num_experts // devices
+        tiling = Tiling(spec.tile_size or auto_tile(local_slots, local_experts, 1), spec.tiles_per_step,
+                        empty_slots=True)
+        local = functools.partial(tiled_experts, tiling=tiling, hidden=hidden)
+    exchange = Exchange(mesh, spec.capacity_factor, emulated=mesh_platform_of(mesh) == "cpu")
+    return expert_parallel_experts(x_btm, idx_btk, weights_btk, w1, w2, w3, exchange, experts=local)
 
 
 # ----------------------------------------------------------------------------- modules

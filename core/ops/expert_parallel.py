@@ -1,74 +1,55 @@
-"""Expert parallelism that moves tokens, not weights (DESIGN.md, "Scale").
+"""Expert parallelism that moves tokens, not weights (DESIGN.md, "Expert parallelism").
 
-Inside `jax.shard_map` over the mesh, with P = the `expert` axis size and E_l = E / P experts per
-device (experts are sharded over `expert` on their leading axis), every device splits its n tokens
-into R rounds of n_r = ceil(n / R) tokens (the last round padded with tokens routed nowhere) and
-runs one round at a time, in a `lax.map` whose body is under `jax.checkpoint`:
+Inside `jax.shard_map` over the mesh, with P = the `expert` axis size, E_l = E / P experts per
+device (experts are sharded over `expert` on their leading axis) and n tokens per device, each
+device runs, once per call:
 
-1. The round's tokens arrive routed (idx, weights: computed on their own device, outside). Slot
-   (token, j) goes to device idx // E_l, local expert idx % E_l. A token travels to each device that
-   holds one of its experts ONCE, with all of its slots there (at most k' = min(k, E_l): a token's
-   experts are distinct): one row per (token, device) pair, its place in the destination's block
-   its rank among the round's tokens for that device (stable: token order).
-2. A send buffer [P, C, M] holds each destination's block of C rows (C the capacity below; rows
-   left over are empty); `lax.all_to_all` over `expert` exchanges the blocks, together with each
-   row's k' local expert ids (E_l: an empty slot) and combine weights.
-3. The P*C received rows run through the tiled dispatch (core/ops/moe_dispatch.py) over the E_l
-   LOCAL experts only: each row's output is the sum of its slots' experts times their weights, in
-   float32; chunks of only empty slots are skipped at run time.
-4. The inverse `all_to_all` returns each row's output to its source, which adds it to its token
-   (float32). After the last round, a psum over `tensor` when F is sharded there.
+1. Its n tokens arrive routed (idx, weights: computed on their own device, outside). Their
+   S = n k slots are sorted by global expert (`SlotOrder`): the slots for device d are then one
+   contiguous block, in order of its local experts, their counts `counts_e` [E].
+2. An all-gather over `expert` of every device's counts [P, E] tells each device where each block
+   lands: destination d's buffer holds, source by source and within a source local expert by local
+   expert, the slots sent to it, C rows in all (C the capacity below). A slot past row C of its
+   destination is dropped: its output is 0 and it counts, slot by slot, in the returned fraction.
+3. The exchange (`ragged_exchange`) sends each block's real rows, and the slots' combine weights
+   beside them: `lax.ragged_all_to_all` on a TPU or a GPU, whose transfers are the real counts.
+4. Each destination runs `experts` on its C rows as one-slot tokens of its E_l local experts (the
+   single-device MoE: a grouped matmul over the real rows for moe_impl ragged and gmm, the tiled
+   dispatch for tiled; rows past the received ones are empty slots, expert E_l), and the inverse
+   exchange returns each slot's output, rounded to the compute dtype, to its source.
+5. The source sums each token's k slot outputs in float32 (`SlotOrder.gather_sum`), and then over
+   `tensor` when the hidden width F is sharded there.
 
-The exchange is built from `lax.all_to_all` with static, worst-case blocks, not from
-`lax.ragged_all_to_all`: XLA:CPU (jax 0.10.2) does not implement `ragged-all-to-all`
-("UNIMPLEMENTED"), so only this exchange compiles and is tested in the CPU suite.
+XLA:CPU (jax 0.10.2) does not implement `ragged-all-to-all` ("UNIMPLEMENTED"): there the exchange
+is `emulated_ragged_all_to_all`, the same call's result from an `all_to_all` of static blocks, one
+block per destination of min(S, C) rows, whose rows are then scattered to their offsets. Only the
+exchange primitive differs; the CPU suite tests the expert-parallel MoE through it.
 
-Capacity and buffers. A destination gets at most one row per token of the round: C = n_r is
-drop-free (`Exchange.capacity_factor` 0, the default). What lives at once on a device is one round's: the
-send and receive blocks, P*C rows of M each in the compute dtype, the destination's outputs and
-their return exchange, P*C rows of M in float32 (and P*C rows of k' expert ids and weights);
-across rounds only the tokens' outputs [n, M] (float32). The backward keeps each round's inputs
-(its n_r rows of x and its routing), recomputes the round (layout, outbound exchanges, the
-experts' forward) and holds one round's blocks and their gradients at a time. With R = P the drop-free
-blocks hold P n_r < n + P rows, the device's own tokens: growing with tokens per device, not with
-devices. The destination's tiled dispatch scans P*C*k' slots a round (empty chunks skipped).
-
-A capacity factor f > 0 sets C = ceil(f * n_r * k / P) (f times a round's mean slots per
-destination; at most n_r): capacity is per round, and a row (token, device) past its destination's
-C rows in its round is dropped with all its slots there (they add 0; the round's later tokens
-first) and counted, slot by slot, in the returned fraction. Rounds of fewer tokens drop a little
-more at the same f than one block of n would (a round's load varies more). A drop-free exchange
-never drops a slot.
-
-Rounds. R = P, at most n (`token_rounds`; `Exchange.rounds` overrides): the fewest rounds whose
-drop-free blocks hold no more rows than the device's own n tokens, the size of the MoE's input and
-float32 output. Fewer rounds grow the blocks towards one exchange's worst case, P n rows (every
-device's tokens on one device); more shrink them below what the MoE holds anyway and pay each
-round's fixed cost more often: four all-to-alls forward (tokens, expert ids and weights out, outputs
-back) and six backward (three of them the recomputation), a scan step, the tiled dispatch's tile
-padding (up to E_l (rows per tile - 1) rows a round) and its chunks (about 3F / rows per tile a
-round; in the backward each adds its gradient into the [E_l, M, F] weight gradients).
+Capacity. Drop-free (capacity factor 0, the default): C = P n min(k, E_l), the most slots one
+device can receive (every device's tokens on it, each with all of its slots there). A capacity
+factor f > 0: C = ceil(f n k) rows, f times the slots a destination receives under a balanced load
+(at most the drop-free C). The executed work (exchange, grouped matmul) is the real slots either
+way; C sizes the receive buffers and what a static cost analysis counts for the grouped matmul.
 
 Weights. The in_specs take the expert weights as [experts over `expert`, embed whole, mlp over
-`tensor`]: the `embed` dimension, sharded over `fsdp` in the parameters, is gathered by the
-compiler once per call at the shard_map's boundary (and its gradient reduce-scattered back, once,
-after the last round), one layer at a time; every round reads those local weights. No device
-holds another device's experts or a per-tile copy of all weights. The backward accumulates the
-weights' gradients across rounds, one [E_l, M, F] set beside the tiled dispatch's own per round.
-Tokens (the flattened batch) split over (data, fsdp, expert), as the batch does
-(core/parallel/sharding.py); mesh axes named here mirror its rules (ops may not import parallel).
+`tensor`]: an `embed` dimension sharded over `fsdp` in the parameters is gathered by the compiler
+at the shard_map's boundary (its gradient reduce-scattered back), one layer at a time; no device
+holds another device's experts. Tokens (the flattened batch) split over (data, fsdp, expert), as
+the batch does (core/parallel/sharding.py); mesh axes named here mirror its rules (ops may not
+import parallel).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from core.ops.moe_dispatch import Tiling, tiled_experts, vary_like
+from core.ops.grouped_matmul import SlotOrder
 
 EXPERT_AXIS = "expert"                    # the experts' leading axis ("experts" -> "expert")
 MLP_AXIS = "tensor"                       # the experts' hidden axis ("mlp" -> "tensor")
@@ -80,9 +61,8 @@ class Exchange:
     """Static layout of one expert-parallel MoE call (hashable)."""
 
     mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh   # has an `expert` axis
-    tiling: Tiling                        # rows per tile and tiles per step on the destination
     capacity_factor: float = 0.0          # 0: drop-free (module docstring)
-    rounds: int = 0                       # R, token rounds per device (0: `token_rounds`' default)
+    emulated: bool = False                # the all_to_all form of the exchange (XLA:CPU has no ragged one)
 
 
 def expert_axis_size(mesh) -> int:
@@ -97,66 +77,79 @@ def token_shards(mesh) -> int:
     return math.prod(mesh.shape[a] for a in TOKEN_AXES if a in mesh.axis_names)
 
 
-def token_rounds(tokens: int, devices: int, rounds: int = 0) -> tuple[int, int]:
-    """(R, n_r): n tokens per device in R rounds of n_r = ceil(n / R) tokens.
+def capacity(tokens: int, k: int, num_experts: int, devices: int, factor: float) -> int:
+    """C, slot rows a destination receives: drop-free P n min(k, E_l), or ceil(f n k) below it."""
+    worst = devices * tokens * min(k, num_experts // devices)
+    return worst if factor <= 0 else max(1, min(worst, math.ceil(factor * tokens * k)))
 
-    `rounds` 0 takes P (module docstring); R is then lowered to ceil(n / n_r), so that only the last
-    round holds padding, less than n_r tokens.
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name, block: int):
+    """`lax.ragged_all_to_all`'s result through `lax.all_to_all` of static blocks (XLA:CPU's form).
+
+    Block d holds rows input_offsets[d] + [0, block) of `operand` (those past send_sizes[d]: 0); each
+    received block's first recv_sizes[p] rows are written into `output` from the offset its sender
+    gave (its output_offsets entry for this device, exchanged beside the blocks). `block` must be at
+    least every send size.
+
+    Shapes: operand [S, ...] -> blocks [P, block, ...] -> all_to_all -> output [C, ...].
     """
-    per_round = -(-tokens // max(1, min(rounds or devices, tokens)))
-    return -(-tokens // per_round), per_round
+    devices = input_offsets.shape[0]
+    j = jnp.arange(block, dtype=jnp.int32)
+    rows_pb = input_offsets[:, None] + j
+    live_pb = j < send_sizes[:, None]
+    blocks = jnp.where(live_pb.reshape(devices, block, *(1,) * (operand.ndim - 1)),
+                       operand[jnp.clip(rows_pb, 0, operand.shape[0] - 1)], jnp.zeros((), operand.dtype))
+    got = jax.lax.all_to_all(blocks, axis_name, 0, 0)
+    at_p = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)     # where source p's rows go here
+    dest_pb = jnp.where(j < recv_sizes[:, None], at_p[:, None] + j, output.shape[0])
+    return output.at[dest_pb.reshape(-1)].set(got.reshape(-1, *operand.shape[1:]), mode="drop")
 
 
-def capacity(tokens: int, k: int, devices: int, factor: float) -> int:
-    """C, rows (tokens) per destination block: drop-free n, or ceil(f * n * k / P) below it."""
-    return tokens if factor <= 0 else max(1, min(tokens, math.ceil(factor * tokens * k / devices)))
+def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, emulated: bool,
+                    block: int):
+    """`lax.ragged_all_to_all` over `expert`, or its emulation (`emulated_ragged_all_to_all`) on XLA:CPU."""
+    args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    if emulated:
+        return emulated_ragged_all_to_all(*args, axis_name=EXPERT_AXIS, block=block)
+    return jax.lax.ragged_all_to_all(*args, axis_name=EXPERT_AXIS)
 
 
-def _send_layout(idx_nk, local_experts: int, devices: int, cap: int):
-    """Where a round's tokens go: one row per (token, destination) pair.
-
-    Returns (token_r [P*C]: each send row's token (0 when empty), slot_s [n*k]: each slot's place
-    row * k' + rank in the rows' slot arrays (P*C*k' when dropped or when its expert is E, a padding
-    token's), dropped: the real slots dropped for capacity). Rank: the slot's order among its token's
-    slots on the same device, < k' = min(k, E_l) as a token's experts are distinct.
-    """
-    n, k = idx_nk.shape
-    slots_per_row = min(k, local_experts)
-    dest_nk = idx_nk // local_experts                                  # P for padding: no device
-    to_nkd = dest_nk[..., None] == jnp.arange(devices)
-    pos_nd = jnp.cumsum(jnp.any(to_nkd, axis=1), axis=0, dtype=jnp.int32) - 1   # rank among the device's tokens
-    pos_nk = jnp.sum(jnp.where(to_nkd, pos_nd[:, None, :], 0), axis=-1)
-    rank_nk = jnp.sum(jnp.tril(dest_nk[:, :, None] == dest_nk[:, None, :], -1), axis=-1)
-    real_nk, kept_nk = dest_nk < devices, (dest_nk < devices) & (pos_nk < cap)
-    row_nk = jnp.where(kept_nk, dest_nk * cap + pos_nk, devices * cap)
-    token_r = jnp.zeros((devices * cap,), jnp.int32).at[row_nk].set(
-        jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, k)), mode="drop")
-    slot_s = jnp.where(kept_nk, row_nk * slots_per_row + rank_nk, devices * cap * slots_per_row).reshape(-1)
-    return token_r, slot_s, jnp.sum(real_nk & ~kept_nk)
+def _exclusive_cumsum(a, axis=-1):
+    return jnp.cumsum(a, axis=axis) - a
 
 
-def expert_parallel_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, exchange: Exchange, *, hidden):
-    """sum_j weights[b,t,j] * expert_{idx[b,t,j]}(x[b,t]), the tokens sent to their experts' devices.
+def _kept_counts(counts_pe, devices: int, local_experts: int, cap: int):
+    """kept [P_dst, P_src, E_l]: of the counts [P_src, E] every source sends, the slots each destination
+    keeps within its C rows, filled source by source, local expert by local expert (a prefix: once a
+    destination is full, every later slot is dropped)."""
+    to_dst = counts_pe.reshape(devices, devices, local_experts).transpose(1, 0, 2)   # [dst, src, e_l]
+    filled = jnp.minimum(jnp.cumsum(to_dst.reshape(devices, -1), axis=-1), cap)
+    return jnp.diff(filled, axis=-1, prepend=0).reshape(to_dst.shape)
+
+
+def expert_parallel_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, exchange: Exchange, *,
+                            experts: Callable):
+    """sum_j weights[b,t,j] * expert_{idx[b,t,j]}(x[b,t]), the slots sent to their experts' devices.
 
     Args:
       x_btm: [B, T, M] tokens (compute dtype); B*T must split over the mesh's TOKEN_AXES.
       idx_btk: int [B, T, k] chosen experts (distinct per token); weights_btk: float32 [B, T, k].
       w1_emf, w3_emf: [E, M, F]; w2_efm: [E, F, M] (E divisible by the `expert` axis size).
-      exchange: the mesh, the destination's tiling, the capacity factor, the rounds.
-      hidden: (gate, up) -> float32 hidden, the clamped SwiGLU.
+      exchange: the mesh, the capacity factor, the exchange's form.
+      experts: the single-device MoE, `(x [1, C, M], idx [1, C, 1], weights [1, C, 1], w1, w2, w3) ->
+        [1, C, M]` over the E_l local experts, an idx of E_l an empty slot that adds 0.
     Returns:
       (y_btm in the accumulation dtype, dropped: float32 scalar, the fraction of the B*T*k slots
       dropped for capacity; 0 when drop-free).
 
-    Shapes (per device: n = B*T / shards tokens in R rounds of n_r, P devices on `expert`, C = capacity
-    per round, k' = min(k, E_l); steps 1-4 once per round, under `jax.checkpoint`):
-      0. x_rnm, idx_rnk, weights_rnk = pad(x, idx, weights) to R*n_r tokens     [R, n_r, ...]
-      1. token_r, slot_s = layout(idx)          send_x_pcm = x[token_r]           [P, C, M]
-         send_e_pcj, send_w_pcj = local expert, weight of slot s at slot_s       [P, C, k']
-      2. recv_* = all_to_all(send_*)
-      3. y_rm = tiled_experts(recv_x, recv_e, recv_w; local experts)             [P*C, M]
-      4. back_rm = all_to_all(y_rm); y_nm = zeros.at[token_r].add(back_rm)       [n_r, M]
-      5. y_nm = y_rnm[:n]; psum over `tensor`                                     [n, M]
+    Shapes (per device: n = B*T / shards tokens, S = n k slots, P devices on `expert`, C capacity):
+      1. slots = SlotOrder(idx);  x_sm, weights_s = slots.sort(x), slots.weights(weights)   [S, M], [S]
+      2. counts_pe = all_gather(bincount(idx)); kept_dse = _kept_counts(counts_pe)          [P, P, E_l]
+      3. recv_cm, recv_w_c = ragged_exchange(x_sm, weights_s)                                [C, M], [C]
+         local_c = each row's local expert (E_l past the received rows)                      [C]
+      4. y_cm = experts(recv, local_c, recv_w); back_sm = ragged_exchange⁻¹(y_cm)             [S, M]
+      5. y_nm = slots.gather_sum(back_sm) (float32); psum over `tensor`                       [n, M]
     """
     mesh = exchange.mesh
     b, t, m = x_btm.shape
@@ -168,48 +161,42 @@ def expert_parallel_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf,
     tokens = tuple(a for a in TOKEN_AXES if a in mesh.axis_names)
     mlp_axis = MLP_AXIS if MLP_AXIS in mesh.axis_names and mlp % mesh.shape[MLP_AXIS] == 0 else None
     local_experts, n = num_experts // devices, b * t // shards
-    rounds, per_round = token_rounds(n, devices, exchange.rounds)
-    cap, slots_per_row = capacity(per_round, k, devices, exchange.capacity_factor), min(k, local_experts)
-    tiling = dataclasses.replace(exchange.tiling, empty_slots=True)
-    acc = jnp.promote_types(x_btm.dtype, jnp.float32)
-
-    def exchange_blocks(a):  # [P*C, ...] -> [P*C, ...]: block d to device d, device d's block back as block d
-        blocks = a.reshape(devices, cap, *a.shape[1:])
-        return jax.lax.all_to_all(blocks, EXPERT_AXIS, 0, 0).reshape(a.shape)
-
-    def one_round(x_nm, idx_nk, weights_nk, w1, w2, w3):
-        token_r, slot_s, dropped = _send_layout(idx_nk, local_experts, devices, cap)
-        rows = (devices * cap * slots_per_row,)
-        expert_s = jnp.full(rows, local_experts, jnp.int32).at[slot_s].set(idx_nk.reshape(-1) % local_experts,
-                                                                           mode="drop")
-        weight_s = jnp.zeros(rows, weights_nk.dtype).at[slot_s].set(weights_nk.reshape(-1), mode="drop")
-        recv_x, recv_e, recv_w = (exchange_blocks(a) for a in (
-            x_nm[token_r], expert_s.reshape(-1, slots_per_row), weight_s.reshape(-1, slots_per_row)))
-        y_rm = tiled_experts(recv_x[None], recv_e[None], recv_w[None], w1, w2, w3, tiling, hidden=hidden)[0]
-        # An empty or dropped row adds 0 to token 0: its slots are all empty, its output exactly 0.
-        return jnp.zeros((per_round, m), acc).at[token_r].add(exchange_blocks(y_rm)), dropped
+    slots_n = n * k
+    cap = capacity(n, k, num_experts, devices, exchange.capacity_factor)
 
     def per_device(x_nm, idx_nk, weights_nk, w1, w2, w3):
-        # Everything differentiated varies over every manual axis before the rounds, so that the casts'
-        # transposes (the gradients' psums over data/fsdp for the weights, over tensor for the tokens) run
-        # once, after the last round, not in every round's or every tile chunk's backward.
-        w1, w2, w3 = (vary_like(w, x_nm) for w in (w1, w2, w3))
-        x_nm, weights_nk = (vary_like(a, w1) for a in (x_nm, weights_nk))
-        pad = ((0, rounds * per_round - n), (0, 0))
-        xs = (jnp.pad(x_nm, pad).reshape(rounds, per_round, m),
-              jnp.pad(idx_nk, pad, constant_values=num_experts).reshape(rounds, per_round, k),   # E: no device
-              jnp.pad(weights_nk, pad).reshape(rounds, per_round, k))
-        # Checkpointed: the backward keeps each round's inputs, not its [P*C, M] blocks.
-        body = jax.checkpoint(lambda xs_r: one_round(*xs_r, w1, w2, w3), prevent_cse=False)
-        y_rnm, dropped_r = jax.lax.map(body, xs)
-        y_nm = y_rnm.reshape(rounds * per_round, m)[:n]
+        me = jax.lax.axis_index(EXPERT_AXIS)
+        slots = SlotOrder(idx_nk, num_experts)
+        x_sm, weights_s = slots.sort(x_nm), slots.weights(weights_nk)
+        counts_pe = jax.lax.all_gather(slots.group_sizes, EXPERT_AXIS)                    # [P_src, E]
+        kept_dse = _kept_counts(counts_pe, devices, local_experts, cap)
+        sent_ds = jnp.sum(kept_dse, axis=-1)                                              # [dst, src]
+        at_ds = _exclusive_cumsum(sent_ds)                                                # row of src's block at dst
+        block_sd = _exclusive_cumsum(jnp.sum(counts_pe.reshape(devices, devices, local_experts), axis=-1))
+        # out: my blocks to each destination; back: each source's rows here returned to it
+        out = (block_sd[me], sent_ds[:, me], at_ds[:, me], sent_ds[me])
+        back = (at_ds[me], sent_ds[me], block_sd[:, me], sent_ds[:, me])
+        block = min(slots_n, cap)
+
+        def send(a, rows, offsets):
+            return ragged_exchange(a, jnp.zeros((rows, *a.shape[1:]), a.dtype), *offsets,
+                                   emulated=exchange.emulated, block=block)
+
+        recv_cm, recv_w_c = send(x_sm, cap, out), send(weights_s, cap, out)
+        ends = jnp.cumsum(kept_dse[me].reshape(-1))                                       # [src * E_l]
+        row_e = jnp.searchsorted(ends, jnp.arange(cap, dtype=ends.dtype), side="right")
+        local_c = jnp.where(row_e < devices * local_experts, row_e % local_experts, local_experts)
+        y_cm = experts(recv_cm[None], local_c[None, :, None].astype(jnp.int32), recv_w_c[None, :, None],
+                       w1, w2, w3)[0].astype(x_nm.dtype)
+        y_nm = slots.gather_sum(send(y_cm, slots_n, back))
         if mlp_axis is not None:
             y_nm = jax.lax.psum(y_nm, mlp_axis)
-        dropped = jax.lax.psum(jnp.sum(dropped_r), tokens)
+        dropped = jax.lax.psum(slots_n - jnp.sum(sent_ds[:, me]), tokens)
         return y_nm, dropped.astype(jnp.float32) / (b * t * k)
 
+    # check_vma off: a Pallas kernel's output type says nothing of how it varies over the mesh's axes
     run = jax.shard_map(
-        per_device, mesh=mesh, out_specs=(P(tokens, None), P()),
+        per_device, mesh=mesh, out_specs=(P(tokens, None), P()), check_vma=False,
         in_specs=(P(tokens, None), P(tokens, None), P(tokens, None), P(EXPERT_AXIS, None, mlp_axis),
                   P(EXPERT_AXIS, mlp_axis, None), P(EXPERT_AXIS, None, mlp_axis)))
     y_nm, dropped = run(x_btm.reshape(b * t, m), idx_btk.reshape(b * t, k).astype(jnp.int32),

@@ -17,7 +17,9 @@ in core/parallel/mesh.py.
   (`local_batch_slice`, `shard_batch` -> `jax.make_array_from_process_local_data`).
 
 Deviations from MaxText: `batch` also spans `expert` (MaxText's `activation_batch` does too),
-so expert-parallel devices split the batch instead of repeating the attention work; and a
+so expert-parallel devices split the batch instead of repeating the attention work, and every
+weight but the routed experts shards its `embed` (or LoRA rank) over `expert` as over `fsdp`
+(MaxText's `embed` rule), so a mesh of expert devices holds one copy of the model; and a
 dimension that its mesh axes do not divide is replicated along them instead of rejected (the
 single shared K=V head, a 4-head toy on tensor=8): correct, only less memory-frugal.
 """
@@ -43,16 +45,17 @@ BATCH_AXES = ("data", "fsdp", "expert")
 # Logical axis -> mesh axis (or axes, or None = replicated); flax's rule format.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", BATCH_AXES),
-    ("embed", "fsdp"),
+    ("experts", "expert"),  # before embed's, which would otherwise take `expert` from an expert weight
+    ("embed", ("fsdp", "expert")),  # every other weight over the expert devices too (MaxText's embed rule)
+    ("embed", "fsdp"),  # an expert weight's embed, its experts already on `expert`
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("indexer_heads", "tensor"),
     ("kv", "tensor"),
     ("mlp", "tensor"),
-    ("experts", "expert"),
-    ("q_lora", "fsdp"),  # wq_b [q_lora, H, D] has no embed axis; where embed holds fsdp (wq_a) the next rule
+    ("q_lora", ("fsdp", "expert")),  # wq_b [q_lora, H, D] has no embed axis; where embed holds them (wq_a) none
     ("q_lora", None),
-    ("o_lora", "fsdp"),  # wo_a [G, H/G * D, o_lora] likewise
+    ("o_lora", ("fsdp", "expert")),  # wo_a [G, H/G * D, o_lora] likewise
     ("o_lora", None),
     ("layers", None),
     ("norm", None),
@@ -80,8 +83,12 @@ def logical_to_spec(axes: Sequence[str | None] | None, shape: Sequence[int], mes
     if len(axes) != len(shape):
         raise ValueError(f"logical axes {tuple(axes)} do not match the array's shape {tuple(shape)}: one name per dimension.")
     spec = nn.logical_to_mesh_axes(tuple(axes), rules)
-    entries = [divisible_prefix(dim, () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry), mesh)
-               for dim, entry in zip(shape, spec)]
+    names = [() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry) for entry in spec]
+    # a weight's mesh axis of size 1 splits nothing: left out, the rule (fsdp, expert) on a mesh without
+    # expert devices gives `fsdp`'s spec (the batch keeps its three axes, as batch_sharding spells them)
+    names = [entry if logical == "batch" or len(entry) < 2 else tuple(a for a in entry if mesh.shape.get(a, 1) > 1)
+             for logical, entry in zip(axes, names)]
+    entries = [divisible_prefix(dim, entry, mesh) for dim, entry in zip(shape, names)]
     return PartitionSpec(*entries)
 
 

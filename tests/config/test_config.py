@@ -163,7 +163,6 @@ BAD = [
     (["o_groups=3"], "o_groups=3 does not divide"),
     (["num_experts_per_tok=17"], "num_experts_per_tok=17 exceeds num_experts"),
     (["moe_gmm_tiles=[512,1024]"], "moe_gmm_tiles=[512, 1024] must be nine positive ints"),
-    (["moe_impl=ragged", "ici_expert_parallelism=4"], "moe_impl=ragged runs no expert parallelism"),
     (["trainable_parameters_mask=['(']"], "not a valid regex"),
     (["indexer_teacher=soft"], "indexer_teacher='soft'"),
     (["ici_data_parallelism=-1", "ici_fsdp_parallelism=-1"], "at most one"),

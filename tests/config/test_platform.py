@@ -68,17 +68,21 @@ def test_unknown_platform_and_unresolved_auto_are_refused():
 
 
 @pytest.mark.parametrize("platform, impl", [("tpu", "gmm"), ("gpu", "tiled"), ("cpu", "tiled")])
-def test_moe_is_a_grouped_matmul_on_a_tpu_whose_experts_are_whole_on_each_device(platform, impl):
-    """gmm on a TPU mesh that splits the experts over no device (data parallelism only, or one chip);
-    tiled where they are split: expert parallelism, fsdp or tensor, from the mesh or, without one, the keys."""
-    tiny, flash = load_config("deepseek4-tiny"), load_config("deepseek4-284b")  # data -1; fsdp -1
+def test_moe_is_a_grouped_matmul_on_a_tpu_whose_experts_are_whole_or_expert_parallel(platform, impl):
+    """gmm on a TPU mesh that splits the experts over no device (data parallelism only, or one chip) or
+    over `expert` (each device's local experts); tiled where fsdp or tensor alone split them, from the
+    mesh or, without one, the keys."""
+    tiny, flash = load_config("deepseek4-tiny"), load_config("deepseek4-284b", ["ici_expert_parallelism=1"])
+    one = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
     assert resolve(tiny, platform).moe_impl == impl
-    assert resolve(tiny, platform, {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1}).moe_impl == impl
-    assert resolve(flash, platform, {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}).moe_impl == impl  # one chip
+    assert resolve(tiny, platform, {**one, "data": 8}).moe_impl == impl
+    assert resolve(flash, platform, one).moe_impl == impl  # one chip
     assert resolve(flash, platform).moe_impl == "tiled"  # fsdp fills the devices: split unless the mesh says not
-    for axes in ({"fsdp": 64}, {"tensor": 2}, {"expert": 4}):
-        assert resolve(flash, platform, {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1, **axes}).moe_impl == "tiled"
-    assert resolve(load_config("deepseek4-tiny", ["ici_expert_parallelism=4"]), platform).moe_impl == "tiled"
+    for axes in ({"fsdp": 64}, {"tensor": 2}):
+        assert resolve(flash, platform, {**one, **axes}).moe_impl == "tiled"
+    for axes in ({"expert": 4}, {"expert": 64}, {"fsdp": 2, "expert": 32}):
+        assert resolve(flash, platform, {**one, **axes}).moe_impl == impl
+    assert resolve(load_config("deepseek4-tiny", ["ici_expert_parallelism=4"]), platform).moe_impl == impl
 
 
 def test_attention_is_fused_where_a_tpu_trains_it_and_its_shapes_fit_the_kernels():

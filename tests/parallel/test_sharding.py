@@ -65,7 +65,7 @@ EXPECTED = {
         "norm/weight": ((None,), (64,)),
     },
     "data2_expert4": {
-        "embed": ((None, None), (512, 64)),
+        "embed": ((None, "expert"), (512, 16)),                         # embed over the expert devices too
         "layers/0/ffn/experts/w1": (("expert", None, None), (4, 64, 64)),
         "layers/0/ffn/experts/w2": (("expert", None, None), (4, 64, 64)),
     },
