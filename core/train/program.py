@@ -50,6 +50,7 @@ from core.ops.order import tied
 from core.parallel import sharding
 from core.parallel.mesh import make_mesh, mesh_platform
 from core.parallel.sharding import BATCH_AXES, abstract_state
+from core.parallel.xla_flags import collective_options
 from core.train import memory, optimizer
 from core.train.step import config_matcher, step_fn, training_loss
 
@@ -176,7 +177,8 @@ def with_mesh(mesh, fn):
 
 def step_compiler_options(cfg, backend: str | None = None) -> dict[str, Any]:
     """XLA options of a step's compile (the jitted and the ahead-of-time step alike; JAX's
-    persistent cache keys on them): LLVM's `xla_backend_optimization_level`.
+    persistent cache keys on them): on a TPU the collectives' scheduler options
+    (core/parallel/xla_flags.py); LLVM's `xla_backend_optimization_level`.
 
     -1 (the default) is `AUTO_CPU_LEVEL` on the CPU backend, where the step compiles faster than at
     XLA's default and runs as fast (docs/benchmarks.md#why-the-defaults), and XLA's own level on
@@ -186,14 +188,16 @@ def step_compiler_options(cfg, backend: str | None = None) -> dict[str, Any]:
     Args:
       backend: the platform the step compiles for (default: `jax.default_backend()`).
     """
+    backend = backend or jax.default_backend()
+    options = collective_options(backend)  # the TPU's collective scheduling (core/parallel/xla_flags.py)
     level = cfg.xla_backend_optimization_level
     if "--xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
-        return {}
+        return options
     if level < 0:
-        if (backend or jax.default_backend()) != "cpu":
-            return {}
+        if backend != "cpu":
+            return options
         level = AUTO_CPU_LEVEL
-    return {"xla_backend_optimization_level": level}
+    return {**options, "xla_backend_optimization_level": level}
 
 
 # ----------------------------------------------------------------------------- the train step

@@ -1,6 +1,6 @@
 """The train step's XLA options (`xla_backend_optimization_level`): the config's level, for -1 the
 CPU level on CPU and none elsewhere, none when XLA_FLAGS sets the level (the test suite's 0), and
-the config's range check."""
+the config's range check; on a TPU the collectives' scheduler options (core/parallel/xla_flags.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ import pytest
 from tests.conftest import tiny_config
 from core.train import program
 from core.errors import ConfigError
+from core.parallel.xla_flags import TPU_COLLECTIVE_OPTIONS
 
 
 def test_options_follow_the_config_and_xla_flags(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
     auto = tiny_config()  # the default -1: AUTO_CPU_LEVEL on CPU, XLA's own level elsewhere
     assert program.step_compiler_options(auto, "cpu") == {"xla_backend_optimization_level": program.AUTO_CPU_LEVEL}
-    assert program.step_compiler_options(auto, "gpu") == {} and program.step_compiler_options(auto, "tpu") == {}
+    assert program.step_compiler_options(auto, "gpu") == {}
+    assert program.step_compiler_options(auto, "tpu") == TPU_COLLECTIVE_OPTIONS  # the collectives' scheduling
     assert program.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=2"), "gpu") == {
         "xla_backend_optimization_level": 2}
     assert program.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=1")) == {
@@ -24,6 +26,8 @@ def test_options_follow_the_config_and_xla_flags(monkeypatch):
         "xla_backend_optimization_level": 2}
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")  # the environment wins
     assert program.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=1")) == {}
+    assert program.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=1"), "tpu") == \
+        TPU_COLLECTIVE_OPTIONS
     with pytest.raises(ConfigError, match="xla_backend_optimization_level=4"):
         tiny_config(None, "xla_backend_optimization_level=4")
 
