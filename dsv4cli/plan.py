@@ -127,7 +127,10 @@ def _estimate(console, r: dict[str, Any]) -> None:
         console.print(f"collectives per step per device, by mesh axis: {moved}")
     parts = r.get("step_estimate")
     if isinstance(parts, dict):
-        console.print(f"estimated step {r['estimated_step_s']:.4f} s, {r['estimated_tokens_per_s']:,.0f} tokens/s "
+        mfu = "" if r.get("model_mfu") is None else (
+            f", model MFU {100 * r['model_mfu']:.1f} % ({r['model_tflops_per_device']:.1f} TFLOP/s of model FLOPs "
+            "per device)")
+        console.print(f"estimated step {r['estimated_step_s']:.4f} s, {r['estimated_tokens_per_s']:,.0f} tokens/s{mfu} "
                       f"(matmul-bound {parts['compute_s']:.4f} s, memory-bound {parts['memory_s']:.4f} s, gathers "
                       f"{parts['gather_s']:.4f} s, per-op overhead {parts['overhead_s']:.4f} s, copy waits "
                       f"{parts['dma_wait_s']:.4f} s, collectives {parts['collective_s']:.4f} s); {parts['model']}")

@@ -225,8 +225,23 @@ def compile_plan(cfg, target: tg.Target, *, top: int = 10, analytic: bool = True
         if refusal is None:
             raise
         return report.refused_report(cfg, target, mesh, state_info, refusal)
-    return report.compiled_report(cfg, target, mesh, state_info, compiled, top=top, analytic=analytic,
-                                  buffer_text=read_buffer_assignment(dump))
+    out = report.compiled_report(cfg, target, mesh, state_info, compiled, top=top, analytic=analytic,
+                                 buffer_text=read_buffer_assignment(dump))
+    return {**out, **model_utilization(cfg, target, out)}
+
+
+def model_utilization(cfg, target: tg.Target, out: dict[str, Any]) -> dict[str, Any]:
+    """model_flops_per_step (core/model/flops.py over the step's global batch, all devices) and, with a
+    step estimate, model_mfu: those FLOPs / the estimated step / devices / the chip's peak (None without)."""
+    from core.model.flops import model_flops_per_step
+    from core.parallel.chips import utilization
+
+    flops = model_flops_per_step(cfg, out["global_batch"])["total"]
+    step = out.get("estimated_step_s")
+    if not step or target.chip is None:
+        return {"model_flops_per_step": flops, "model_mfu": None, "model_tflops_per_device": None}
+    used = utilization(flops, step, target.devices, target.chip.peak_flops)
+    return {"model_flops_per_step": flops, "model_mfu": used["mfu"], "model_tflops_per_device": used["tflops_per_device"]}
 
 
 def read_buffer_assignment(dump: str | None, module: str = "jit_step") -> str:

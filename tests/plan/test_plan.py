@@ -292,3 +292,23 @@ def test_training_header_memory_note():
     assert step_memory_note(Compiled(), gpu) == memory_note(32 << 30, 100 << 30)  # 10 + 20 + 1 + (10 - 9)
     assert step_memory_note(Compiled(), Device("cpu", {"bytes_limit": 100 << 30})) is None  # CPU output unchanged
     assert step_memory_note(Compiled(), Device("tpu", None)) is None and step_memory_note(None, gpu) is None
+
+
+def test_model_mfu_is_the_model_flops_over_the_estimate_devices_and_peak():
+    """`dsv4 plan`'s model MFU: core/model/flops.py's count over the step's global batch, divided by the
+    estimated step, the target's devices and its chip's peak; none without an estimate (fake CPU devices)."""
+    from core.model.flops import model_flops_per_step
+    from core.plan.compile import model_utilization
+    from core.plan.targets import parse_target
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config("sparse")
+    target = parse_target("v5p-128")
+    rows = cfg.per_device_batch_size * target.devices
+    flops = model_flops_per_step(cfg, rows)["total"]
+    got = model_utilization(cfg, target, {"global_batch": rows, "estimated_step_s": 0.5})
+    assert got["model_flops_per_step"] == flops
+    assert got["model_mfu"] == pytest.approx(flops / 0.5 / target.devices / target.chip.peak_flops, rel=1e-12)
+    assert got["model_tflops_per_device"] == pytest.approx(flops / 0.5 / target.devices / 1e12, rel=1e-12)
+    none = model_utilization(cfg, parse_target("cpu:8"), {"global_batch": 8, "estimated_step_s": None})
+    assert none["model_mfu"] is None and none["model_flops_per_step"] > 0

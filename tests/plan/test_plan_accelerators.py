@@ -37,6 +37,7 @@ def test_v5p8_compiles_with_libtpu_and_fits():
     d = result["per_device"]
     assert result["fits"] and d["usable_bytes"] == int(95.74 * GIB) and d["temp_bytes"] > 0 and d["code_bytes"] > 0
     assert result["flops_per_step"] > 0 and result["estimated_tokens_per_s"] > 0
+    assert 0 < result["model_mfu"] < 1 and result["model_flops_per_step"] > 0
     assert result["top_temporaries"]
 
 
