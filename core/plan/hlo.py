@@ -20,8 +20,9 @@ runs its computation (`runs`): the product of the while-loop trip counts along i
   a weight gradient gathered per chunk, would count its full size every step). Both branches of
   a conditional count at every run: a skipped branch (the tiled MoE's empty chunks) counts as
   executed, so the figure is an upper bound there.
-- `collectives`: bytes each all-gather / all-reduce / reduce-scatter / all-to-all /
-  collective-permute produces per device, per mesh axis (from its replica groups), times its runs.
+- `collectives`: bytes each all-gather / all-reduce / reduce-scatter / all-to-all / ragged-all-to-all /
+  collective-permute produces per device, per mesh axis (from its replica groups), times its runs (a
+  ragged one's output buffer, an upper bound of the rows it receives).
 
 Everything is per device (an SPMD program is one device's program). Shapes are read without
 layouts or tiling.
@@ -43,7 +44,7 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CALLEE = re.compile(r"\b(body|condition|calls|to_apply)=%?([\w.\-]+)")
-_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 # instructions that move no bytes of their own (structure, control, the second half of async pairs)
 _NO_BYTES = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
              "opt-barrier", "after-all", "partition-id", "replica-id", "add-dependency", "domain"}

@@ -1,52 +1,78 @@
-"""The planner's deterministic figure for expert parallelism (issue 24): deepseek4-tiny's sparse step
-(TINY_OVERRIDES, two layers) on `cpu:8` with `ici_expert_parallelism=8` (every other ici axis 1), compiled
-by `dsv4 plan`'s own machinery.
+"""The expert-parallel MoE compiled for a TPU (core/ops/expert_parallel.py): deepseek4-tiny's MoE layer,
+forward and backward, on a v5p-8's four chips as expert 4, through libtpu's compile-only client in a
+child process (no TPU needed; skipped without libtpu).
 
-From XLA's buffer assignment with component attribution (core/plan/report.py `top_temporaries`):
-- the MoE's largest temporary is at most N k M 4 bytes (N tokens per device, k experts per token, M model
-  width, float32), a bound that does not grow with the expert devices P: the exchange runs in rounds whose
-  drop-free blocks hold about N rows of M (core/ops/expert_parallel.py), where one worst-case exchange held
-  P N min(k, E/P) rows (4 N k M 4 bytes here);
-- no temporary among the plan's top ones (its default 10) is shaped like [experts or tiles, M, F]: no
-  per-tile or gathered copy of the expert weights is among the largest buffers.
+- The exchange is XLA's ragged-all-to-all (the CPU suite runs its all_to_all form instead), the local
+  experts run in the megablox kernels (moe_impl gmm, `tpu_custom_call`), and no all-gather moves an
+  expert weight: every device keeps its own experts.
+- The receive buffers are the capacity's rows: drop-free, the most one device can receive (P n
+  min(k, E/P)); with a capacity factor of 1, n k, the mean.
 """
 
 from __future__ import annotations
 
-import re
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_OVERRIDES
+ROOT = Path(__file__).resolve().parents[2]
+N = 256  # tokens per device
 
-TOP = 10  # `dsv4 plan`'s default --top
-ALL = 10_000  # every temporary: the MoE's largest ranks past the 100th among the step's (attention's are larger)
-# a hash-routed SWA layer and a learned-routing CSA layer: both MoE routings, half the compile of five layers
-TWO_LAYERS = ("compress_ratios=[0,4]", "base_num_decoder_layers=2", "first_num_hash_layers=1")
+CHILD = r"""
+import json, re, sys
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh
 
-pytestmark = pytest.mark.slow  # one cpu:8 compile of the sparse step in a child process
+from core.model import moe
+from core.parallel import sharding
+from core.plan import targets as tg
+
+devices = tg.compile_devices(tg.parse_target("v5p-8"))
+mesh = Mesh(np.array(devices).reshape(1, 1, 1, 4), ("data", "fsdp", "tensor", "expert"), axis_types=(AxisType.Auto,) * 4)
+rows, n = sharding.batch_sharding(mesh), int(sys.argv[1])
+out = {}
+for factor in (0.0, 1.0):
+    spec = moe.MoESpec(emb=128, mlp=128, num_experts=16, k=4, shared=1, hash_routed=False, vocab_size=64,
+                       swiglu_limit=10.0, impl="gmm", capacity_factor=factor)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: moe.MoE(spec, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)))
+    args = (sharding.abstract_state(state, mesh), jax.ShapeDtypeStruct((4, n, 128), jnp.bfloat16, sharding=rows),
+            jax.ShapeDtypeStruct((4, n), jnp.int32, sharding=rows), jax.ShapeDtypeStruct((4, n), jnp.bool_, sharding=rows))
+
+    def loss(s, x, tok, valid):
+        y, aux = nnx.merge(graphdef, s)(x, tok, valid)
+        return jnp.sum(y.astype(jnp.float32) ** 2) + aux["lb_loss"]
+
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
+    ragged = re.findall(r"= (\w+\[[\d,]+\])[^ ]* ragged-all-to-all\(", text)
+    gathers = re.findall(r"= (\w+\[[\d,]+\])[^ ]* all-gather(?:-start)?\(", text)
+    out[str(factor)] = {"ragged": ragged, "gathers": gathers, "kernels": text.count('custom_call_target="tpu_custom_call"')}
+print("__RESULT__" + json.dumps(out))
+"""
 
 
-def test_expert_parallel_moe_temporaries_are_bounded_by_the_slots():
-    from core.config.schema import load_config
-    from core.plan.compile import plan
+@pytest.mark.slow  # libtpu's start-up and two compiles in a child process
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install "dsv4[tpu]"')
+def test_expert_parallel_moe_on_a_tpu_exchanges_ragged_and_keeps_its_experts():
+    from core.plan import targets as tg
 
-    overrides = [*TINY_OVERRIDES, *TWO_LAYERS, "ici_data_parallelism=1", "ici_expert_parallelism=8"]
-    r = plan("deepseek4-tiny", "sparse", "cpu:8", overrides, top=ALL, analytic=False)
-    assert r["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 8}, r["mesh"]
-    cfg = load_config("deepseek4-tiny", overrides, stage="sparse")
-    k, m, f = cfg.num_experts_per_tok, cfg.emb, cfg.moe_mlp_dim
-    n = cfg.per_device_batch_size * cfg.max_target_length            # the batch splits over all 8 devices
-    slots_bytes = n * k * m * 4
-
-    temps = r["top_temporaries"]
-    moe = [t for t in temps if t["component"] == "MoE"]
-    assert moe, "the MoE's temporaries should be attributed to it (core.bench.trace.hlo_components)"
-    largest = max(moe, key=lambda t: t["bytes"])
-    assert largest["bytes"] <= slots_bytes, (
-        f"the MoE's largest temporary {largest['shape']} ({largest['bytes']} B, {largest['op_name'][:120]}) is more "
-        f"than N k M 4 = {slots_bytes} B (N={n}, k={k}, M={m})")
-
-    weights = re.compile(rf"^\w+\[(\d+,)+({m},{f}|{f},{m})\]$")  # [..., M, F] or [..., F, M] with a leading count
-    copies = [t for t in temps[:TOP] if weights.match(t["shape"])]
-    assert not copies, f"expert-weight-shaped buffers among the top {TOP} temporaries: {copies}"
+    env = tg.child_env(tg.parse_target("v5p-8"))
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(N)], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("__RESULT__")]
+    assert lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("__RESULT__"):])
+    k, m, f, local = 4, 128, 128, 4
+    for factor, cap in (("0.0", 4 * N * min(k, local)), ("1.0", N * k)):
+        case = out[factor]
+        assert case["kernels"] > 0, f"capacity {factor}: the local experts should run in the megablox kernels"
+        rows = {int(s.split("[")[1].split(",")[0]) for s in case["ragged"]}  # XLA:TPU may split a row's M
+        assert cap in rows and max(rows) == cap, f"capacity {factor}: the exchange should be ragged into {cap} rows: {case}"
+        weights = [s for s in case["gathers"] if s.endswith(f",{m},{f}]") or s.endswith(f",{f},{m}]")]
+        assert not weights, f"capacity {factor}: expert weights gathered: {weights}"
