@@ -47,6 +47,7 @@ from core.data.batches import BATCH_KEYS
 from core.errors import resource_exhausted
 from core.model import transformer
 from core.ops.order import tied
+from core.parallel import mesh as parallel_mesh
 from core.parallel import sharding
 from core.parallel.mesh import make_mesh, mesh_platform
 from core.parallel.sharding import BATCH_AXES, abstract_state
@@ -385,7 +386,8 @@ def remat_that_fits(asked, cfg, mesh, usable_bytes: int | None = None):
     """
     if usable_bytes is None:
         usable_bytes = memory.device_memory_bytes(jax.local_devices()[0])[0]
-    candidates = remat_candidates(asked, cfg, mesh_platform(mesh), dict(mesh.shape), usable_bytes)
+    platform = parallel_mesh.mesh_platform(mesh)  # the module's, asked at call time: a test stands a TPU in
+    candidates = remat_candidates(asked, cfg, platform, dict(mesh.shape), usable_bytes)
     return fitting_remat(cfg, mesh, usable_bytes, candidates) if candidates else cfg
 
 
