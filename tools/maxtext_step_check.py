@@ -1,4 +1,4 @@
-"""The step-time model against MaxText's published multi-chip runs (issue 58; docs/planning.md#the-step-time-model).
+"""The step-time model against MaxText's published multi-chip runs (issue 58; docs/step-time-model.md).
 
 For each recipe: MaxText's own `train_compile` compiles its train step ahead of time for the
 recipe's slice with the recipe's keys and libtpu flags (LIBTPU_INIT_ARGS as its script or

@@ -10,7 +10,7 @@ exclusive time; the "Steps" line gives the steps. Prints, per run, the measured 
 and its parts, and the measured and estimated seconds per step by kind of instruction (fusion kind
 or opcode). `--fit` refits the model's efficiencies (mxu, mxu_kernel, hbm, vmem, row_s; op_s stays) by least
 squares over every instruction's measured time, over all the runs given (`--fit-on`: over those
-runs only), and prints every run's estimate with them (needs scipy). The model and its calibration: docs/planning.md#the-step-time-model.
+runs only), and prints every run's estimate with them (needs scipy). The model and its calibration: docs/step-time-model.md.
 """
 
 from __future__ import annotations

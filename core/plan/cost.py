@@ -1,5 +1,5 @@
 """The step-time model of a compiled program, per executed instruction (DESIGN.md "Planning";
-the model and its calibration on a TPU v5e chip: docs/planning.md#the-step-time-model).
+the model and its calibration on a TPU v5e chip: docs/step-time-model.md).
 
 One step is the sum, over the instructions it executes (in the compiler's schedule order, each
 while loop's body as often as it runs), of each instruction's time
@@ -75,7 +75,7 @@ class Efficiency:
     op_s: float    # seconds per executed array instruction
 
 
-# fitted on a TPU v5e chip's profiles (docs/planning.md#the-step-time-model)
+# fitted on a TPU v5e chip's profiles (docs/step-time-model.md)
 V5E = Efficiency(mxu=0.93, mxu_kernel=0.72, hbm=0.84, vmem=0.07, row_s=8e-9, op_s=0.6e-6)
 
 

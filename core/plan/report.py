@@ -22,7 +22,7 @@ Everything is per device, for the most loaded one. The figures and where they co
 - the step-time estimate: core/plan/cost.py's model of each executed instruction (its matmuls at
   the peak, its bytes at the HBM bandwidth, gathers by the row, a fixed cost per instruction,
   asynchronous copies and collectives overlapped), at the chip's published peaks with efficiencies
-  fitted on a TPU v5e chip (docs/planning.md#the-step-time-model).
+  fitted on a TPU v5e chip (docs/step-time-model.md).
 
 A TPU compile refused for memory (RESOURCE_EXHAUSTED) is a verdict: `refusal` reads the
 compiler's own usage figures and largest allocations from its message.
@@ -275,4 +275,4 @@ def step_estimate(target: Target, hlo_text: str, tokens: int) -> dict[str, Any]:
                                        "vmem x on-chip bytes) / (HBM bandwidth x hbm), rows x row_s) + op_s, loops "
                                        "counted; asynchronous copies and collectives overlapped with the "
                                        "instructions between start and done; efficiencies fitted on a TPU v5e "
-                                       "(docs/planning.md#the-step-time-model)"}}
+                                       "(docs/step-time-model.md)"}}

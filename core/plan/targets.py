@@ -54,7 +54,7 @@ class Chip:
 # TPU generation -> (topology prefix, cores per chip (megacore), chip); HBM as the compiler reports it,
 # v5e's as a chip's allocator limits it (its memory_stats' bytes_limit: docs/planning.md#on-a-chip);
 # a link's bandwidth one way is the chip's bidirectional ICI bandwidth over 2 x its links (4 on a 2-D
-# torus, 6 on a 3-D one; v5e's and v5p's sources: docs/planning.md#the-step-time-model).
+# torus, 6 on a 3-D one; v5e's and v5p's sources: docs/step-time-model.md).
 TPU_CHIPS = {
     "v4": ("v4", 2, Chip(32 * GIB, PEAK_BF16_FLOPS["v4"], 1.2e12, 4.5e10)),
     "v5e": ("v5e", 1, Chip(16_909_336_064, PEAK_BF16_FLOPS["v5e"], 8.19e11, 5.0e10)),

@@ -139,7 +139,7 @@ def test_gathers_cost_by_the_row_and_sliced_operands_by_the_slice():
 
 def test_an_operand_sliced_inside_a_nested_fusion_costs_the_slice():
     """XLA:TPU's output fusion in a query-chunk loop reads one chunk of the stacked queries through a
-    nested loop fusion's dynamic-slice (the chunked attention, docs/planning.md#the-step-time-model):
+    nested loop fusion's dynamic-slice (the chunked attention, docs/step-time-model.md):
     the chunk's bytes count, not the whole stack's (32 x as many), in each of the loop's runs; an
     operand a nested fusion reads whole still counts whole."""
     take = """%take (s: bf16[32,128,512], j: s32[]) -> bf16[128,512] {
