@@ -1,6 +1,6 @@
 """Hashes of the programs a refactor must leave alone: the training step lowered as the run lowers it.
 
-    python tools/program_hashes.py [--skip-tpu] [--tpu-only]
+    python tools/program_hashes.py [--skip-tpu] [--tpu-only]     (PROGRAM_HASHES_DUMP=DIR: the texts too)
 
 Prints one line per program, `NAME sha256[:16]` of its StableHLO text (`Lowered.as_text()`, no
 source locations, so moving code between files changes nothing):
@@ -12,6 +12,7 @@ source locations, so moving code between files changes nothing):
   child process set up as the planner's (core/plan/targets.py `child_env`), once per remat policy
   the plan may take there: `none`, `projections` (its trials, docs/tpu.md) and `full` (auto's
   fallback). Lowering alone: the plan's choice among them needs the compile, which the hash does not.
+  The Pallas kernels' bodies are hashed without their source locations (`strip_kernel_locations`).
 
 Developer tool: a refactor that claims "no program changes" runs it before and after.
 """
@@ -32,8 +33,15 @@ S = (f"base_num_decoder_layers=2 compress_ratios=[4,128] first_num_hash_layers=1
 S_REMATS = ("none", "projections", "full")
 
 
-def _digest(lowered) -> str:
-    return hashlib.sha256(lowered.as_text().encode()).hexdigest()[:16]
+DUMP = os.environ.get("PROGRAM_HASHES_DUMP")  # a directory: each program's text written there, NAME.mlir
+
+
+def _digest(lowered, name: str) -> str:
+    text = lowered.as_text()
+    if DUMP:
+        Path(DUMP).mkdir(parents=True, exist_ok=True)
+        (Path(DUMP) / f"{name}.mlir").write_text(text)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _lowered(cfg, platform: str, mesh):
@@ -52,12 +60,31 @@ def tiny_hashes() -> dict[str, str]:
     out = {}
     for stage in ("pretrain", "warmup", "sparse"):
         cfg = load_config("deepseek4-tiny", ["dataset_type=synthetic", "jax_cache_dir="], stage=stage)
-        out[f"tiny-{stage}"] = _digest(_lowered(cfg, "cpu", make_mesh(cfg)))
+        out[f"tiny-{stage}"] = _digest(_lowered(cfg, "cpu", make_mesh(cfg)), f"tiny-{stage}")
     return out
+
+
+def strip_kernel_locations() -> None:
+    """A Pallas kernel's Mosaic body (a tpu_custom_call's backend_config) carries the source locations of
+    the code that traced it: file paths and line numbers, which move with a checkout and any edit of
+    those files. Here they are stripped (MLIR's strip-debuginfo) before the body is serialized, so the
+    hash is of the kernel's operations alone; the rest of the text carries no locations."""
+    from jax._src import tpu_custom_call
+    from jaxlib.mlir.passmanager import PassManager
+
+    serialize = tpu_custom_call._lower_mosaic_module_to_asm
+
+    def stripped(module, **kw):
+        with module.context:
+            PassManager.parse("builtin.module(strip-debuginfo)").run(module.operation)
+        return serialize(module, **kw)
+
+    tpu_custom_call._lower_mosaic_module_to_asm = stripped
 
 
 def tpu_child() -> dict[str, str]:
     """In the planner's child environment: $S's step for v5e-1 under each of S_REMATS, lowered."""
+    strip_kernel_locations()
     from core.config.schema import load_config
     from core.plan import targets as tg
     from core.plan.compile import device_mesh
@@ -67,7 +94,7 @@ def tpu_child() -> dict[str, str]:
     for remat in S_REMATS:
         cfg = load_config("deepseek4-284b", [*S.split(), f"remat_policy={remat}", "jax_cache_dir="], stage="sparse")
         mesh = device_mesh(cfg, tg.compile_devices(target))
-        out[f"S-v5e-1-{remat}"] = _digest(_lowered(cfg, target.platform, mesh))
+        out[f"S-v5e-1-{remat}"] = _digest(_lowered(cfg, target.platform, mesh), f"S-v5e-1-{remat}")
     return out
 
 
