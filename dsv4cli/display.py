@@ -29,7 +29,7 @@ COLUMNS = (  # (key, title, format)
     ("step_time_s", "step time", "{:.2f}s"),
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
 )
-# shown after COLUMNS when a row has the key: model TFLOP/s per device and MFU (core/model/flops.py over
+# shown after COLUMNS when a row has the key: model TFLOP/s per device and MFU (core/train/flops.py over
 # core/parallel/chips.py's peak)
 METRIC_COLUMNS = (
     ("tflops_per_device", "TFLOP/s/dev", "{:.3g}"),

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from core.model.attention import Attention, AttentionSpec
+from core.spec.resolve import resolve
 
 
 def layer_train_temp_bytes(s: AttentionSpec, t: int, dtype=jnp.float32, batch: int = 1, **flags) -> int:
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> None:
 
     model, t, dtype, *overrides = argv
     cfg = load_config(model, [f"max_target_length={t}", *overrides])
-    s = AttentionSpec.from_config(cfg, 2)
+    s = resolve(cfg, "cpu").model.blocks[2].attn
     temp = layer_train_temp_bytes(s, int(t), jnp.dtype(dtype), indexer_loss=s.loss_scale > 0)
     print(f"{model} layer 2 T={t} {dtype} {' '.join(overrides)}: temp {temp / 2**30:.2f} GiB")
 

@@ -89,6 +89,7 @@ os.environ["XLA_FLAGS"] = prepare_cpu_runtime(dict(os.environ)).get("XLA_FLAGS",
 import jax  # noqa: E402  (after the environment above: JAX and XLA read it once)
 
 from core.process import tune_garbage_collector  # noqa: E402
+from core.spec.resolve import resolve
 
 # The collector as `dsv4` tunes it in each of its processes: the test processes trace and lower
 # thousands of programs.
@@ -116,7 +117,7 @@ def tiny_config(stage: str | None = None, *overrides: str, **options):
 
 
 def init_model(cfg, seed: int):
-    """`Transformer(cfg, rngs=nnx.Rngs(seed))`, drawn as the training commands' `build` draws it:
+    """`Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(seed))`, drawn as the training commands' `build` draws it:
     inside `bucketed_draws()` (core/model/init_draws.py) a few shared random programs serve every
     parameter shape instead of one compile per shape; the values are bitwise those of the plain
     constructor (tests/model/test_init_draws.py)."""
@@ -126,7 +127,7 @@ def init_model(cfg, seed: int):
     from core.model.transformer import Transformer
 
     with bucketed_draws():
-        return Transformer(cfg, rngs=nnx.Rngs(seed))
+        return Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(seed))
 
 
 def pytest_unconfigure(config):

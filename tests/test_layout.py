@@ -14,8 +14,10 @@ from pathlib import Path
 CORE = Path(__file__).resolve().parents[1] / "core"
 # Each package may import itself and those before it. Ranks that tie are siblings that must not
 # import each other (eval, hf, bench and plan all sit on top of train).
-ORDER = {"errors": 0, "tree": 0, "process": 0, "config": 1, "ops": 2, "loss": 3, "model": 4, "parallel": 5, "data": 6,
-         "checkpoint": 7, "train": 8, "eval": 9, "hf": 9, "bench": 9, "plan": 10}
+ORDER = {"errors": 0, "tree": 0, "process": 0, "config": 1, "ops": 2, "loss": 3, "model": 4, "spec": 5, "parallel": 6,
+         "data": 7, "checkpoint": 8, "train": 9, "eval": 10, "hf": 10, "bench": 10, "plan": 11}
+# The model and the maths below it take specs (core/spec), never a Config: they may not import core.config.
+NEVER = {"ops": {"config"}, "loss": {"config"}, "model": {"config"}}
 
 
 def _module(path: Path) -> str:
@@ -73,6 +75,13 @@ def test_packages_import_only_downwards():
             dst = _package(target)
             if src != dst and dst != "core" and ORDER[dst] >= ORDER[src]:
                 arrows.append(f"{module}:{line} imports {target} ({src} may not import {dst})")
+    assert not arrows, "\n".join(arrows)
+
+
+def test_model_and_maths_never_import_the_config():
+    """model/, ops/ and loss/ take specs, never a Config: no import of core.config, not even a lazy one."""
+    arrows = [f"{module}:{line} imports {target}" for module, targets in _graph().items()
+              for target, line in targets.items() if _package(target) in NEVER.get(_package(module), ())]
     assert not arrows, "\n".join(arrows)
 
 

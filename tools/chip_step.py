@@ -9,7 +9,7 @@ process: build the training command's own model, optimizer and step (core/bench/
 `--trace` steps under jax.profiler. The variant's state is freed before the next one is built, so
 each may use the whole accelerator. Prints one JSON line per variant as soon as it is timed (median
 and minimum step, tokens/s, the model TFLOP per step and the model MFU at the median step
-(core/model/flops.py over the device's peak, as the training log counts them), compile seconds,
+(core/train/flops.py over the device's peak, as the training log counts them), compile seconds,
 XLA's temporaries, the last losses), so that a trace
 cut short by a time limit loses no timing, then with `--trace` one more (`traced_step_s`, the traced
 steps' mean); with `--out` it writes into
@@ -51,9 +51,9 @@ def main() -> None:
     import jax
 
     from core.bench.train import compiled_shape
-    from core.config.platform import resolve
+    from core.spec.resolve import resolve
     from core.config.schema import load_config
-    from core.model.flops import model_flops_per_step
+    from core.train.flops import model_flops_per_step
     from core.parallel.chips import peak_flops, utilization
     from core.parallel.mesh import make_mesh
     from core.train.program import remat_that_fits
@@ -62,7 +62,7 @@ def main() -> None:
         overrides = [] if variant == "-" else variant.split()
         cfg = load_config(args.model, ["dataset_type=synthetic", "enable_tensorboard=false", *overrides], stage=args.stage)
         mesh, start = make_mesh(cfg), time.perf_counter()
-        cfg = remat_that_fits(cfg, resolve(cfg, jax.default_backend(), mesh.shape), mesh)
+        cfg = remat_that_fits(cfg, resolve(cfg, jax.default_backend(), mesh.shape).cfg, mesh)
         chosen_s = time.perf_counter() - start  # with remat_policy=auto on a TPU: the compile without remat
         row = {"variant": variant, "stage": args.stage, "model": args.model, "remat_policy": cfg.remat_policy}
         try:

@@ -7,7 +7,7 @@ resolved for this machine's platform as a run resolves it, and calls it once in 
 (top-k selection and the indexer loss) under `sys.setprofile`. It prints every core/ file a call
 enters, first entry first (the order a reader following the forward opens them), and every core
 type met: the class of each method's `self` (dataclasses' and named tuples' generated constructors
-included), the dataclasses those objects hold, and the layer's nnx graph nodes (a module whose
+included), the dataclasses those objects hold (and those hold), and the layer's nnx graph nodes (a module whose
 weights are read without a call, such as the router's), plus the layer's spec, which its
 constructor takes. docs/development.md#one-sparse-layers-forward lists them.
 """
@@ -31,18 +31,18 @@ def main() -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from core.config.platform import resolve
     from core.config.schema import load_config
     from core.model import transformer
     from core.parallel.mesh import make_mesh, mesh_platform
+    from core.spec.resolve import resolve
 
     root = str(Path(transformer.__file__).resolve().parents[2]) + "/"  # the checkout whose core/ is imported
     keys = ["compress_ratios=[0,4]", "base_num_decoder_layers=2", "first_num_hash_layers=1", "max_target_length=64",
             "dataset_type=synthetic", *args.overrides]
     asked = load_config("deepseek4-tiny", keys, stage="sparse")
     mesh = make_mesh(asked)
-    cfg = resolve(asked, mesh_platform(mesh), mesh.shape)
-    spec = transformer.BlockSpec.from_config(cfg, args.layer)
+    specs = resolve(asked, mesh_platform(mesh), mesh.shape)
+    cfg, spec = specs.cfg, specs.model.blocks[args.layer]
     block = transformer.Block(spec, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(0), (1, cfg.max_target_length, cfg.mhc_expansion_rate, cfg.emb))
     tokens = jnp.zeros(x.shape[:2], jnp.int32)
@@ -54,6 +54,15 @@ def main() -> None:
         if t.__module__.startswith("core.") and t not in types:
             types.append(t)
 
+    held: set[int] = set()
+
+    def note_held(obj) -> None:  # a dataclass an object holds, and those it holds in turn (a spec's parts)
+        for value in getattr(obj, "__dict__", {}).values():
+            if dataclasses.is_dataclass(value) and not isinstance(value, type) and id(value) not in held:
+                held.add(id(value))
+                note(type(value))
+                note_held(value)
+
     def on_call(frame, event, _):
         path = frame.f_code.co_filename
         if event != "call" or not (path.startswith(root + "core/") or path == "<string>"):
@@ -64,9 +73,7 @@ def main() -> None:
             obj = frame.f_locals.get(name)
             if obj is not None:
                 note(obj if isinstance(obj, type) else type(obj))
-                for value in getattr(obj, "__dict__", {}).values():
-                    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-                        note(type(value))
+                note_held(obj)
 
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         sys.setprofile(on_call)

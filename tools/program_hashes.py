@@ -46,10 +46,10 @@ def _digest(lowered, name: str) -> str:
 
 def _lowered(cfg, platform: str, mesh):
     """The step of `cfg` resolved for `platform` and `mesh` as a run resolves it, lowered on `mesh`."""
-    from core.config.platform import resolve
+    from core.spec.resolve import resolve
     from core.train.program import lowered_step
 
-    return lowered_step(resolve(cfg, platform, mesh.shape), mesh)[0]
+    return lowered_step(resolve(cfg, platform, mesh.shape).cfg, mesh)[0]
 
 
 def tiny_hashes() -> dict[str, str]:

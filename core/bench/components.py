@@ -33,8 +33,8 @@ OWNERS = {
 HELPERS = {"model/layers", "model/init_draws", "model/quant", "ops/quant", "ops/rope", "ops/masks", "parallel/sharding", "parallel/mesh", "ops/order", "ops/placement", "tree"}
 # wiring and drivers: no arithmetic of their own beyond what they call (their frames pass up too)
 GLUE = {
-    "errors", "process", "model/transformer", "model/params", "model/flops", "parallel/chips", "parallel/peers", "parallel/collective_order", "parallel/xla_flags",
-    "config/schema", "config/platform", "config/files", "config/values", "config/validate", "config/stages", "config/key_table",
+    "errors", "process", "model/transformer", "model/params", "train/flops", "spec/platform", "spec/resolve", "parallel/chips", "parallel/peers", "parallel/collective_order", "parallel/xla_flags",
+    "config/schema", "config/files", "config/values", "config/validate", "config/stages", "config/key_table",
     "data/batches", "data/sources", "data/identity", "data/prefetch",
     "checkpoint/store", "checkpoint/run_files", "checkpoint/host_tree", "checkpoint/inspect",
     "train/step", "train/program", "train/run", "train/preflight", "train/materialise", "train/outputs", "train/memory",

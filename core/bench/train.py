@@ -10,7 +10,7 @@ on the real build or on program.py's `abstract_inputs`.
   the model, compiles the step, runs it and reports tokens/s, step time, compile time, the
   compiled temp memory, the process's peak RSS (`resource.getrusage` max RSS of that
   subprocess, so each shape's peak is its own, not the running maximum of one process), and the
-  model TFLOP/s per device and MFU (core/model/flops.py's model FLOPs over the device's peak,
+  model TFLOP/s per device and MFU (core/train/flops.py's model FLOPs over the device's peak,
   core/parallel/chips.py).
 - `component_flops(cfg)`: FLOPs of one step attributed to attention, compressor, indexer, MoE,
   mHC, head, optimizer and the rest, counted from the live equations of the jaxpr of `step_fn` (dead
@@ -167,10 +167,13 @@ def component_flops(cfg, mesh=None, *, compile: bool = True) -> dict[str, Any]:
     """
     import jax
 
-    from core.parallel.mesh import mesh_platform
+    from core.parallel.mesh import make_mesh, mesh_platform
+    from core.spec.resolve import resolve
     from core.train import program
     from core.train.step import step_fn
 
+    mesh = make_mesh(cfg) if mesh is None else mesh
+    cfg = resolve(cfg, mesh_platform(mesh), mesh.shape).cfg  # the benchmark's own when it resolved `cfg`
     graphdef, state, batch, mesh = program.abstract_inputs(cfg, program.abstract_model_and_optimizer(cfg), mesh)
     components = jaxpr_flops(live_jaxpr(jax.make_jaxpr(step_fn(cfg, graphdef, mesh_platform(mesh)))(state, batch)))
     compiled = compile_train_step(cfg, mesh) if compile else {"xla_flops": None, "temp_bytes": None}
@@ -218,7 +221,7 @@ def measure_shape(cfg, steps: int, trace_steps: int = 0) -> dict[str, Any]:
     Returns:
       {"compile_s" (lower + compile), "first_step_s", "step_time_s" (median of the timed steps),
        "tokens_per_step", "tokens_per_s", "temp_bytes", "peak_rss_bytes" (this process's max RSS),
-       "devices", "model_flops" (one step's, core/model/flops.py), "peak_flops" and "peak_source" (a
+       "devices", "model_flops" (one step's, core/train/flops.py), "peak_flops" and "peak_source" (a
        device's, core/parallel/chips.py), "tflops_per_device", "mfu", "last": the last step's
        metrics, and with trace_steps "time": core.bench.trace.trace_step's dict}.
     """
@@ -251,7 +254,7 @@ def _utilization(cfg, shape, step_time: float) -> dict[str, Any]:
     """The step's model FLOPs, a device's peak (measured after the timed steps on a CPU) and both ratios."""
     import jax
 
-    from core.model.flops import model_flops_per_step
+    from core.train.flops import model_flops_per_step
     from core.parallel.chips import peak_flops, utilization
 
     flops = model_flops_per_step(cfg, shape["batch_rows"])["total"]
@@ -271,7 +274,7 @@ def sweep_config(stage: str, seq: int, batch: int, overrides: Sequence[str] = ()
     """The config one sweep point runs: the stage preset, then T, B and synthetic data, then overrides;
     its `auto` keys resolved for `platform` when one is given (the process that runs the point: a parent
     that only checks the inputs must not open the accelerator its children need)."""
-    from core.config.platform import resolve
+    from core.spec.resolve import resolve
     from core.config.schema import load_config
 
     cfg = load_config(model, ["dataset_type=synthetic", f"max_target_length={seq}", f"per_device_batch_size={batch}",
@@ -282,7 +285,7 @@ def sweep_config(stage: str, seq: int, batch: int, overrides: Sequence[str] = ()
     from core.train.program import remat_that_fits
 
     mesh = make_mesh(cfg)
-    return remat_that_fits(cfg, resolve(cfg, platform, mesh.shape), mesh)
+    return remat_that_fits(cfg, resolve(cfg, platform, mesh.shape).cfg, mesh)
 
 
 def run_train_sweep(stages: Sequence[str], seqs: Sequence[int], batches: Sequence[int], *, steps: int = 3,
@@ -341,14 +344,14 @@ def profile_here(stage: str = "sparse", seq: int = 256, batch: int = 1, *, steps
     (traced), the matmul ceiling and both MFUs, all in this process.
 
     Returns:
-      component_flops's dict plus {"model", "stage", "seq", "batch", "model_flops" (core.model.flops.
+      component_flops's dict plus {"model", "stage", "seq", "batch", "model_flops" (core.train.flops.
       model_flops_per_step's dict for the step's batch)} and, when timed, "measured" (measure_shape's
       dict, its "time" from core/bench/trace.py), "matmul_gflops" (float32) and "mfu": {"model",
       "compiled" (the jaxpr's matmul FLOPs over the same peak), "peak_flops", "peak_source"}.
     """
     import jax
 
-    from core.model.flops import model_flops_per_step
+    from core.train.flops import model_flops_per_step
     from core.parallel.chips import matmul_ceiling, utilization
 
     cfg = sweep_config(stage, seq, batch, overrides, model, jax.default_backend())

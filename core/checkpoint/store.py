@@ -328,13 +328,20 @@ def restore_model(path: str | Path, step: int | None = None, cfg=None, *, mesh=N
     """
     from flax import nnx
 
+    import jax
+
     from core.model import transformer
+    from core.parallel.mesh import mesh_platform
     from core.parallel.sharding import abstract_state
+    from core.spec.resolve import resolve
 
     checkpoint = read_checkpoint(path, step)
     if cfg is None:
         cfg = saved_config(checkpoint.metadata)
-    graphdef, state = nnx.split(transformer.abstract(cfg))
+    # the model as it runs on `mesh`, or on the devices Orbax places it on
+    spec = resolve(cfg, jax.default_backend() if mesh is None else mesh_platform(mesh),
+                   None if mesh is None else mesh.shape).model
+    graphdef, state = nnx.split(transformer.abstract(spec))
     target = state if mesh is None else abstract_state(state, mesh)
     nnx.replace_by_pure_dict(state, restore(checkpoint, model=nnx.to_pure_dict(target))["model"])
     return nnx.merge(graphdef, state), cfg, dict(checkpoint.metadata)

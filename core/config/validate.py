@@ -91,7 +91,7 @@ def _check_ranges(cfg) -> None:
     for key in _NON_NEGATIVE:
         v = getattr(cfg, key)
         _check(v >= 0, f"{key}={v} must not be negative: give a value >= 0.")
-    for key, least in _AUTO_INTS.items():  # -1: the platform's choice (core/config/platform.py)
+    for key, least in _AUTO_INTS.items():  # -1: the platform's choice (core/spec/platform.py)
         v = getattr(cfg, key)
         _check(v == -1 or v >= least, f"{key}={v} must be >= {least}, or -1 for the platform's choice.")
     for key, choices in _CHOICES.items():

@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from core.config.platform import resolve_here
 from core.eval.metrics import layer_sums
 from core.eval.report import IndexerEval, MetricSums, ratio, topk_warnings
 from core.eval.rows import EVAL_KEYS, EvalSet, batch_rows, eval_config, row_batches, row_keys
@@ -79,9 +78,7 @@ class StepSpec(NamedTuple):
     @classmethod
     def of(cls, cfg, ks: Sequence[int], seed: int = 0, progress: bool = False) -> "StepSpec":
         """lm_chunk: lm_loss_chunk_size, or attention_query_chunk_size where that is 0 (the
-        evaluation never builds [B, T, V] logits); `auto` sizes as resolved for this process's backend
-        when no entry point resolved them."""
-        cfg = resolve_here(cfg)
+        evaluation never builds [B, T, V] logits), of `cfg` resolved (core.spec.resolve)."""
         return cls(tuple(ks), seed, cfg.csa_qk_head_chunk_size,
                    cfg.lm_loss_chunk_size or cfg.attention_query_chunk_size, progress)
 
@@ -190,10 +187,15 @@ def lowered_eval(cfg, ks: Sequence[int], mesh=None, eval_set: EvalSet = EvalSet(
     import jax
 
     from core.model.transformer import abstract
+    from core.parallel.mesh import make_mesh, mesh_platform
     from core.parallel.sharding import batch_sharding
+    from core.spec.resolve import resolve
     from core.train import program
 
-    inputs = program.abstract_inputs(cfg, (abstract(cfg),), mesh)
+    mesh = make_mesh(cfg) if mesh is None else mesh
+    specs = resolve(cfg, mesh_platform(mesh), mesh.shape)  # the entry point's own when it resolved `cfg`
+    cfg = specs.cfg
+    inputs = program.abstract_inputs(cfg, (abstract(specs.model),), mesh)
     rows, sharding = batch_rows(eval_set, inputs.mesh), batch_sharding(inputs.mesh)
     shape = lambda name: (rows,) if name == "rows" else (rows, cfg.max_target_length)  # noqa: E731
     batch = {name: jax.ShapeDtypeStruct(shape(name), jnp.int32, sharding=sharding) for name in EVAL_KEYS}
@@ -240,7 +242,13 @@ def evaluate_indexer(model, cfg, batches: Iterable[tuple[dict[str, Any], int, in
     Returns:
       IndexerEval (this module's and core/eval/metrics.py's docstrings define every number).
     """
+    from core.parallel.mesh import mesh_platform
+    from core.spec.resolve import resolve
+
     check_indexer(cfg)
+    # the evaluation's entry point's own config when it resolved it; else for the mesh, or where the model is placed
+    cfg = resolve(cfg, mesh_platform(mesh) if mesh is not None else jax.default_backend(),
+                  None if mesh is None else mesh.shape).cfg
     ks = tuple(ks or (cfg.indexer_topk,))
     step = make_eval_step(StepSpec.of(cfg, ks, seed, progress=on_progress is not None), mesh, None if mesh is None else cfg)
     layers = len(cfg.csa_layers)
@@ -350,15 +358,15 @@ def prepare(path, *, step: int | None = None, overrides: Sequence[str] = (), eva
     """
     from core.checkpoint import store as ckpt
     from core.data.batches import data_fingerprint
-    from core.config.platform import resolve
     from core.parallel.mesh import make_mesh, mesh_platform
+    from core.spec.resolve import resolve
 
     _, ckpt_dir, step = ckpt.resolve_checkpoint(path, step)
     cfg = eval_config(with_overrides(ckpt.config_of(ckpt_dir, step), overrides), eval_set)
     check_indexer(cfg)
     ks = parse_ks(ks, cfg.indexer_topk, cfg.max_target_length // 4)
     mesh = make_mesh(cfg)  # a mesh that does not fit these devices: ConfigError naming the ici_* keys
-    cfg = resolve(cfg, mesh_platform(mesh), mesh.shape)
+    cfg = resolve(cfg, mesh_platform(mesh), mesh.shape).cfg
     batch = batch_rows(eval_set, mesh)
     model, cfg, meta = ckpt.restore_model(ckpt_dir, step, cfg, mesh=mesh)
     context = {"checkpoint": str(ckpt_dir / str(step)), "step": step, "stage": meta.get("stage"),

@@ -156,6 +156,7 @@ def build_config(config: dict, table: dict, *, model_name: str, dtype: str | Non
     from core.config.files import stage_presets
     from core.hf.config_json import from_hf_config
     from core.model.transformer import param_counts
+    from core.spec.resolve import parameter_spec
 
     layout = names.detect_layout(table)
     if keep_quantized and layout != "official":
@@ -166,7 +167,7 @@ def build_config(config: dict, table: dict, *, model_name: str, dtype: str | Non
                   routed_bias=_has(table, r"\.gate\.(bias|e_score_correction_bias)$"))
     cfg = from_hf_config(config, model_name=model_name, **groups)
     if dtype is None:
-        total = param_counts(cfg)["total"]
+        total = param_counts(parameter_spec(cfg))["total"]
         dtype = "bfloat16" if total > BF16_ABOVE else "float32"
         reason = f"the default {'above' if total > BF16_ABOVE else 'at or below'} 1e9 parameters"
     else:

@@ -319,8 +319,9 @@ def state_slots(cfg) -> tuple[dict[str, tuple[str, int | None]], dict[str, objec
 
     from core.tree import flatten
     from core.model import transformer
+    from core.spec.resolve import parameter_spec
 
-    abstract = transformer.abstract(cfg)
+    abstract = transformer.abstract(parameter_spec(cfg))
     pure = nnx.to_pure_dict(nnx.state(abstract))
     leaves = flatten(pure)
     where = {}

@@ -15,7 +15,7 @@ gradient (tests/ops/test_sparse_attention.py, test_fused_attention.py). What liv
 layer call:
 
 - `chunked` (`auto`'s choice but where a TPU trains the attention, which takes `fused`:
-  core/config/platform.py): `chunked_attention` (core.ops.chunked_attention), a `lax.scan` over query
+  core/spec/platform.py): `chunked_attention` (core.ops.chunked_attention), a `lax.scan` over query
   chunks of C = attention_query_chunk_size positions, each rematerialised in the backward pass.
   With `attention_projections: chunked`, whole-T tensors are per-token only: x, c_q [B, T, q_lora],
   raw kv [B, T, D], the output [B, T, M], the selection [B, T, k]; the queries are built and the
@@ -67,7 +67,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from core.config.platform import require_resolved, resolve_here
 from core.loss.indexer_kl import csa_indexer_loss
 from core.loss.indexer_kl_rows import Teacher
 from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed, csa_indexer_loss_tap
@@ -82,18 +81,6 @@ from core.ops.rope import RopeSpec, apply_rope
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked
 
 
-def layer_rope(cfg, compress_ratio: int) -> RopeSpec:
-    """The RoPE of a layer with `compress_ratio` (0 = SWA): the SWA theta plainly; the compressed theta,
-    with YaRN when `rope_type: yarn`, in CSA and HCA layers."""
-    if compress_ratio == 0:
-        return RopeSpec(cfg.qk_rope_head_dim, float(cfg.rope_max_timescale))
-    yarn = cfg.rope_type == "yarn"
-    return RopeSpec(cfg.qk_rope_head_dim, float(cfg.compressed_rope_max_timescale),
-                    yarn_factor=float(cfg.rope_factor) if yarn else 1.0,
-                    original_max_positions=int(cfg.original_max_position_embeddings) if yarn else 0,
-                    beta_fast=float(cfg.beta_fast), beta_slow=float(cfg.beta_slow))
-
-
 def project_queries(c_q_btr, wq_b_rhd, positions_bt, *, eps: float, rope: RopeSpec, dtype):
     """q = RoPE(rms(c_q W_qb) * D^-1/2) in `dtype`: [B, T, R] x [R, H, D] -> [B, T, H, D].
 
@@ -104,9 +91,36 @@ def project_queries(c_q_btr, wq_b_rhd, positions_bt, *, eps: float, rope: RopeSp
     return apply_rope((rms_normalize(q, eps) * q.shape[-1] ** -0.5).astype(dtype), positions_bt, rope)
 
 
+ATTENTIONS = ("chunked", "fused", "masked")  # AttentionSpec.attention (module docstring)
+TOPK_ATTENTIONS = ("gather", "mask")
+PROJECTIONS = ("chunked", "whole")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionImpl:
+    """How one attention layer runs: the platform's choices (core/spec/platform.py), which change no
+    value (every choice equals the others to float32 rounding) and no parameter."""
+
+    attention: str = "chunked"  # "chunked" (core.ops.chunked_attention) | "fused" (core.ops.fused_attention) | "masked"
+    attention_chunk: int = 128  # query positions per chunk of the chunked path
+    topk_attention: str = "gather"  # chunked CSA top-k: "gather" (the selected keys) | "mask" (all keys, masked)
+    projections: str = "chunked"  # W_qb and the output projection: "chunked" (per query chunk) | "whole" (once)
+    head_chunk: int = 0        # csa_qk_head_chunk_size: heads per group of the indexer's scores and loss
+    query_chunk: int = 0       # csa_query_chunk_size: the streamed indexer loss's rows per block
+    indexer_gradient: str = "local"  # "local": the streamed loss's gradient taken in the forward | "backward"
+
+    def __post_init__(self):
+        for name, value, allowed in (("attention", self.attention, ATTENTIONS),
+                                     ("csa_topk_attention", self.topk_attention, TOPK_ATTENTIONS),
+                                     ("attention_projections", self.projections, PROJECTIONS)):
+            if value not in allowed:  # `auto` included: core.spec.resolve turns it into a platform's choice
+                raise ValueError(f"{name}={value!r}: the layer takes one of {', '.join(allowed)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-    """Static shape and behaviour of one attention layer (derived from the config), passed down whole."""
+    """What one attention layer is: its widths, ranks, ratio, window, top-k and its indexer loss's
+    settings; how it runs is `impl`'s (core.spec.resolve builds both from a resolved config)."""
 
     emb: int
     heads: int
@@ -124,32 +138,7 @@ class AttentionSpec:
     loss_scale: float = 0.0    # indexer_loss_scaling_factor
     teacher: str = "compressed"
     indexer_weights_init: str = "fan_in"  # how the indexer's weights_proj starts (core.model.indexer.WEIGHTS_INITS)
-    head_chunk: int = 0
-    query_chunk: int = 0
-    attention: str = "chunked"  # "chunked" (core.ops.chunked_attention) | "fused" (core.ops.fused_attention) | "masked"
-    attention_chunk: int = 128  # query positions per chunk of the chunked path
-    topk_attention: str = "gather"  # chunked CSA top-k: "gather" (the selected keys) | "mask" (all keys, masked)
-    projections: str = "chunked"  # W_qb and the output projection: "chunked" (per query chunk) | "whole" (once)
-    indexer_gradient: str = "local"  # "local": the streamed loss's gradient taken in the forward | "backward"
-
-    @classmethod
-    def from_config(cls, cfg, layer: int) -> "AttentionSpec":
-        cfg = resolve_here(cfg)
-        ratio = cfg.compress_ratios[layer]
-        indexed = ratio == 4 and cfg.use_indexer
-        return cls(
-            emb=cfg.emb, heads=cfg.num_heads, head_dim=cfg.head_dim, q_lora_rank=cfg.q_lora_rank,
-            o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank, window=cfg.sliding_window_size,
-            ratio=ratio, eps=cfg.normalization_layer_epsilon, rope=layer_rope(cfg, ratio),
-            indexer_heads=cfg.indexer_n_heads if indexed else 0,
-            indexer_head_dim=cfg.indexer_head_dim if indexed else 0,
-            indexer_topk=cfg.indexer_topk if indexed else 0,
-            loss_scale=cfg.indexer_loss_scaling_factor, teacher=cfg.indexer_teacher,
-            indexer_weights_init=cfg.indexer_weights_init,
-            head_chunk=cfg.csa_qk_head_chunk_size, query_chunk=cfg.csa_query_chunk_size,
-            attention=cfg.attention, attention_chunk=cfg.attention_query_chunk_size,
-            topk_attention=cfg.csa_topk_attention, projections=cfg.attention_projections,
-            indexer_gradient=cfg.indexer_gradient)
+    impl: AttentionImpl = AttentionImpl()
 
     def indexer_spec(self) -> IndexerSpec:
         """The static shape of this layer's lightning indexer (meaningful when indexer_heads > 0)."""
@@ -160,7 +149,7 @@ class AttentionSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """The pure functions one implementation of `AttentionSpec.attention` calls.
+    """The pure functions one implementation of `AttentionImpl.attention` calls.
 
     attend: (queries, keys, packing, selection, out_fn) -> the layer output [B, T, M].
     select: (IndexerInputs, packing) -> Selection, one query chunk at a time; None: the top-k
@@ -185,27 +174,26 @@ class Flags(NamedTuple):
 def streamable_rows(s: AttentionSpec, t: int) -> int:
     """The chunked mode's streamed-loss block: csa_query_chunk_size, or when that is 0 the largest
     divisor of T <= attention_query_chunk_size; 0 (direct loss) where T cannot stream."""
-    if s.query_chunk:
-        return s.query_chunk
+    if s.impl.query_chunk:
+        return s.impl.query_chunk
     w = t // s.ratio
     if w == 0 or t % w:  # the streamed loss needs T to be a multiple of the W blocks
         return 0
-    return max(c for c in range(1, min(t, s.attention_chunk) + 1) if t % c == 0)
+    return max(c for c in range(1, min(t, s.impl.attention_chunk) + 1) if t % c == 0)
 
 
 def mode_of(s: AttentionSpec, t: int) -> Mode:
-    """The `Mode` that `s.attention` selects for T positions, bound to the layer's static ints."""
-    require_resolved(s.attention, "attention")
-    if s.attention == "masked":
-        return Mode(attend=masked_attention, select=None, loss_rows=s.query_chunk)
-    select = functools.partial(select_topk_chunked, ratio=s.ratio, k=s.indexer_topk, chunk=s.attention_chunk,
-                               head_chunk=s.head_chunk, as_mask=s.topk_attention == "mask")
+    """The `Mode` that `s.impl.attention` selects for T positions, bound to the layer's static ints."""
+    if s.impl.attention == "masked":
+        return Mode(attend=masked_attention, select=None, loss_rows=s.impl.query_chunk)
+    select = functools.partial(select_topk_chunked, ratio=s.ratio, k=s.indexer_topk, chunk=s.impl.attention_chunk,
+                               head_chunk=s.impl.head_chunk, as_mask=s.impl.topk_attention == "mask")
     rows = streamable_rows(s, t) if s.indexer_heads else 0
-    if s.attention == "fused":
+    if s.impl.attention == "fused":
         from core.ops.fused_attention import fused_layer_attention  # Pallas's import only where it runs
 
         return Mode(attend=fused_layer_attention, select=select, loss_rows=rows)
-    return Mode(attend=functools.partial(chunked_attention, chunk=s.attention_chunk), select=select,
+    return Mode(attend=functools.partial(chunked_attention, chunk=s.impl.attention_chunk), select=select,
                 loss_rows=rows)
 
 
@@ -273,7 +261,7 @@ class Attention(nnx.Module):
             selection, aux, tap = self._index(mode, x_btm, queries, keys, packing,
                                               Flags(dense, indexer_loss, collect, observe))
         attend = mode.attend if tap is None else functools.partial(mode.attend, tap=tap[0])
-        if s.projections == "whole":  # one matmul per projection and weight gradient, [B, T, H, D] whole
+        if s.impl.projections == "whole":  # one matmul per projection and weight gradient, [B, T, H, D] whole
             q = RowQueries.given(pin_rows(queries.of(queries.inputs, positions_bt), heads_axis=2))  # split as x is
             got = attend(q, keys, packing, selection, None)
             o_bthd, carry = got if tap is not None else (got, None)
@@ -308,8 +296,8 @@ class Attention(nnx.Module):
         if flags.dense and not flags.indexer_loss and not flags.collect and flags.observe is None:  # no part
             return None, aux, None
         plain = flags.dense and flags.indexer_loss and not flags.collect and flags.observe is None
-        if plain and s.attention == "chunked" and s.indexer_gradient == "local" and \
-                mode.loss_rows == min(s.attention_chunk, x_btm.shape[1]):  # one loss block per chunk
+        if plain and s.impl.attention == "chunked" and s.impl.indexer_gradient == "local" and \
+                mode.loss_rows == min(s.impl.attention_chunk, x_btm.shape[1]):  # one loss block per chunk
             return None, aux, self._teacher_tap(x_btm, queries, packing, mode.loss_rows)
         joint = s.teacher == "joint"
         teacher = Teacher(sg(queries), sg(keys.compressed_bwd), sg(keys.raw_bsd) if joint else None,
@@ -323,14 +311,14 @@ class Attention(nnx.Module):
         scores = visible = selection = None
         if whole and (flags.collect or not flags.dense or (flags.indexer_loss and not rows)):
             visible = compressed_visibility(*packing, s.ratio)
-            scores = indexer_scores(index.queries.inputs, *index[1:], visible, head_chunk=s.head_chunk)
+            scores = indexer_scores(index.queries.inputs, *index[1:], visible, head_chunk=s.impl.head_chunk)
             selection = select_topk(scores, visible, s.indexer_topk)
         elif not flags.dense:
             selection = mode.select(index, packing)
         if flags.indexer_loss:
             allowed = None if scores is None else visible if flags.dense else visible & selection.mask(visible.shape[-1])
             topk = None if flags.dense else s.indexer_topk
-            if rows and not whole and s.indexer_gradient == "local":  # the streamed loss, differentiated here
+            if rows and not whole and s.impl.indexer_gradient == "local":  # the streamed loss, differentiated here
                 aux["indexer_loss"] = local_gradient_loss(self.indexer, lambda indexer: self._indexer_loss(
                     indexer.inputs(x_btm, queries.inputs, pos), teacher, packing, None, topk, rows))
             else:
@@ -357,7 +345,7 @@ class Attention(nnx.Module):
         index, pull = jax.vjp(lambda p: nnx.merge(graphdef, p, rest).inputs(x_btm, queries.inputs, pos),
                               jax.lax.stop_gradient(params))
         tap, finish = csa_indexer_loss_tap(index, packing, teacher=s.teacher, scale=s.loss_scale,
-                                           head_chunk=s.head_chunk, query_chunk=rows)
+                                           head_chunk=s.impl.head_chunk, query_chunk=rows)
 
         def loss(carry):
             value, d_index = finish(carry)
@@ -371,7 +359,7 @@ class Attention(nnx.Module):
         s = self.spec
         if rows:
             return csa_indexer_loss_streamed(index, teacher, packing, topk=topk, scale=s.loss_scale,
-                                             head_chunk=s.head_chunk, query_chunk=rows)
+                                             head_chunk=s.impl.head_chunk, query_chunk=rows)
         scores_btw, allowed_btw = whole
         return csa_indexer_loss(scores_btw, teacher.whole(packing), allowed_btw, scale=s.loss_scale,
-                                head_chunk=s.head_chunk)
+                                head_chunk=s.impl.head_chunk)

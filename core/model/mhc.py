@@ -212,7 +212,7 @@ def hc_mixes(x_btnm, fn_nmj, norm_eps: float, backward: str = "autodiff"):
     """
     if backward not in MIXES_BACKWARDS:
         raise ValueError(f"hc_mixes_backward={backward!r}: one of {', '.join(MIXES_BACKWARDS)} "
-                         "(core.config.platform.resolve turns auto into one)")
+                         "(core.spec.resolve turns auto into one)")
     if backward == "closed":
         return _mixes(x_btnm, fn_nmj, float(norm_eps))
     return _mixes_fwd(x_btnm, fn_nmj, norm_eps)[0]

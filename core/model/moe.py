@@ -18,11 +18,11 @@ Semantics follow the official DeepSeek-V4 inference code (`inference/model.py`, 
   (per batch row f_e and P_e, then the mean over rows), padding excluded:
   lb = weight * E * sum_e f_e * P_e, = weight * k at perfect balance.
 
-The modules take one flat frozen `MoESpec` (`MoESpec.from_config(cfg, layer)`), as gemma passes
-its flat hyper-parameters down.
+The modules take one flat frozen `MoESpec` (built by core.spec.resolve), as gemma passes its flat
+hyper-parameters down.
 
 Expert computation (`MoESpec.impl`, IMPLS; `auto` is resolved per platform before the build,
-core/config/platform.py: tiled on CPU and GPU, gmm on TPU, docs/benchmarks.md#why-the-defaults):
+core/spec/platform.py: tiled on CPU and GPU, gmm on TPU, docs/benchmarks.md#why-the-defaults):
 - "tiled": the B*T*k (token, expert) slots sorted by expert into whole tiles of `tile_size` rows,
   batched einsums over tiles, summed back per token (core/ops/moe_dispatch.py): drop-free, about
   the slots' own FLOPs plus padding. tile_size 0 picks `auto_tile`. The fastest on CPU.
@@ -56,7 +56,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from core.config.platform import require_resolved, resolve_here
 from core.model.layers import dense_init, param, upcast
 from core.ops.grouped_matmul import GmmTiling, SlotOrder, gmm, ragged_dot
 from core.ops.expert_parallel import (Exchange, expert_axis_size, expert_parallel_experts, token_parallel_experts,
@@ -66,12 +65,13 @@ from core.ops.placement import mesh_platform_of
 from core.ops.order import after, cotangent_after_value
 
 
-IMPLS = ("auto", "dense", "tiled", "ragged", "gmm")  # expert computation (module docstring); auto: resolved per platform
+IMPLS = ("dense", "tiled", "ragged", "gmm")  # expert computation (module docstring); a config's auto is one of them
 
 
 @dataclasses.dataclass(frozen=True)
 class MoESpec:
-    """Static shape and behaviour of one MoE layer (derived from the config; hashable).
+    """Static shape and behaviour of one MoE layer (core.spec.resolve builds it from a resolved config;
+    hashable).
 
     The hash table's seed is per-layer data, not structure, so it is not part of the spec.
     """
@@ -109,18 +109,6 @@ class MoESpec:
                              f"got {self.tile_size}, {self.tiles_per_step}, {self.capacity_factor}")
         if not 1 <= self.k <= self.num_experts:
             raise ValueError(f"experts_per_tok={self.k} must be in [1, {self.num_experts}]")
-
-    @classmethod
-    def from_config(cls, cfg, layer: int) -> "MoESpec":
-        cfg = resolve_here(cfg)
-        return cls(
-            emb=cfg.emb, mlp=cfg.moe_mlp_dim, num_experts=cfg.num_experts, k=cfg.num_experts_per_tok,
-            shared=cfg.shared_experts, hash_routed=layer < cfg.first_num_hash_layers,
-            vocab_size=cfg.vocab_size, scaling=cfg.routed_scaling_factor, normalize=cfg.norm_topk_prob,
-            use_bias=cfg.routed_bias, swiglu_limit=cfg.mlp_activations_limit,
-            lb_weight=cfg.load_balance_loss_weight, impl=cfg.moe_impl, tile_size=cfg.moe_tile_size,
-            tiles_per_step=cfg.moe_tiles_per_step, capacity_factor=cfg.moe_capacity_factor,
-            gmm_tiles=tuple(cfg.moe_gmm_tiles))
 
     def gmm_tiling(self) -> GmmTiling:
         """The megablox tiles of the three passes: `gmm_tiles` as given (nine ints: forward, input
@@ -340,7 +328,6 @@ def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):
     Returns:
       (y_btm in the accumulation dtype, dropped: float32 scalar, 0 but under a capacity factor).
     """
-    require_resolved(spec.impl, "moe_impl")
     w1, w2, w3 = experts
     hidden = functools.partial(swiglu_hidden, limit=spec.swiglu_limit)
     devices = expert_axis_size(mesh)

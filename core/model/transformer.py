@@ -46,13 +46,13 @@ local_gradient_loss: one copy of the indexer's parameters per layer) and the MoE
 (int: chosen experts, slot rows, tile experts). The backward then runs no indexer scoring, top-k,
 indexer loss nor routing sort again, for a few bytes per token and layer. Under `full` the attention
 output [B, T, M] is not kept: keeping it grows the temporaries at long T more than it saves.
-`auto` (core/config/platform.py, core/train/program.py `remat_that_fits`) is `full`, or on a TPU the
+`auto` (core/spec/platform.py, core/train/program.py `remat_that_fits`) is `full`, or on a TPU the
 first of `none` and `projections` whose step compiles within the chip.
 In the warm-up nothing but the indexer trains and its gradient is local, so no gradient crosses a
 layer: the backward keeps no layer's input and runs no layer again, under any policy (the step's
 memory is one layer's plus the weights': tests/model/test_local_gradient.py).
 
-Modes: "train" follows the config's row of the stage table (core.config.stages): CSA attends the
+Modes: "train" follows the spec's row of the stage table (`ModelSpec.stage`): CSA attends the
 top-k blocks iff `Stage.csa_topk`, the indexer loss is computed iff `Stage.indexer_loss` is not
 "off" (dense over every visible block, or sparse over the top-k), the head runs iff
 `Stage.lm_loss`. "eval": top-k, no indexer loss; "eval_dense": every visible block, no indexer
@@ -64,14 +64,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from core.config.platform import resolve_here
-from core.config.stages import stage_of
 from core.model.attention import Attention, AttentionSpec
 from core.model.layers import RMSNorm, dense_init, hold_frozen, param
 from core.loss.lm import head_logits
@@ -138,22 +137,46 @@ class BlockSpec:
     hc_form: str
     hc_mixes_backward: str
 
-    @classmethod
-    def from_config(cls, cfg, layer: int) -> "BlockSpec":
-        return cls(AttentionSpec.from_config(cfg, layer), cfg.emb, cfg.normalization_layer_epsilon,
-                   cfg.mhc_expansion_rate, cfg.hc_sinkhorn_iters, cfg.hc_eps, MoESpec.from_config(cfg, layer),
-                   cfg.hc_mix_form, resolve_here(cfg).hc_mixes_backward)
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Everything the decoder is built from, resolved for a platform (core.spec.resolve builds it
+    from a config): its layers' specs, its widths, dtypes and masks, and the stage-table row
+    "train" follows. Hashable: `abstract` traces once per spec."""
+
+    blocks: tuple[BlockSpec, ...]   # one per layer
+    vocab_size: int
+    emb: int
+    hc_n: int                       # mhc_expansion_rate
+    hc_eps: float
+    eps: float                      # normalization_layer_epsilon
+    hc_form: str
+    hc_mixes_backward: str
+    first_hash: int                 # first_num_hash_layers
+    csa_layers: tuple[int, ...]     # the CSA layers with an indexer (none without use_indexer)
+    num_experts: int
+    experts_per_token: int
+    stage: Any                      # the config's row of the stage table (core.config.stages.Stage)
+    joint: bool                     # indexer_teacher == "joint"
+    cross_layer_gradient: bool      # a gradient crosses the layers (core.spec.resolve.crosses_layers)
+    remat_policy: str               # one of REMAT_POLICIES
+    scan_layers: bool
+    weight_dtype: str
+    dtype: str
+    trainable_mask: tuple[str, ...]  # trainable_parameters_mask
+    frozen_mask: tuple[str, ...]     # frozen_parameters_mask
+    frozen_weights: str             # core.model.quant.FROZEN_WEIGHTS
+    frozen_weight_dtype: str
+    init_seed: int                  # init_weights_seed: the weights' and the hash tables' seed
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.blocks)
 
 
-def crosses_layers(cfg) -> bool:
-    """Whether a gradient crosses the layers: unless only the indexer trains, from its local loss (the
-    warm-up), where the backward keeps no layer's input and runs no layer again under any remat policy."""
-    return stage_of(cfg).trains_rest or cfg.indexer_gradient != "local"
-
-
-def hash_seed(cfg, layer: int) -> int:
+def hash_seed(init_seed: int, layer: int) -> int:
     """Seed of layer `layer`'s fixed token -> experts table (distinct per layer and init seed)."""
-    return cfg.init_weights_seed * 1000 + layer
+    return init_seed * 1000 + layer
 
 
 class Block(nnx.Module):
@@ -219,10 +242,11 @@ def layer_plan(specs, scan: bool):
     return tuple(segments)
 
 
-def _segment(cfg, specs, start, unit, reps, rngs, kw):
+def _segment(spec: ModelSpec, start, unit, reps, rngs, kw):
     """One Block, or a BlockGroup stacked over `reps` on a leading "layers" axis."""
+    specs = spec.blocks
     if reps == 1:
-        return Block(specs[start], seed_for_hash_table=hash_seed(cfg, start), rngs=rngs, **kw)
+        return Block(specs[start], seed_for_hash_table=hash_seed(spec.init_seed, start), rngs=rngs, **kw)
 
     @nnx.split_rngs(splits=reps)
     @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=reps, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -234,8 +258,8 @@ def _segment(cfg, specs, start, unit, reps, rngs, kw):
         table = block.ffn.gate.tid2eid
         if table is not None:
             table[...] = jnp.stack([
-                hash_table(hash_seed(cfg, start + j * unit + u), cfg.vocab_size, cfg.num_experts,
-                           cfg.num_experts_per_tok) for j in range(reps)])
+                hash_table(hash_seed(spec.init_seed, start + j * unit + u), spec.vocab_size, spec.num_experts,
+                           spec.experts_per_token) for j in range(reps)])
     return group
 
 
@@ -289,31 +313,29 @@ def run_segment(layer, x_btnm, args, flags, *, remat: bool, policy, scanned: boo
 class Transformer(nnx.Module):
     """The decoder: `logits, aux = model(tokens, positions, segment_ids, mode=..., collect=...)`."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        cfg = resolve_here(cfg)  # once, for every layer's spec (a no-op on an entry point's resolved config)
-        pdt, dt = jnp.dtype(cfg.weight_dtype), jnp.dtype(cfg.dtype)
-        self.dtype, self.n = dt, cfg.mhc_expansion_rate
-        self.num_layers, self.first_hash = cfg.num_layers, cfg.first_num_hash_layers
-        self.csa_layers = cfg.csa_layers if cfg.use_indexer else ()
-        self.stage = stage_of(cfg)  # what "train" switches on and off (core.config.stages)
-        self.joint = cfg.indexer_teacher == "joint"
-        self.cross_layer_gradient = crosses_layers(cfg)
-        self.remat_policy = cfg.remat_policy  # a resolved config's own; `full` for an unresolved auto
-        specs = [BlockSpec.from_config(cfg, i) for i in range(cfg.num_layers)]
-        self.segments = layer_plan(specs, cfg.scan_layers)
+    def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
+        pdt, dt = jnp.dtype(spec.weight_dtype), jnp.dtype(spec.dtype)
+        self.dtype, self.n = dt, spec.hc_n
+        self.num_layers, self.first_hash = spec.num_layers, spec.first_hash
+        self.csa_layers = spec.csa_layers
+        self.stage = spec.stage  # what "train" switches on and off (DESIGN.md's stage table)
+        self.joint = spec.joint
+        self.cross_layer_gradient = spec.cross_layer_gradient
+        self.remat_policy = spec.remat_policy
+        self.segments = layer_plan(spec.blocks, spec.scan_layers)
         kw = dict(param_dtype=pdt, dtype=dt)
-        self.embed = param(rngs, nnx.initializers.normal(0.02), (cfg.vocab_size, cfg.emb),
+        self.embed = param(rngs, nnx.initializers.normal(0.02), (spec.vocab_size, spec.emb),
                            ("vocab", "embed"), pdt)
-        self.layers = nnx.List([_segment(cfg, specs, *seg, rngs, kw) for seg in self.segments])
-        self.hc_head = HeadCollapse(cfg.emb, self.n, cfg.hc_eps, cfg.normalization_layer_epsilon,
-                                    rngs=rngs, param_dtype=pdt, form=cfg.hc_mix_form,
-                                    mixes_backward=cfg.hc_mixes_backward)
-        self.norm = RMSNorm(cfg.emb, cfg.normalization_layer_epsilon, rngs=rngs, param_dtype=pdt)
-        self.head = param(rngs, dense_init(), (cfg.emb, cfg.vocab_size), ("embed", "vocab"), pdt)
-        trainable = mask_matcher(cfg.trainable_parameters_mask, cfg.frozen_parameters_mask)
-        if quant.holds_released(cfg.frozen_weights):  # frozen linear weights as the release stores them
+        self.layers = nnx.List([_segment(spec, *seg, rngs, kw) for seg in self.segments])
+        self.hc_head = HeadCollapse(spec.emb, self.n, spec.hc_eps, spec.eps,
+                                    rngs=rngs, param_dtype=pdt, form=spec.hc_form,
+                                    mixes_backward=spec.hc_mixes_backward)
+        self.norm = RMSNorm(spec.emb, spec.eps, rngs=rngs, param_dtype=pdt)
+        self.head = param(rngs, dense_init(), (spec.emb, spec.vocab_size), ("embed", "vocab"), pdt)
+        trainable = mask_matcher(spec.trainable_mask, spec.frozen_mask)
+        if quant.holds_released(spec.frozen_weights):  # frozen linear weights as the release stores them
             quant.hold_released(self, trainable)
-        hold_frozen(self, trainable, jnp.dtype(cfg.frozen_weight_dtype))  # no master copy where nothing trains
+        hold_frozen(self, trainable, jnp.dtype(spec.frozen_weight_dtype))  # no master copy where nothing trains
 
     def _flags(self, mode: str):
         """(dense, indexer loss, head run) of `mode`, from the stage table in training."""
@@ -424,23 +446,23 @@ class Transformer(nnx.Module):
                     bias[...] = jax.vmap(update_router_bias, in_axes=(0, 0, None))(bias[...], rows, rate)
 
 
-def abstract(cfg) -> Transformer:
-    """`cfg`'s decoder from `nnx.eval_shape`: every variable a ShapeDtypeStruct, nothing allocated.
+def abstract(spec: ModelSpec) -> Transformer:
+    """The decoder of `spec` from `nnx.eval_shape`: every variable a ShapeDtypeStruct, nothing allocated.
 
-    Traced once per config (and x64 mode) in a process: a command asks for the same config's shapes
+    Traced once per spec (and x64 mode) in a process: a command asks for the same model's shapes
     several times (checks, restore targets, the HF names), and a full-size model takes seconds to
     trace. Each call returns a new object, so a caller may fill its variables.
     """
-    return nnx.merge(*_abstract_parts(cfg, jax.config.jax_enable_x64), copy=True)
+    return nnx.merge(*_abstract_parts(spec, jax.config.jax_enable_x64), copy=True)
 
 
 @functools.lru_cache(maxsize=8)
-def _abstract_parts(cfg, x64: bool):
-    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))))
+def _abstract_parts(spec: ModelSpec, x64: bool):
+    return nnx.split(nnx.eval_shape(lambda: Transformer(spec, rngs=nnx.Rngs(spec.init_seed))))
 
 
-def param_counts(cfg) -> dict[str, int]:
-    """{"total", "active"} parameter counts of `cfg`'s decoder, computed abstractly.
+def param_counts(spec: ModelSpec) -> dict[str, int]:
+    """{"total", "active"} parameter counts of `spec`'s decoder, computed abstractly.
 
     total is `core.model.params.count_parameters`'s "parameters" (the official checkpoint's tensor
     inventory, MTP excluded: every nnx.Param plus the router selection biases; the hash tables
@@ -450,12 +472,12 @@ def param_counts(cfg) -> dict[str, int]:
     from core.tree import shapes
     from core.model.params import count_parameters
 
-    model = abstract(cfg.replace(scan_layers=True, frozen_weights="param_dtype"))
+    model = abstract(dataclasses.replace(spec, scan_layers=True, frozen_weights="param_dtype"))
     total = count_parameters(shapes(nnx.to_pure_dict(nnx.state(model))))["parameters"]
     unchosen = 0
-    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    e, k = spec.num_experts, spec.experts_per_token
     for _, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Param) and "experts" in (var.get_metadata().get("out_sharding") or ()):
             unchosen += math.prod(var.shape) // e * (e - k)
-    embed = cfg.vocab_size * cfg.emb
+    embed = spec.vocab_size * spec.emb
     return {"total": total, "active": total - embed - unchosen}

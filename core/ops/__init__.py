@@ -7,6 +7,6 @@ top-k block selection), moe_dispatch (drop-free sorted, tiled expert dispatch), 
 megablox kernels with per-pass tiles, slot permutations), expert_parallel (tokens sent to their
 experts' devices and back), quant (the released FP8/FP4 formats), order (data
 dependencies that fix the order of collectives on XLA:CPU), placement (an activation pinned to the
-batch split on the trace's mesh).
-May import: core.config, core.errors, core.tree. No parameters, no nnx modules.
+batch split on the trace's mesh; the platform a trace is for).
+May import: core.errors, core.tree (never core.config: ops take static ints and specs). No parameters, no nnx modules.
 """

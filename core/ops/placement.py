@@ -13,10 +13,14 @@ from __future__ import annotations
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from core.config.platform import platform_name
 from core.ops.expert_parallel import MLP_AXIS, TOKEN_AXES
 
 HEADS_AXIS = MLP_AXIS  # the `heads` rule's mesh axis ("heads" -> "tensor"), as the experts' hidden axis
+
+
+def platform_name(platform: str) -> str:
+    """A JAX device platform ("cpu", "gpu", "cuda", "rocm", "tpu") as one of "cpu", "gpu", "tpu"."""
+    return "gpu" if platform in ("cuda", "rocm") else platform
 
 
 def divisible_prefix(size: int, names, mesh):

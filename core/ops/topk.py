@@ -160,7 +160,7 @@ def select_topk_chunked(index: IndexerInputs, packing: Packing, *, ratio: int, k
 
     Never holds [B, T, W, HI] nor the [B, T, W] scores: each chunk of C queries builds its own indexer
     queries, visibility rows, scores and selection (only the `as_mask` result is [B, T, W], a
-    boolean per block: auto chooses it while W <= 2k, core/config/platform.py). No gradient flows (the selection is discrete;
+    boolean per block: auto chooses it while W <= 2k, core/spec/platform.py). No gradient flows (the selection is discrete;
     the indexer loss recomputes its own scores), so the inputs are detached and nothing is kept
     for a backward.
 

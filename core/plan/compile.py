@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import core
-from core.config.platform import resolve
+from core.spec.resolve import resolve
 from core.errors import ConfigError
 from core.plan import targets as tg
 from core.process import tune_garbage_collector
@@ -231,9 +231,9 @@ def compile_plan(cfg, target: tg.Target, *, top: int = 10, analytic: bool = True
 
 
 def model_utilization(cfg, target: tg.Target, out: dict[str, Any]) -> dict[str, Any]:
-    """model_flops_per_step (core/model/flops.py over the step's global batch, all devices) and, with a
+    """model_flops_per_step (core/train/flops.py over the step's global batch, all devices) and, with a
     step estimate, model_mfu: those FLOPs / the estimated step / devices / the chip's peak (None without)."""
-    from core.model.flops import model_flops_per_step
+    from core.train.flops import model_flops_per_step
     from core.parallel.chips import utilization
 
     flops = model_flops_per_step(cfg, out["global_batch"])["total"]
@@ -261,7 +261,7 @@ def _child(args: dict[str, Any]) -> dict[str, Any]:
         target = tg.parse_target(args["target"])
         cfg = load(args["model"], args["stage"], args["overrides"], args["config_file"])
         mesh = device_mesh(cfg, tg.compile_devices(target))
-        asked, cfg = cfg, resolve(cfg, target.platform, mesh.shape)
+        asked, cfg = cfg, resolve(cfg, target.platform, mesh.shape).cfg
         kw = dict(top=args["top"], analytic=args["analytic"], dump=args.get("dump"), stage=args["stage"],
                   batch_rows=args.get("batch_rows"))
         trials = () if args["stage"] == EVAL else remat_candidates(asked, cfg, target.platform, dict(mesh.shape),

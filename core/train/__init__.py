@@ -8,6 +8,7 @@ init-from), outputs (checkpointer, config.yml, metrics.jsonl, TensorBoard), memo
 memory against a device's), indexer_init (the teacher's indexer initialisation), compile_cache,
 run_lock (one writer per run directory), step_guard (no non-finite step applied), stop (Ctrl-C,
 SIGTERM and write errors agreed across processes), resume_checks (what a resume may change),
-write_errors (write failures as one error), handoff (stage hand-off via --init-from), tensorboard.
+write_errors (write failures as one error), handoff (stage hand-off via --init-from), tensorboard,
+flops (the model FLOPs of a training step, from the config: MFU's numerator).
 May import: core.checkpoint and below.
 """

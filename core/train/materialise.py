@@ -24,8 +24,9 @@ from core.checkpoint import store
 from core.model.init_draws import bucketed_draws
 from core.model.params import count_parameters
 from core.model.transformer import Transformer
-from core.parallel.mesh import make_mesh
+from core.parallel.mesh import make_mesh, mesh_platform
 from core.parallel.sharding import create_sharded, shard_state
+from core.spec.resolve import resolve
 from core.train import program
 from core.train.step import check_masks
 
@@ -58,7 +59,8 @@ def build(cfg, *, mesh=None, labels: Mapping[str, bool] | None = None, objects=N
         hold instead of initialising anything: ShapeDtypeStructs for a checkpoint to fill.
     """
     mesh = make_mesh(cfg) if mesh is None else mesh
-    make_model = lambda: Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))  # noqa: E731
+    spec = resolve(cfg, mesh_platform(mesh), mesh.shape).model  # the run's own when preflight resolved `cfg`
+    make_model = lambda: Transformer(spec, rngs=nnx.Rngs(spec.init_seed))  # noqa: E731
     if objects is not None:
         model, optimizer = objects
     elif _one_cpu_process():

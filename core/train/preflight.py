@@ -2,8 +2,8 @@
 array, each done once, before anything is built, handed on as one frozen `Preflight`.
 
 In order, each stopping the run in one line before the long phases start:
-1. the mesh, made once; the config resolved for its platform (core/config/platform.py), so every
-   later phase, and config.yml, sees the resolved values;
+1. the mesh, made once; the config resolved for its platform (core.spec.resolve: the resolved config
+   and the model's and the step's specs), so every later phase, and config.yml, sees the resolved values;
 2. a resume's checkpoint, read once (metadata, data position, model and optimizer trees): it must
    hold this command's stage; metrics.jsonl must read (a torn last line is dropped, with a notice);
 3. this process's rows of the data; a resume's data position must be theirs (core/data/batches.py);
@@ -28,13 +28,16 @@ from typing import Any, Callable, Mapping
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh
 
 from core import tree
 from core.checkpoint import run_files, store
-from core.config.platform import resolve
-from core.data.batches import train_batches
+from core.config.schema import Config
+from core.data.batches import SyntheticBatches, TrainBatches, train_batches
 from core.errors import CheckpointError, ConfigError
 from core.model.params import mask_matcher
+from core.model.transformer import Transformer
+from core.spec.resolve import Resolved, resolve
 from core.parallel.mesh import describe_mesh, make_mesh, mesh_platform
 from core.parallel.sharding import abstract_state, local_batch_slice
 from core.train import memory, program, resume_checks
@@ -59,18 +62,23 @@ class Source:
 class Preflight:
     """What the later phases of a run take, each made once."""
 
-    cfg: Any                          # the Config, resolved for the mesh's platform
-    mesh: Any
-    abstract: tuple[Any, Any]         # (model, optimizer) from nnx.eval_shape: the step's and restore's shapes
+    specs: Resolved                   # the config resolved for the mesh's platform, and its specs
+    mesh: Mesh
+    abstract: tuple[Transformer, nnx.Optimizer]  # from nnx.eval_shape: the step's and restore's shapes
     labels: Mapping[str, bool]        # parameter path -> trained?, the masks checked
-    data: Any                         # this process's rows of the batches (core/data/batches.py)
+    data: TrainBatches | SyntheticBatches  # this process's rows of the batches (core/data/batches.py)
     source: Source | None             # the checkpoint the run starts from; None when fresh
     kept_metrics: tuple[dict, ...]    # metrics.jsonl's rows up to the resumed step
     notices: tuple[str, ...]          # one-line messages for the user before the first step
     warnings: tuple[str, ...]
 
+    @property
+    def cfg(self) -> Config:
+        """The resolved Config (what config.yml records)."""
+        return self.specs.cfg
 
-def preflight(cfg, stage: str, run_dir: Path, init_from: str | Path | None = None) -> Preflight:
+
+def preflight(cfg: Config, stage: str, run_dir: Path, init_from: str | Path | None = None) -> Preflight:
     """Phase: check everything that needs no array (module docstring); raises the first problem as
     one typed error (ConfigError, CheckpointError, DataError).
 
@@ -79,7 +87,8 @@ def preflight(cfg, stage: str, run_dir: Path, init_from: str | Path | None = Non
       run_dir: the run directory; its latest checkpoint, if any, is resumed and `init_from` ignored.
     """
     mesh = make_mesh(cfg)
-    asked, cfg = cfg, resolve(cfg, mesh_platform(mesh), mesh.shape)
+    specs = resolve(cfg, mesh_platform(mesh), mesh.shape)
+    asked, cfg = cfg, specs.cfg
     notices: list[str] = []
     resumed = _resumed(run_dir, stage)
     kept = ()
@@ -109,10 +118,11 @@ def preflight(cfg, stage: str, run_dir: Path, init_from: str | Path | None = Non
     # then with `projections`, and keeps the first that fits (the run then finds it compiled)
     fitted = program.remat_that_fits(asked, cfg, mesh)
     if fitted is not cfg:
-        cfg, abstract = fitted, program.abstract_model_and_optimizer(fitted)
-        notices.append(f"remat_policy=auto: {cfg.remat_policy} (the first of none, projections whose step fits "
+        specs = resolve(fitted, specs.platform, mesh.shape)
+        abstract = program.abstract_model_and_optimizer(specs.cfg)
+        notices.append(f"remat_policy=auto: {fitted.remat_policy} (the first of none, projections whose step fits "
                        "the chip, compiled; remat_policy=full keeps the whole layer remat)")
-    return Preflight(cfg, mesh, abstract, labels, data, source, kept, tuple(notices), warnings)
+    return Preflight(specs, mesh, abstract, labels, data, source, kept, tuple(notices), warnings)
 
 
 def _resumed(run_dir: Path, stage: str) -> store.Checkpoint | None:

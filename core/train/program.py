@@ -52,6 +52,7 @@ from core.parallel import sharding
 from core.parallel.mesh import make_mesh, mesh_platform
 from core.parallel.sharding import BATCH_AXES, abstract_state
 from core.parallel.xla_flags import collective_options
+from core.spec.resolve import crosses_layers, model_spec, resolve
 from core.train import memory, optimizer
 from core.train.step import config_matcher, step_fn, training_loss
 
@@ -120,10 +121,10 @@ def make_optimizer(cfg):
 
 
 def abstract_model_and_optimizer(cfg):
-    """`cfg`'s (model, optimizer) from `nnx.eval_shape`: ShapeDtypeStructs, nothing allocated (the
-    objects of `abstract_inputs` for the train step, and the restore targets of a run); the model is
-    `transformer.abstract`'s, traced once per config."""
-    model = transformer.abstract(cfg)
+    """The (model, optimizer) of `cfg` (resolved: core.spec.resolve) from `nnx.eval_shape`:
+    ShapeDtypeStructs, nothing allocated (the objects of `abstract_inputs` for the train step, and the
+    restore targets of a run); the model is `transformer.abstract`'s, traced once per spec."""
+    model = transformer.abstract(model_spec(cfg))
     return model, nnx.eval_shape(lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param), model)
 
 
@@ -222,12 +223,15 @@ def make_train_step(cfg, graphdef, state, mesh):
 
 def lowered_step(cfg, mesh=None):
     """`make_train_step`'s step lowered from `abstract_inputs` on `mesh` (default the run's own), as
-    a training command compiles it ahead of its build; nothing is allocated. `dsv4 plan` and
+    a training command compiles it ahead of its build, `cfg` resolved for the mesh (core.spec.resolve:
+    the entry point's own when it resolved it); nothing is allocated. `dsv4 plan` and
     `dsv4 bench --train` compile this.
 
     Returns:
       (jax.stages.Lowered, StepInputs).
     """
+    mesh = make_mesh(cfg) if mesh is None else mesh
+    cfg = resolve(cfg, mesh_platform(mesh), mesh.shape).cfg
     inputs = abstract_inputs(cfg, abstract_model_and_optimizer(cfg), mesh)
     return make_train_step(cfg, inputs.graphdef, inputs.state, inputs.mesh).lower(inputs.state, inputs.batch), inputs
 
@@ -285,9 +289,10 @@ def kept_bytes_per_row(cfg) -> int:
     model, _ = abstract_model_and_optimizer(cfg)
     trainable = config_matcher(cfg)
     graphdef, params, rest = nnx.split(model, nnx.All(nnx.Param, lambda path, _: trainable(path)), ...)
+    step = resolve(cfg, "cpu").step  # traced on the CPU
 
     def residuals(params, rest, batch):
-        loss = lambda p: training_loss(cfg, nnx.merge(graphdef, p, rest), batch)[0]  # noqa: E731
+        loss = lambda p: training_loss(step, nnx.merge(graphdef, p, rest), batch)[0]  # noqa: E731
         return jax.vjp(loss, params)[1]
 
     def kept(rows: int) -> int:
@@ -315,14 +320,14 @@ def offloaded_bytes_per_row(cfg) -> int:
 def remat_worth_compiling(cfg, mesh_axes, usable_bytes: int) -> bool:
     """Whether the step of `cfg`'s remat_policy (one of REMAT_TRIALS) may fit one device of
     `usable_bytes`, before compiling it: False where no gradient crosses the layers (the warm-up:
-    layer remat changes nothing, `core.model.transformer.crosses_layers`), else whether the parameters
+    layer remat changes nothing, `core.spec.resolve.crosses_layers`), else whether the parameters
     and AdamW's moments per device (`state_bytes_needed` on an abstract mesh of `mesh_axes`) plus
     KEPT_SHARE_SCREEN of what the backward keeps on the device for the rows a device holds
     (`kept_bytes_per_row`, less `offloaded_bytes_per_row` under `projections`) fit. A screen, not the
     verdict: XLA:TPU recomputes what it must to fit its limit by itself, so the compile decides
     (`remat_that_fits`); the screen spares a compile that cannot fit (V4-Flash's 43 layers at full
     size without remat) or would change nothing."""
-    if not transformer.crosses_layers(cfg):
+    if not crosses_layers(cfg):
         return False
     names = tuple(mesh_axes)
     mesh = AbstractMesh(tuple(mesh_axes[n] for n in names), names, axis_types=(AxisType.Auto,) * len(names))
@@ -341,7 +346,7 @@ def remat_candidates(asked, cfg, platform: str, mesh_axes, usable_bytes: int | N
     """The remat policies compiled in turn for `asked` (the config before `resolve`; `cfg`, after it),
     fastest first, before `cfg`'s `full`: REMAT_TRIALS past `remat_worth_compiling` where `asked` says
     `remat_policy=auto` and the platform is a TPU of known memory; none elsewhere (a CPU's and a GPU's
-    `auto` is `full`: core/config/platform.py). The run (`remat_that_fits`) and `dsv4 plan`
+    `auto` is `full`: core/spec/platform.py). The run (`remat_that_fits`) and `dsv4 plan`
     (core/plan/compile.py) ask this one question."""
     if not (asked.remat_policy == "auto" and cfg.remat_policy == "full" and platform == "tpu"
             and usable_bytes is not None):

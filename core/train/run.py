@@ -42,12 +42,12 @@ from core.config.schema import dump
 from core.data.batches import merge_positions
 from core.data.prefetch import Prefetch
 from core.errors import ClusterError, DivergenceError, PreemptedError, RunWriteError, device_memory_error
-from core.model.flops import model_flops_per_step
 from core.parallel import peers
 from core.parallel.chips import peak_flops, utilization
 from core.parallel.mesh import describe_mesh, exchange, first_line, wait_for_peers
 from core.parallel.sharding import shard_batch
 from core.train import program, step_guard
+from core.train.flops import model_flops_per_step
 from core.train.materialise import Materialised, materialise
 from core.train.memory import step_memory_note
 from core.train.outputs import open_outputs

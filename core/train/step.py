@@ -2,7 +2,7 @@
 updates (its jit, caches and ahead-of-time compile are core/train/program.py's; the AdamW it applies
 is core/train/optimizer.py's).
 
-DESIGN.md's stage table (`core.config.stages.stage_of`) decides what a step computes:
+DESIGN.md's stage table (the row `core.spec.resolve.StepSpec` carries) decides what a step computes:
 total_loss = lm_loss + indexer_loss + moe_lb_loss, where lm_loss is the mean next-token
 cross-entropy over `loss_mask`, and exactly 0.0 (not computed: the model skips its head) in a row
 without an LM loss (the warm-up).
@@ -39,12 +39,12 @@ import optax
 from flax import nnx
 
 from core import tree
-from core.config.platform import resolve
 from core.config.stages import stage_of
 from core.errors import ConfigError
 from core.loss.lm import lm_loss_from_hidden
 from core.model.moe import RouterBias
 from core.model.params import mask_matcher
+from core.spec.resolve import StepSpec, resolve
 from core.train import step_guard
 from core.train.handoff import is_indexer
 
@@ -124,12 +124,12 @@ def check_masks(cfg, model) -> dict[str, bool]:
 # ----------------------------------------------------------------------------- the step
 
 
-def training_loss(cfg, model, batch):
+def training_loss(spec: StepSpec, model, batch):
     """The step's loss of `model` on `batch`: (total, (lm_loss, the model's aux)); lm_loss is 0.0 in a
     stage-table row without one (the warm-up: the model returns no hidden states for the head)."""
     h, aux = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], mode="train")
     lm = (lm_loss_from_hidden(h, model.head[...].astype(model.dtype), batch["targets"], batch["loss_mask"],
-                              chunk=cfg.lm_loss_chunk_size) if stage_of(cfg).lm_loss else jnp.zeros((), jnp.float32))
+                              chunk=spec.lm_loss_chunk) if spec.stage.lm_loss else jnp.zeros((), jnp.float32))
     return lm + aux["indexer_loss"] + aux["moe_lb_loss"], (lm, aux)
 
 
@@ -137,7 +137,8 @@ def step_fn(cfg, graphdef, platform: str | None = None):
     """The train step `(state, batch) -> (state, metrics)` (module docstring), traced for `platform`'s
     compiler (the mesh's devices; default `jax.default_backend()`), which picks how the non-finite
     guard keeps the state (core/train/step_guard.py `apply_if_ok`)."""
-    cfg = resolve(cfg, platform or jax.default_backend())  # a no-op when the entry point resolved it
+    resolved = resolve(cfg, platform or jax.default_backend())  # the entry point's own when it resolved `cfg`
+    cfg, spec = resolved.cfg, resolved.step
     trainable = config_matcher(cfg)
     grad_filter = nnx.All(nnx.Param, lambda path, _: trainable(path))
     frozen_filter = nnx.All(nnx.Param, nnx.Not(grad_filter))
@@ -148,7 +149,7 @@ def step_fn(cfg, graphdef, platform: str | None = None):
 
     def step(state, batch):
         model, optimizer = nnx.merge(graphdef, state)
-        grad_fn = nnx.value_and_grad(lambda model: training_loss(cfg, model, batch),
+        grad_fn = nnx.value_and_grad(lambda model: training_loss(spec, model, batch),
                                      argnums=nnx.DiffState(0, grad_filter), has_aux=True)
         (total, (lm, aux)), grads = grad_fn(model)
         zeros = jax.tree.map(jnp.zeros_like, nnx.state(model, frozen_filter))

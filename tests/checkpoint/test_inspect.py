@@ -15,6 +15,7 @@ from core.checkpoint import inspect as ins
 from core.model import params
 from core.checkpoint.run_files import read_metrics
 from core.errors import CheckpointError
+from core.spec.resolve import resolve
 from dsv4cli.main import app
 
 runner = CliRunner()
@@ -53,7 +54,7 @@ def abstract_expectations(run: Path) -> dict:
     from core.train.program import make_optimizer
 
     cfg = ckpt.config_of(run)
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0)))
     optimizer = nnx.eval_shape(lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param), model)
     params = {p: math.prod(x.shape) for p, x in tree.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
     indexer = {p: "indexer" in p.split("/") for p in params}  # the warm-up mask '.*indexer.*'
@@ -195,7 +196,7 @@ def test_one_parameter_count(run_dir):
     from core.model.transformer import param_counts
 
     run, want = run_dir
-    total = param_counts(config_of(run))["total"]
+    total = param_counts(resolve(config_of(run), "cpu").model)["total"]
     assert total == want["parameters"]  # nnx.Params + router biases, the official inventory
     d = json.loads(runner.invoke(app, ["inspect-ckpt", str(run), "--json"]).stdout)["totals"]
     assert d["parameters"] == total == d["trainable"] + d["frozen"] + d["router_bias"]

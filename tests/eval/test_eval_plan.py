@@ -14,7 +14,7 @@ import pytest
 from tests.plan import invoke_plan
 from tests.plan.test_plan_accelerators import SMALL
 
-# a training step's model FLOPs and MFU (core/model/flops.py): the evaluation's programs have no such count
+# a training step's model FLOPs and MFU (core/train/flops.py): the evaluation's programs have no such count
 TRAINING_ONLY = {"model_flops_per_step", "model_mfu", "model_tflops_per_device"}
 
 EVAL_SMALL = (*(o for o in SMALL if not o.startswith("per_device_batch_size=")), "indexer_topk=4")

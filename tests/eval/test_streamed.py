@@ -25,6 +25,7 @@ from core.loss.indexer_kl_rows import Teacher
 from core.ops.chunked_attention import RowQueries
 from core.ops.masks import Packing
 from core.ops.topk import IndexerInputs, indexer_scores
+from core.spec.resolve import resolve
 from tests import dense_eval
 from tests import reference_eval as ref
 from tests.conftest import init_model, tiny_config
@@ -109,7 +110,7 @@ def test_eval_step_equals_the_dense_step(tiny):
 
     cfg, model, batch = tiny
     ks = (2, 4, 8)
-    got = ev.make_eval_step(ev.StepSpec.of(cfg, ks, seed=5))(model, batch)
+    got = ev.make_eval_step(ev.StepSpec.of(resolve(cfg, "cpu").cfg, ks, seed=5))(model, batch)
     want = nnx.jit(lambda m, b: dense_eval.dense_step(m, b, ks, 5))(model, batch)
     _assert_close(got, want, atol=1e-5, rtol=1e-5)
     sums = _leaves(got[0])
@@ -126,7 +127,7 @@ def _temp_bytes(cfg, length: int, spec) -> int:
     from core.model.transformer import abstract
 
     cfg = cfg.replace(max_target_length=length)
-    model = abstract(cfg)
+    model = abstract(resolve(cfg, "cpu").model)
     batch = {k: jax.ShapeDtypeStruct((1, length), jnp.int32) for k in EVAL_KEYS}
     batch["rows"] = jax.ShapeDtypeStruct((1,), jnp.int32)
     return nnx.jit(ev.eval_step(spec, "dense")).lower(model, batch).compile().memory_analysis().temp_size_in_bytes
@@ -136,6 +137,6 @@ def test_eval_step_memory_is_linear_in_t():
     """One CSA layer: temp at 1024 tokens <= 4x temp at 256 tokens."""
     cfg = tiny_config("warmup", "compress_ratios=[4]", "base_num_decoder_layers=1", "first_num_hash_layers=0",
                       "indexer_topk=4")
-    spec = ev.StepSpec.of(cfg, (4, 16))
+    spec = ev.StepSpec.of(resolve(cfg, "cpu").cfg, (4, 16))
     short, long = _temp_bytes(cfg, 256, spec), _temp_bytes(cfg, 1024, spec)
     assert long <= 4 * short, f"temp {short} B at T=256, {long} B at T=1024: {long / short:.2f}x for 4x the tokens"

@@ -38,6 +38,7 @@ from core.hf.exporter import export_checkpoint
 from core.hf.importer import import_checkpoint
 from core.hf.names import dims_of, hf_to_dsv4, set_params
 from core.model.transformer import Transformer
+from core.spec.resolve import resolve
 from dsv4cli.main import app
 from tests.hf_checkpoints import NARROW, SMALL, official_inventory, write_official
 
@@ -137,7 +138,7 @@ def test_official_import_equals_float32_dequantisation(official, imported):
     assert summary.fp8 == sum(k == "fp8" for n, (_, k) in inv.items() if not n.startswith("mtp."))
     assert summary.fp4 == sum(k == "fp4" for n, (_, k) in inv.items() if not n.startswith("mtp."))
 
-    expected = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    expected = nnx.eval_shape(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0)))
     f32 = {k: v if v.dtype.kind == "i" else v.astype(np.float32) for k, v in values.items()}
     set_params(expected, hf_to_dsv4(official_to_transformers(f32, SMALL), dims_of(cfg)))
     ours, theirs = _state(model), _state(expected)
@@ -165,7 +166,7 @@ def test_init_from_eval_and_inspect_accept_the_import(imported):
     """What `--init-from` does (shape check + restore into a model of the run's config.yml)."""
     run, _ = imported
     cfg = load_config(str(run / "config.yml"))
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0)))
     target = nnx.to_pure_dict(nnx.state(abstract))
     values, step = ckpt.restore_model_state(run, target)
     assert step == 0 and tree.shapes(values) == tree.shapes(target)

@@ -37,6 +37,7 @@ from core.hf.names import block_slot, dims_of, hf_to_dsv4, set_params
 from core.model.mhc import HyperConnection, expand
 from core.model.transformer import Transformer
 from core.model.moe import combine_weights, route, router_scores
+from core.spec.resolve import resolve
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "hf_deepseek_v4.npz"
 LOGIT_TOL = 1e-4   # float32, composite (the whole 4-layer forward)
@@ -68,7 +69,7 @@ def loaded(fx, cfg):
     _, arrays = fx
     # Abstract construction (nothing initialised): every variable is then set from the fixture,
     # which test_name_map_covers_every_parameter checks.
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0)))
     dims = dims_of(cfg)
     hf = {k[len("param/"):]: v for k, v in arrays.items() if k.startswith("param/")}
     written = set_params(model, hf_to_dsv4(hf, dims))

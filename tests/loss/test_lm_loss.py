@@ -16,6 +16,7 @@ from flax import nnx
 from core.config.schema import load_config
 from core.loss.lm import chunked_lm_loss, head_logits, lm_loss, lm_loss_from_hidden
 from core.model.transformer import REMAT_POLICIES, Transformer
+from core.spec.resolve import resolve
 from tests.conftest import init_model
 
 
@@ -149,7 +150,7 @@ def _policy_loss(policy: str, chunk: int, via_logits: bool = False):
     """_train_loss of one shared set of parameters under `policy` (cached: each compile counts)."""
     _, base = _base()
     cfg = base_cfg().replace(remat_policy=policy)
-    model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))), nnx.state(base))
+    model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0)))), nnx.state(base))
     return _train_loss(model, chunk, via_logits)
 
 

@@ -6,6 +6,7 @@ window band across chunk edges, the gathered top-k and the chunked visible block
 reference in float64.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from core.model.attention import Attention, AttentionSpec
+from core.model.attention import Attention, AttentionImpl, AttentionSpec
 from core.model.indexer import Indexer, IndexerSpec
 from core.ops.chunked_attention import softmax_attention
 from core.ops.masks import compressed_visibility
@@ -79,11 +80,13 @@ def test_empty_rows_are_zero_without_nan():
 
 
 def spec(ratio, indexer=True, **kw):
+    """A small layer's spec; keywords of `AttentionImpl` (how it runs) go to its `impl`."""
+    impl = {k: kw.pop(k) for k in [f.name for f in dataclasses.fields(AttentionImpl)] if k in kw}
     return AttentionSpec(emb=16, heads=4, head_dim=8, q_lora_rank=8, o_groups=2, o_lora_rank=6,
                          window=5, ratio=ratio, eps=1e-6, rope=RopeSpec(4, 50.0),
                          indexer_heads=2 if indexer and ratio == 4 else 0,
                          indexer_head_dim=8 if indexer and ratio == 4 else 0,
-                         indexer_topk=2 if indexer and ratio == 4 else 0, **kw)
+                         indexer_topk=2 if indexer and ratio == 4 else 0, impl=AttentionImpl(**impl), **kw)
 
 
 def make_layer(s, dtype, seed=0):

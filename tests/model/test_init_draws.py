@@ -11,11 +11,12 @@ from core import tree
 from core.model import init_draws
 from core.model.init_draws import MIN_BUCKET, FanInTruncatedNormal, bucket, bucketed_draws
 from core.model.transformer import Transformer
+from core.spec.resolve import resolve
 from tests.conftest import tiny_config
 
 
 def _weights(cfg) -> dict[str, np.ndarray]:
-    model = Transformer(cfg, rngs=nnx.Rngs(cfg.init_weights_seed))
+    model = Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(cfg.init_weights_seed))
     return {k: np.asarray(v) for k, v in tree.flatten(nnx.to_pure_dict(nnx.state(model))).items()}
 
 

@@ -31,6 +31,7 @@ from flax import nnx
 
 from core.config.schema import load_config
 from core.model.attention import Attention
+from core.spec.resolve import resolve
 from tests.conftest import init_model
 from tests.model.test_attention import ROWS, T, make_layer, packed, spec
 
@@ -151,12 +152,12 @@ def test_compiled_warmup_keeps_no_stacked_weights_nor_layer_inputs():
     """Before: 79.7 MiB of temporaries, of which six 5 MiB stacked copies of the scanned experts
     (nnx.scan returned every variable) and two 20 MiB stacks of the segment's layer inputs (the
     backward through the stack); now 15.4 MiB. Either regression alone passes the bound."""
-    from core.model.transformer import BlockSpec, layer_plan
+    from core.model.transformer import layer_plan
     from core.train.program import lowered_step
 
     cfg = load_config("deepseek4-tiny", [], stage="warmup")
     compiled = lowered_step(cfg)[0].compile()
-    reps = max(r for _, _, r in layer_plan([BlockSpec.from_config(cfg, i) for i in range(cfg.num_layers)], True))
+    reps = max(r for _, _, r in layer_plan(resolve(cfg, "cpu").model.blocks, True))
     b, t, n, m = cfg.per_device_batch_size, cfg.max_target_length, cfg.mhc_expansion_rate, cfg.emb
     stacked_inputs = reps * b * t * n * m * 4                             # 20 MiB
     stacked_experts = 6 * reps * cfg.num_experts * m * cfg.moe_mlp_dim * 4   # w1, w2, w3 of both unit layers: 30 MiB

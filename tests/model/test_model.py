@@ -17,6 +17,7 @@ from flax import nnx
 from core.config.schema import load_config
 from core.model.transformer import Transformer, layer_plan, param_counts
 from core.model.moe import HashTable, RouterBias
+from core.spec.resolve import resolve
 
 SMALL = ["vocab_size=512", "sliding_window_size=8", "indexer_topk=4", "first_num_hash_layers=1",
          "hc_sinkhorn_iters=3"]  # fewer Sinkhorn steps only to compile faster
@@ -58,18 +59,16 @@ def test_param_counts_exact():
     for name, (total, active) in want.items():
         cfg = load_config(name)
         assert official_inventory(cfg) == (total, active)
-        assert param_counts(cfg) == {"total": total, "active": active}, name
+        assert param_counts(resolve(cfg, "cpu").model) == {"total": total, "active": active}, name
     tiny = load_config("deepseek4-tiny")
     total, active = official_inventory(tiny)
-    assert param_counts(tiny) == {"total": total, "active": active}
+    assert param_counts(resolve(tiny, "cpu").model) == {"total": total, "active": active}
 
 
 def test_layer_plan():
-    from core.model.transformer import BlockSpec
-
     def plan(name, *overrides, scan=True):
         cfg = load_config(name, list(overrides))
-        return layer_plan([BlockSpec.from_config(cfg, i) for i in range(cfg.num_layers)], scan)
+        return layer_plan(resolve(cfg, "cpu").model.blocks, scan)
 
     assert plan("deepseek4-tiny") == ((0, 1, 2), (2, 1, 1), (3, 2, 20))
     assert plan("deepseek4-tiny", scan=False) == tuple((i, 1, 1) for i in range(43))
@@ -87,13 +86,13 @@ def tokens_for(seed, shape, vocab=512):
 
 def with_params(cfg, source):
     """A model of `cfg` holding `source`'s parameters (same structure): no second initialisation."""
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0))))
     return nnx.merge(graphdef, nnx.state(source))
 
 
 def stacked_from_unrolled(cfg, src):
     """A scanned model of `cfg` whose parameters are those of the unrolled model `src`."""
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     src_flat = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(src))}  # host: no compiles
 
@@ -118,7 +117,7 @@ def random_model(cfg, seed):
     sinks, ape, mHC bases and scales, router biases) get random values too, so the tests do not
     lean on their initial values. Hash tables: k distinct experts per token.
     """
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     rng = np.random.default_rng(seed)
     for path, var in nnx.to_flat_state(state):
@@ -280,7 +279,7 @@ def test_stage_table():
     """(CSA attends all visible blocks, indexer loss computed, LM head run) per stage and mode."""
     def flags(*overrides):
         cfg = load_config("deepseek4-tiny", CFG_B + list(overrides))
-        return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))._flags
+        return nnx.eval_shape(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0)))._flags
 
     warmup, sparse, off = flags(*WARMUP), flags(*SPARSE), flags("indexer_loss_scaling_factor=0")
     assert warmup("train") == (True, True, False)
@@ -292,7 +291,7 @@ def test_stage_table():
     assert no_indexer("train") == (False, False, True)
     cfg = load_config("deepseek4-tiny", CFG_B + ["use_indexer=false"])
     assert not any("indexer" in ".".join(map(str, p)) for p, _ in
-                   nnx.to_flat_state(nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))))
+                   nnx.to_flat_state(nnx.state(nnx.eval_shape(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0))))))
 
 
 def test_dense_warmup_runs_no_head_and_isolates():
@@ -317,7 +316,7 @@ def test_initialisation():
     """
     cfg = load_config("deepseek4-tiny", SMALL + ["compress_ratios=[0,0]", "base_num_decoder_layers=2",
                                                   "max_target_length=32", "first_num_hash_layers=2"])
-    model = nnx.jit(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))()  # one compile, not one per shape
+    model = nnx.jit(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0)))()  # one compile, not one per shape
     assert model.segments == ((0, 1, 2),)
     block = model.layers[0].blocks[0]
     np.testing.assert_array_equal(block.attn.attn_sink[...], 0.0)
@@ -331,7 +330,7 @@ def test_initialisation():
 
 def test_parameter_paths_and_axes():
     cfg = load_config("deepseek4-tiny", CFG_A)
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0)))
     state = nnx.to_flat_state(nnx.state(model, nnx.Param))
     paths = {".".join(map(str, k)): v for k, v in state}
     assert "layers.1.blocks.0.attn.indexer.wq_b" in paths and "layers.2.attn.indexer.weights_proj" in paths

@@ -26,6 +26,7 @@ from core.model import quant as mq
 from core.model.params import mask_matcher
 from core.model.transformer import Transformer
 from core.ops import quant as q
+from core.spec.resolve import resolve
 from tests.conftest import PRODUCT_FUSION, init_model, tiny_config
 
 LUT = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float64)
@@ -146,7 +147,7 @@ def _variables(model, kind) -> dict:
 @pytest.mark.parametrize("stage", ["warmup", "pretrain"])
 def test_hold_released_holds_exactly_the_frozen_released_weights(stage):
     cfg = tiny_config(stage)
-    plain = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    plain = nnx.eval_shape(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0)))
     trainable = mask_matcher(cfg.trainable_parameters_mask, cfg.frozen_parameters_mask)
     want = {p for p in _variables(plain, nnx.Param) if mq.released_format(p) and not trainable(p)}
     model = _held_model(cfg, abstract=True)
@@ -250,7 +251,7 @@ def test_checkpoints_bridge_released_and_float_weights(held_tiny, tmp_path):
     want_f32, want_held = (tree.flatten(nnx.to_pure_dict(nnx.state(m))) for m in (f32, held))
     _save(tmp_path / "held", held)
     _save(tmp_path / "f32", f32)
-    plain = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    plain = nnx.eval_shape(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0)))
     got = _restore(tmp_path / "held", cfg, plain, trainable)
     assert got.keys() == want_f32.keys()
     for k in got:

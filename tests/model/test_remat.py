@@ -23,6 +23,7 @@ from flax import nnx
 from core.config.schema import load_config
 from core.loss.lm import lm_loss_from_hidden
 from core.model.transformer import Transformer
+from core.spec.resolve import resolve
 from tests.conftest import init_model
 
 CFG = ["vocab_size=512", "sliding_window_size=8", "indexer_topk=4", "first_num_hash_layers=0",
@@ -32,7 +33,7 @@ CFG = ["vocab_size=512", "sliding_window_size=8", "indexer_topk=4", "first_num_h
 
 
 # the TPU's paths, run here in interpret mode: the fused kernels over the whole-sequence projections,
-# the top-k as a mask, the experts as grouped matmuls (core/config/platform.py)
+# the top-k as a mask, the experts as grouped matmuls (core/spec/platform.py)
 TPU_PATHS = ("attention=fused", "csa_topk_attention=mask", "attention_projections=whole", "moe_impl=ragged")
 
 
@@ -45,7 +46,7 @@ def _params(*extra):
 def _loss_fn(policy: str, *extra):
     """(loss function of the parameters, parameters) for a model under `policy` (shared parameters)."""
     cfg = load_config("deepseek4-tiny", CFG + [f"remat_policy={policy}", *extra])
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0))))
     model = nnx.merge(graphdef, _params(*extra))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tokens = jax.random.randint(jax.random.key(7), (2, 32), 0, 512)

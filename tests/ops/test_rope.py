@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from core.config.schema import load_config
-from core.model.attention import layer_rope
+from core.spec.resolve import layer_rope
 from core.ops.rope import RopeSpec, apply_rope, rope_frequencies
 from tests import reference as ref
 

@@ -15,6 +15,7 @@ from core.ops.chunked_attention import Keys, RowQueries, band_run, chunked_atten
 from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
 from core.ops.topk import (IndexerInputs, SelectionMask, indexer_scores, select_topk, select_topk_chunked,
                            selection_mask, topk_mask)
+from core.spec.resolve import resolve
 from tests.attention_memory import layer_train_temp_bytes
 from tests.model.test_attention import make_layer, packed, spec
 
@@ -241,12 +242,11 @@ def test_layer_memory_grows_linearly_in_t():
 def test_flash_csa_layer_memory_at_32k():
     """DeepSeek-V4-Flash shapes (H=64, D=512, k=512): one CSA layer's sparse-stage train step (top-k,
     streamed indexer loss) at T=32K, compiled ahead of time, needs <= 4 GiB of temp memory."""
-    from core.model.attention import AttentionSpec
     from core.config.schema import load_config
 
     cfg = load_config("deepseek4-284b", ["max_target_length=32768", "indexer_loss_scaling_factor=0.1",
                                          "csa_query_chunk_size=256", "csa_qk_head_chunk_size=8"])
-    temp = layer_train_temp_bytes(AttentionSpec.from_config(cfg, 2), 32768, indexer_loss=True)
+    temp = layer_train_temp_bytes(resolve(cfg, "cpu").model.blocks[2].attn, 32768, indexer_loss=True)
     assert temp <= 4 * 2**30, f"temp {temp / 2**30:.2f} GiB"
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from core.errors import ClusterError, ConfigError
 from core.parallel import mesh as mesh_lib
+from core.spec.resolve import resolve
 from tests.conftest import tiny_config
 
 
@@ -162,7 +163,7 @@ def test_the_state_check_asks_only_this_process_devices_for_memory(monkeypatch):
     from core.train import preflight
 
     cfg = tiny_config(None)
-    model = transformer.abstract(cfg)
+    model = transformer.abstract(resolve(cfg, "cpu").model)
     cpu_mesh = mesh_lib.make_mesh(cfg, jax.local_devices()[:1])
     monkeypatch.setattr(jax, "devices", lambda *a: [_Gpu(1, 2**40), _Gpu(0, 1024)])
     monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_Gpu(0, 1024)])

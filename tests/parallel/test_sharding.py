@@ -27,6 +27,7 @@ import pytest
 
 from core.config.schema import load_config
 from core.errors import ConfigError
+from core.spec.resolve import resolve
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
@@ -216,7 +217,7 @@ def test_every_logical_axis_of_the_model_has_a_rule():
 
     names = set()
     for cfg in (load_config("deepseek4-tiny"), _cfg("one", "sparse")):
-        model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0)))
         for _, v in nnx.to_flat_state(nnx.state(model)):
             names |= {a for a in (v.get_metadata().get("out_sharding") or ()) if a is not None}
     assert names - {r for r, _ in LOGICAL_AXIS_RULES} == set()

@@ -295,9 +295,9 @@ def test_training_header_memory_note():
 
 
 def test_model_mfu_is_the_model_flops_over_the_estimate_devices_and_peak():
-    """`dsv4 plan`'s model MFU: core/model/flops.py's count over the step's global batch, divided by the
+    """`dsv4 plan`'s model MFU: core/train/flops.py's count over the step's global batch, divided by the
     estimated step, the target's devices and its chip's peak; none without an estimate (fake CPU devices)."""
-    from core.model.flops import model_flops_per_step
+    from core.train.flops import model_flops_per_step
     from core.plan.compile import model_utilization
     from core.plan.targets import parse_target
     from tests.conftest import tiny_config

@@ -10,7 +10,7 @@ import importlib.util
 
 import pytest
 
-from core.config.platform import resolve
+from core.spec.platform import resolve_config
 from core.config.schema import load_config
 from core.train import memory, program
 
@@ -26,7 +26,7 @@ def _configs(*extra, stage="sparse"):
     from core.parallel.mesh import make_mesh
 
     mesh = make_mesh(asked)
-    return asked, resolve(asked, "tpu", mesh.shape), mesh
+    return asked, resolve_config(asked, "tpu", mesh.shape), mesh
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def on_a_tpu(monkeypatch):
 
 def test_auto_is_full_until_a_compile_says_otherwise():
     for platform in ("cpu", "gpu", "tpu"):
-        assert resolve(load_config("deepseek4-tiny", ["remat_policy=auto"]), platform).remat_policy == "full"
+        assert resolve_config(load_config("deepseek4-tiny", ["remat_policy=auto"]), platform).remat_policy == "full"
     asked, cfg, mesh = _configs("remat_policy=auto")
     assert program.remat_that_fits(asked, cfg, mesh, HUGE) is cfg  # a CPU mesh: nothing compiled
 
@@ -124,7 +124,7 @@ def test_what_the_backward_keeps_per_row():
     """More without remat than with either policy; none at all in the warm-up, whose indexer takes its gradient
     within each layer (core/model/transformer.py: no gradient crosses a layer, under any policy)."""
     def kept(policy, stage):
-        return program.kept_bytes_per_row(resolve(load_config("deepseek4-tiny", [*SMALL, f"remat_policy={policy}"],
+        return program.kept_bytes_per_row(resolve_config(load_config("deepseek4-tiny", [*SMALL, f"remat_policy={policy}"],
                                                              stage=stage), "tpu"))
 
     sparse = {p: kept(p, "sparse") for p in ("none", "minimal", "projections", "full")}

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import TINY_OVERRIDES, init_model, tiny_config
 from core.train.preflight import preflight, topk_warning
+from core.spec.resolve import resolve
 from dsv4cli.main import app
 
 runner = CliRunner()
@@ -104,10 +105,10 @@ def _help_lists_preset(stage):
 def test_indexer_weights_init_reaches_the_indexer(stage, zero):
     """`indexer_weights_init` (zeros in the pretrain and warm-up presets) is how a CSA layer's
     indexer weights_proj starts; the sparse preset keeps the random fan-in init."""
-    from core.model.attention import Attention, AttentionSpec
+    from core.model.attention import Attention
 
     cfg = tiny_config(stage)
     layer = cfg.compress_ratios.index(4)
-    attn = Attention(AttentionSpec.from_config(cfg, layer), rngs=nnx.Rngs(0))
+    attn = Attention(resolve(cfg, "cpu").model.blocks[layer].attn, rngs=nnx.Rngs(0))
     assert cfg.indexer_weights_init == ("zeros" if zero else "fan_in")
     assert np.any(np.asarray(attn.indexer.weights_proj[...])) != zero

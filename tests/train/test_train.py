@@ -208,14 +208,14 @@ def test_the_optimizer_is_built_beside_the_parameters_not_over_a_copy():
 
 def test_each_step_reports_model_tflops_and_mfu(warm):
     """metrics.jsonl and the live table carry the model's TFLOP/s per device and MFU: the analytic model
-    FLOPs of the step (core.model.flops) over the step's time and, for MFU, over the device's peak (on a
+    FLOPs of the step (core.train.flops) over the step's time and, for MFU, over the device's peak (on a
     CPU the measured matmul ceiling, named in the header)."""
-    from core.config.platform import resolve
+    from core.spec.resolve import resolve
     from core.config.schema import loads
-    from core.model.flops import model_flops_per_step
+    from core.train.flops import model_flops_per_step
 
     run, output = warm
-    cfg = resolve(loads((run / run_files.CONFIG_FILE).read_text()), "cpu")
+    cfg = resolve(loads((run / run_files.CONFIG_FILE).read_text()), "cpu").cfg
     flops = model_flops_per_step(cfg, cfg.per_device_batch_size)["total"]
     for r in run_files.read_metrics(run):
         assert r["tflops_per_device"] == pytest.approx(flops / r["step_time_s"] / 1e12, rel=1e-9)

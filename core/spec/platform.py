@@ -1,14 +1,11 @@
 """Per-platform choices: the keys whose value `auto` is decided by the platform a step runs on.
 
 A config is read before JAX knows its devices, so a key that is fastest one way on a CPU and
-another on a TPU says `auto` (-1 for an integer key), and `resolve(cfg, platform, mesh_axes)` turns
-every `auto` into the platform's choice once the mesh is known, before anything is built or traced:
-the training run's preflight, the planner (for its target), the benchmarks' and the evaluation's
-step processes. An explicit value always wins. Why each choice: docs/benchmarks.md#why-the-defaults.
-
-Code that builds a model or a step from a config no entry point resolved (tests, tools) falls back
-to `resolve_here` (JAX's default backend, no mesh: a fill counts as a split); the MoE refuses an
-`auto` that still reaches it (`require_resolved`).
+another on a TPU says `auto` (-1 for an integer key), and `resolve_config(cfg, platform, mesh_axes)`
+turns every `auto` into the platform's choice once the mesh is known. `core.spec.resolve.resolve`
+calls it where a run, the planner, a benchmark or the evaluation starts, and builds the specs the
+model takes from its result: no `auto` reaches the model (its specs refuse one). An explicit value
+always wins. Why each choice: docs/benchmarks.md#why-the-defaults.
 """
 
 from __future__ import annotations
@@ -18,6 +15,7 @@ import math
 from typing import Any, Mapping
 
 from core.config.stages import stage_of
+from core.ops.placement import platform_name
 
 AUTO = "auto"      # the value of an `auto` string key
 AUTO_INT = -1      # the value of an `auto` integer key (as xla_backend_optimization_level's -1)
@@ -119,12 +117,7 @@ PLATFORM_CHOICES: dict[str, tuple[Any, Any]] = {
 }
 
 
-def platform_name(platform: str) -> str:
-    """A JAX device platform ("cpu", "gpu", "cuda", "rocm", "tpu") as one of PLATFORMS."""
-    return "gpu" if platform in ("cuda", "rocm") else platform
-
-
-def resolve(cfg, platform: str, mesh_axes: Mapping[str, int] | None = None):
+def resolve_config(cfg, platform: str, mesh_axes: Mapping[str, int] | None = None):
     """`cfg` with every `auto` key set to `platform`'s choice (the same Config when none is `auto`).
 
     Args:
@@ -139,22 +132,5 @@ def resolve(cfg, platform: str, mesh_axes: Mapping[str, int] | None = None):
         raise ValueError(f"unknown platform {platform!r}: one of {', '.join(PLATFORMS)}")
     changes = {key: choice(cfg, platform, mesh_axes) if callable(choice) else choice[platform]
                for key, (auto, choice) in PLATFORM_CHOICES.items() if getattr(cfg, key) == auto}
-    # every choice is a valid value of its key (tests/config/test_platform.py validates them all)
+    # every choice is a valid value of its key (tests/spec/test_platform.py validates them all)
     return dataclasses.replace(cfg, **changes) if changes else cfg
-
-
-def resolve_here(cfg):
-    """`resolve` for JAX's default backend: the fallback of code that builds a model from a config
-    no entry point resolved (tests, tools); a no-op on a resolved config."""
-    if all(getattr(cfg, key) != auto for key, (auto, _) in PLATFORM_CHOICES.items()):
-        return cfg
-    import jax
-
-    return resolve(cfg, jax.default_backend())
-
-
-def require_resolved(value: Any, key: str) -> None:
-    """Refuse an `auto` that reached the model: the caller skipped `resolve`."""
-    if value == AUTO:
-        raise ValueError(f"{key}=auto reached the model unresolved: call core.config.platform.resolve(cfg, "
-                         "platform) once the mesh is known, before building")

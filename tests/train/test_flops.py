@@ -1,4 +1,4 @@
-"""core/model/flops.py: the analytic model FLOPs against an independent count of the same step.
+"""core/train/flops.py: the analytic model FLOPs against an independent count of the same step.
 
 Two checks that together pin every term. (1) The attended area: `causal_area`'s closed forms equal
 the sums of the very masks the model uses (core/ops/masks.py) over a document's positions. (2) The
@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 
 from core.bench.train import component_flops, sweep_config
-from core.config.platform import resolve_here
 from core.config.schema import load_config
 from core.config.stages import stage_of
-from core.model.flops import COMPONENTS, Area, causal_area, live_parts, model_flops_per_step, step_matmuls
+from core.train.flops import COMPONENTS, Area, causal_area, live_parts, model_flops_per_step, step_matmuls
 from core.ops.chunked_attention import band_run, num_chunks
 from core.ops.masks import compressed_visibility, sliding_window_mask
+from core.spec.platform import resolve_config
 
 # Every layer kind (hash-routed CSA, HCA, SWA), the dense reference paths, no remat.
 TINY = ["base_num_decoder_layers=3", "compress_ratios=[4,128,0]", "first_num_hash_layers=1", "vocab_size=256",
@@ -121,7 +121,7 @@ def _implementation_extras(cfg, rows: int) -> dict[str, float]:
         extras["MoE"] += 2 * n * cfg.num_experts if stage.trains_rest else 0
         if layer >= cfg.first_num_hash_layers:
             extras["MoE"] += 2 * n * cfg.num_experts * (1 + (2 if stage.trains_rest else 1))
-    if stage.trains_rest and resolve_here(cfg).hc_mixes_backward == "closed":
+    if stage.trains_rest and resolve_config(cfg, "cpu").hc_mixes_backward == "closed":
         c, m = cfg.mhc_expansion_rate, cfg.emb
         extras["mHC"] -= 2 * cfg.num_layers * 2 * n * c * m * (2 + c) * c  # attention's and the MoE's
         extras["mHC"] -= 2 * n * c * m * c if stage.lm_loss else 0  # the head collapse's

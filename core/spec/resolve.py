@@ -1,0 +1,151 @@
+"""`resolve(cfg, platform, mesh)`: a config's `auto` keys decided for a platform, and the frozen specs
+the model and the step are built from (DESIGN.md, "The model"; the stage table).
+
+  Resolved
+    cfg       the Config with every `auto` key set (core/spec/platform.py): what config.yml records
+    platform  "cpu" | "gpu" | "tpu"
+    model     ModelSpec: widths, dtypes, masks, the stage row, and per layer a BlockSpec:
+                attn  AttentionSpec: what the layer is (RopeSpec; the indexer's IndexerSpec
+                      derives from it), and how it runs: AttentionImpl
+                moe   MoESpec
+                the layer's mHC settings
+    step      StepSpec: the stage row, the LM loss's chunk
+
+Called where a run (core/train/preflight.py), the planner, a benchmark or the evaluation starts,
+once the mesh is known; everything below takes the specs. The specs refuse an `auto` (an unresolved
+key fails where its spec is made, naming it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from core.config.stages import Stage, stage_of
+from core.model.attention import AttentionImpl, AttentionSpec
+from core.model.moe import MoESpec
+from core.model.transformer import BlockSpec, ModelSpec
+from core.ops.placement import platform_name
+from core.ops.rope import RopeSpec
+from core.spec.platform import resolve_config
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What the training step reads besides the model: the stage row (whether the head and the LM
+    loss run) and the LM loss's tokens per chunk."""
+
+    stage: Stage
+    lm_loss_chunk: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A config resolved for one platform and mesh, with the specs built from it."""
+
+    cfg: Any              # the resolved core.config.schema.Config
+    platform: str
+    model: ModelSpec
+    step: StepSpec
+
+
+def resolve(cfg, platform: str, mesh: Any = None) -> Resolved:
+    """`cfg` resolved for `platform` (core/spec/platform.py) and its specs.
+
+    Args:
+      cfg: a Config (an already resolved one is kept as it is).
+      platform: the platform of the mesh the step runs on (`core.parallel.mesh.mesh_platform`), or
+        of the planner's target.
+      mesh: that mesh (a `jax.sharding.Mesh` or `AbstractMesh`) or its axis sizes; None: a choice
+        that depends on how the weights are split reads the config's ici_/dcn_ keys.
+    """
+    axes = None if mesh is None else tuple(dict(getattr(mesh, "shape", mesh)).items())
+    return _resolve(cfg, platform, axes)
+
+
+@functools.lru_cache(maxsize=32)
+def _resolve(cfg, platform: str, axes: tuple | None) -> Resolved:
+    cfg = resolve_config(cfg, platform, None if axes is None else dict(axes))
+    return Resolved(cfg, platform_name(platform), model_spec(cfg), StepSpec(stage_of(cfg), cfg.lm_loss_chunk_size))
+
+
+def parameter_spec(cfg) -> ModelSpec:
+    """The ModelSpec of `cfg` where only its parameters matter (their shapes, names and counts): its
+    `auto` keys take the CPU's choices, which change how the layers run, never what they hold."""
+    return resolve(cfg, "cpu").model
+
+
+def model_spec(cfg) -> ModelSpec:
+    """The ModelSpec of a resolved `cfg` (every layer's spec; `ModelSpec`'s fields)."""
+    return ModelSpec(
+        blocks=tuple(block_spec(cfg, i) for i in range(cfg.num_layers)), vocab_size=cfg.vocab_size, emb=cfg.emb,
+        hc_n=cfg.mhc_expansion_rate, hc_eps=cfg.hc_eps, eps=cfg.normalization_layer_epsilon, hc_form=cfg.hc_mix_form,
+        hc_mixes_backward=cfg.hc_mixes_backward, first_hash=cfg.first_num_hash_layers,
+        csa_layers=tuple(cfg.csa_layers) if cfg.use_indexer else (), num_experts=cfg.num_experts,
+        experts_per_token=cfg.num_experts_per_tok, stage=stage_of(cfg), joint=cfg.indexer_teacher == "joint",
+        cross_layer_gradient=crosses_layers(cfg), remat_policy=cfg.remat_policy, scan_layers=cfg.scan_layers,
+        weight_dtype=cfg.weight_dtype, dtype=cfg.dtype, trainable_mask=tuple(cfg.trainable_parameters_mask),
+        frozen_mask=tuple(cfg.frozen_parameters_mask), frozen_weights=cfg.frozen_weights,
+        frozen_weight_dtype=cfg.frozen_weight_dtype, init_seed=cfg.init_weights_seed)
+
+
+def block_spec(cfg, layer: int) -> BlockSpec:
+    """Layer `layer`'s BlockSpec: its attention, its MoE and its mHC settings."""
+    return BlockSpec(attention_spec(cfg, layer), cfg.emb, cfg.normalization_layer_epsilon, cfg.mhc_expansion_rate,
+                     cfg.hc_sinkhorn_iters, cfg.hc_eps, moe_spec(cfg, layer), cfg.hc_mix_form, cfg.hc_mixes_backward)
+
+
+def layer_rope(cfg, compress_ratio: int) -> RopeSpec:
+    """The RoPE of a layer with `compress_ratio` (0 = SWA): the SWA theta plainly; the compressed theta,
+    with YaRN when `rope_type: yarn`, in CSA and HCA layers."""
+    if compress_ratio == 0:
+        return RopeSpec(cfg.qk_rope_head_dim, float(cfg.rope_max_timescale))
+    yarn = cfg.rope_type == "yarn"
+    return RopeSpec(cfg.qk_rope_head_dim, float(cfg.compressed_rope_max_timescale),
+                    yarn_factor=float(cfg.rope_factor) if yarn else 1.0,
+                    original_max_positions=int(cfg.original_max_position_embeddings) if yarn else 0,
+                    beta_fast=float(cfg.beta_fast), beta_slow=float(cfg.beta_slow))
+
+
+def attention_spec(cfg, layer: int) -> AttentionSpec:
+    """Layer `layer`'s AttentionSpec; the indexer's widths where the layer is CSA and use_indexer."""
+    ratio = cfg.compress_ratios[layer]
+    indexed = ratio == 4 and cfg.use_indexer
+    return AttentionSpec(
+        emb=cfg.emb, heads=cfg.num_heads, head_dim=cfg.head_dim, q_lora_rank=cfg.q_lora_rank,
+        o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank, window=cfg.sliding_window_size,
+        ratio=ratio, eps=cfg.normalization_layer_epsilon, rope=layer_rope(cfg, ratio),
+        indexer_heads=cfg.indexer_n_heads if indexed else 0,
+        indexer_head_dim=cfg.indexer_head_dim if indexed else 0,
+        indexer_topk=cfg.indexer_topk if indexed else 0,
+        loss_scale=cfg.indexer_loss_scaling_factor, teacher=cfg.indexer_teacher,
+        indexer_weights_init=cfg.indexer_weights_init, impl=attention_impl(cfg))
+
+
+def attention_impl(cfg) -> AttentionImpl:
+    """How every attention layer of a resolved `cfg` runs (the same in every layer)."""
+    return AttentionImpl(
+        attention=cfg.attention, attention_chunk=cfg.attention_query_chunk_size,
+        topk_attention=cfg.csa_topk_attention, projections=cfg.attention_projections,
+        head_chunk=cfg.csa_qk_head_chunk_size, query_chunk=cfg.csa_query_chunk_size,
+        indexer_gradient=cfg.indexer_gradient)
+
+
+def moe_spec(cfg, layer: int) -> MoESpec:
+    """Layer `layer`'s MoESpec (hash-routed in the first first_num_hash_layers)."""
+    return MoESpec(
+        emb=cfg.emb, mlp=cfg.moe_mlp_dim, num_experts=cfg.num_experts, k=cfg.num_experts_per_tok,
+        shared=cfg.shared_experts, hash_routed=layer < cfg.first_num_hash_layers,
+        vocab_size=cfg.vocab_size, scaling=cfg.routed_scaling_factor, normalize=cfg.norm_topk_prob,
+        use_bias=cfg.routed_bias, swiglu_limit=cfg.mlp_activations_limit,
+        lb_weight=cfg.load_balance_loss_weight, impl=cfg.moe_impl, tile_size=cfg.moe_tile_size,
+        tiles_per_step=cfg.moe_tiles_per_step, capacity_factor=cfg.moe_capacity_factor,
+        gmm_tiles=tuple(cfg.moe_gmm_tiles))
+
+
+def crosses_layers(cfg) -> bool:
+    """Whether a gradient crosses the layers: unless only the indexer trains, from its local loss (the
+    warm-up), where the backward keeps no layer's input and runs no layer again under any remat policy."""
+    return stage_of(cfg).trains_rest or cfg.indexer_gradient != "local"
+
