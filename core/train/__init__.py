@@ -2,7 +2,7 @@
 
 Modules: step (the step's maths: losses, schedule, trainable mask, router biases), optimizer
 (AdamW with its moments' dtypes), program (the compiled step's one home: abstract inputs, jit,
-caches, ahead-of-time compile; shared with plan and bench), run (the Trainer: its phases in order,
+memo, ahead-of-time compile; shared with plan and bench), run (the Trainer: its phases in order,
 the loop, checkpoints), preflight (every check that needs no array), materialise (build, restore,
 init-from), outputs (checkpointer, config.yml, metrics.jsonl, TensorBoard), memory (the step's
 memory against a device's), indexer_init (the teacher's indexer initialisation), compile_cache,

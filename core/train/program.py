@@ -1,5 +1,5 @@
 """The compiled train step's one home (DESIGN.md, "Planning" and "time to step 0"): its abstract
-inputs, its jit, its per-process caches and its ahead-of-time compile.
+inputs, its jit, its per-process memo and its ahead-of-time compile.
 
 Training, `dsv4 plan` (core/plan/compile.py) and `dsv4 bench --train` (core/bench/train.py) build
 the step here: `lowered_step` is `make_train_step`'s jit lowered from `abstract_inputs`, so every
@@ -17,7 +17,7 @@ compares the lowered programs).
   config, graphdef and mesh in a process, so a resumed or repeated run does not compile again;
   `make_optimizer` keeps one optax transformation (core/train/optimizer.py's `from_config`) per
   config for the same reason (it is part of the optimizer's graphdef: equal configs give equal
-  graphdefs).
+  graphdefs). Both, and the ahead-of-time executables, live in one memo (`StepMemo`, `MEMO`).
 - `compile_ahead(cfg, mesh, objects)`: the step compiled from abstract state while the model
   builds (`StepPrecompile`). On a CPU the first step of a run is mostly two serial waits: building
   the model eagerly and compiling the step; the step needs only shapes, dtypes and shardings.
@@ -64,12 +64,45 @@ _RUN_ONLY_KEYS = frozenset({
     "hf_streaming", "tokenizer_path", "eval_holdout_fraction", "data_shuffle_seed", "checkpoint_period",
     "max_checkpoints", "async_checkpointing", "base_output_directory", "run_name", "allow_data_change",
     "enable_tensorboard", "jax_cache_dir", "compile_ahead"})
-# Per process, keyed by the compile-relevant config: the optax transformation, the jitted step and
-# the step compiled ahead of time. The compile thread fills them too, hence the lock.
-_TX_CACHE: dict[Any, Any] = {}
-_STEP_CACHE: dict[Any, Callable] = {}
-_COMPILED: dict[Any, Any] = {}
-_CACHE_LOCK = threading.RLock()
+
+
+class StepMemo:
+    """The process's one memo of what a step costs to make, per kind and key: "optimizer" (the optax
+    transformation, by compile-relevant config), "jitted" (the jitted step) and "compiled" (the step
+    compiled ahead of time), both by `step_key`. The compile thread fills it too, hence the lock."""
+
+    def __init__(self):
+        self._items: dict[tuple[str, Any], Any] = {}
+        self._lock = threading.RLock()
+
+    def get(self, kind: str, key) -> Any:
+        """The value kept for (kind, key), or None."""
+        with self._lock:
+            return self._items.get((kind, key))
+
+    def get_or_make(self, kind: str, key, make: Callable[[], Any]) -> Any:
+        """The value kept for (kind, key), made by `make()` (under the lock) the first time."""
+        with self._lock:
+            if (kind, key) not in self._items:
+                self._items[(kind, key)] = make()
+            return self._items[(kind, key)]
+
+    def keep_first(self, kind: str, key, value) -> Any:
+        """Keep `value` for (kind, key) unless one is kept already (made outside the lock); the kept one."""
+        with self._lock:
+            return self._items.setdefault((kind, key), value)
+
+    def forget(self, kind: str, key) -> None:
+        with self._lock:
+            self._items.pop((kind, key), None)
+
+    def holds_config(self, compile_key: tuple) -> bool:
+        """Whether a jitted or compiled step of this compile-relevant config is kept (any graphdef, mesh)."""
+        with self._lock:
+            return any(kind != "optimizer" and key[0] == compile_key for kind, key in self._items)
+
+
+MEMO = StepMemo()
 
 
 class StepInputs(NamedTuple):
@@ -80,7 +113,7 @@ class StepInputs(NamedTuple):
     mesh: Any
 
 
-# ----------------------------------------------------------------------------- caches
+# ----------------------------------------------------------------------------- the memo
 
 
 def _compile_key(cfg) -> tuple:
@@ -90,31 +123,24 @@ def _compile_key(cfg) -> tuple:
 
 
 def step_key(cfg, graphdef, mesh) -> tuple:
-    """The step caches' key: equal for configs, graphdefs and meshes that give the same program."""
+    """The memo's key of a step: equal for configs, graphdefs and meshes that give the same program."""
     return (_compile_key(cfg), graphdef, mesh)
 
 
 def has_config(cfg) -> bool:
-    """Whether either step cache holds a step of `cfg`'s compile-relevant config (any graphdef, mesh)."""
-    ck = _compile_key(cfg)
-    with _CACHE_LOCK:
-        return any(k[0] == ck for k in (*_STEP_CACHE, *_COMPILED))
+    """Whether the memo holds a jitted or compiled step of `cfg`'s compile-relevant config (any graphdef, mesh)."""
+    return MEMO.holds_config(_compile_key(cfg))
 
 
 def cached_compiled(key):
     """The ahead-of-time executable of `key` (`step_key`), or None."""
-    with _CACHE_LOCK:
-        return _COMPILED.get(key)
+    return MEMO.get("compiled", key)
 
 
 def make_optimizer(cfg):
     """core/train/optimizer.py's `from_config` (clip -> AdamW(schedule) for trainable leaves,
     set_to_zero for frozen ones), one object per compile-relevant config."""
-    key = _compile_key(cfg)
-    with _CACHE_LOCK:
-        if key not in _TX_CACHE:
-            _TX_CACHE[key] = optimizer.from_config(cfg)
-        return _TX_CACHE[key]
+    return MEMO.get_or_make("optimizer", _compile_key(cfg), lambda: optimizer.from_config(cfg))
 
 
 # ----------------------------------------------------------------------------- inputs and jit
@@ -213,12 +239,8 @@ def make_train_step(cfg, graphdef, state, mesh):
     The output state keeps the input's rule-given shardings (so step 1 reuses step 0's program);
     one jitted step is shared by every run of an equal (cfg, graphdef, mesh) in a process.
     """
-    key = step_key(cfg, graphdef, mesh)
-    with _CACHE_LOCK:  # the compile thread asks too
-        if key not in _STEP_CACHE:
-            _STEP_CACHE[key] = jit_step(step_fn(cfg, graphdef, mesh_platform(mesh)), cfg, mesh,
-                                        sharding.state_shardings(state, mesh))
-        return _STEP_CACHE[key]
+    return MEMO.get_or_make("jitted", step_key(cfg, graphdef, mesh), lambda: jit_step(
+        step_fn(cfg, graphdef, mesh_platform(mesh)), cfg, mesh, sharding.state_shardings(state, mesh)))
 
 
 def lowered_step(cfg, mesh=None):
@@ -241,14 +263,13 @@ def compiled_step(cfg, graphdef, state, batch, mesh, on_lowered: Callable[[], No
     key and process (`jax.stages.Compiled`); `on_lowered()` is called between tracing (Python, holds
     the GIL) and XLA's compile (releases it)."""
     key = step_key(cfg, graphdef, mesh)
-    if key not in _COMPILED:
+    compiled = MEMO.get("compiled", key)
+    if compiled is None:  # compiled outside the lock: XLA's compile releases the GIL, the build runs beside it
         lowered = make_train_step(cfg, graphdef, state, mesh).lower(state, batch)
         if on_lowered is not None:
             on_lowered()
-        compiled = lowered.compile()
-        with _CACHE_LOCK:
-            _COMPILED.setdefault(key, compiled)
-    return _COMPILED[key]
+        compiled = MEMO.keep_first("compiled", key, lowered.compile())
+    return compiled
 
 
 def ahead_or_jitted_step(cfg, graphdef, state, mesh) -> Callable:
@@ -357,7 +378,7 @@ def remat_candidates(asked, cfg, platform: str, mesh_axes, usable_bytes: int | N
 
 def fitting_remat(cfg, mesh, usable_bytes: int, candidates) -> Any:
     """`cfg` with the first remat policy of `candidates` whose step compiles within `usable_bytes` per
-    device on `mesh` (its executable kept for the run: `compiled_step`'s cache), else `cfg` itself.
+    device on `mesh` (its executable kept for the run: `compiled_step`'s memo), else `cfg` itself.
     A compile XLA refuses for memory, or whose memory analysis exceeds `usable_bytes`, is passed over
     (and not kept); any other compile error is raised."""
     for policy in candidates:
@@ -371,8 +392,7 @@ def fitting_remat(cfg, mesh, usable_bytes: int, candidates) -> Any:
             continue
         if memory.compiled_memory(compiled)["total_bytes"] <= usable_bytes:
             return trial
-        with _CACHE_LOCK:
-            _COMPILED.pop(step_key(trial, inputs.graphdef, mesh), None)
+        MEMO.forget("compiled", step_key(trial, inputs.graphdef, mesh))
     return cfg
 
 
