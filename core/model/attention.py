@@ -88,7 +88,8 @@ def project_queries(c_q_btr, wq_b_rhd, positions_bt, *, eps: float, rope: RopeSp
     the [B, T, H, D] queries take no pass of their own for it, forward or backward.
     """
     q = checkpoint_name(jnp.einsum("btr,rhd->bthd", c_q_btr.astype(dtype), wq_b_rhd.astype(dtype)), "attn_q_proj")
-    return apply_rope((rms_normalize(q, eps) * q.shape[-1] ** -0.5).astype(dtype), positions_bt, rope)
+    return checkpoint_name(apply_rope((rms_normalize(q, eps) * q.shape[-1] ** -0.5).astype(dtype), positions_bt, rope),
+                           "attn_q")
 
 
 ATTENTIONS = ("chunked", "fused", "masked")  # AttentionSpec.attention (module docstring)
@@ -265,7 +266,7 @@ class Attention(nnx.Module):
             q = RowQueries.given(pin_rows(queries.of(queries.inputs, positions_bt), heads_axis=2))  # split as x is
             got = attend(q, keys, packing, selection, None)
             o_bthd, carry = got if tap is not None else (got, None)
-            out = self._output(checkpoint_name(pin_rows(o_bthd, heads_axis=2), "attn_out"), positions_bt)
+            out = self._output(pin_rows(o_bthd, heads_axis=2), positions_bt)
         else:
             got = attend(queries, keys, packing, selection, self._output)
             out, carry = got if tap is not None else (got, None)
@@ -276,7 +277,7 @@ class Attention(nnx.Module):
     def _output(self, o_bthd, positions_bt):
         """Inverse RoPE, then the grouped low-rank projection back to the model width."""
         s, dt = self.spec, self.dtype
-        o = apply_rope(o_bthd, positions_bt, s.rope, inverse=True)
+        o = checkpoint_name(apply_rope(o_bthd, positions_bt, s.rope, inverse=True), "attn_out")
         b, t = o.shape[:2]
         o_btgf = o.reshape(b, t, s.o_groups, -1)
         # its weight gradient gathers o after the cotangent (docs/scaling.md#collective-order-on-the-cpu)

@@ -32,10 +32,11 @@ which decides what the backward pass keeps from the forward and what it recomput
   minimal      keep the outputs of matmuls without batch dimensions (x @ W projections), recompute the
                rest (norms, RoPE, attention scores and softmax, mHC mixing, Pallas kernels);
   projections  keep the products that are costly to recompute, by name (PROJECTION_NAMES: the attention's
-               query and output projections, the fused attention kernels' output and log-sum-exp, the
-               compressor's projections, the experts' gate and up products, the megablox kernels' too),
-               recompute the elementwise work between them and the small projections, and offload each
-               layer's input to host memory where the platform has it apart from the device's (TPU, GPU);
+               query projection and the queries the kernels read, its output and output projection, the
+               fused kernels' log-sum-exp, the compressor's projections, the experts' gate and up products,
+               the megablox kernels' too, and each sublayer's output), recompute the elementwise work
+               between them and the small projections, and offload each layer's input to host memory
+               where the platform has it apart from the device's (TPU, GPU);
   full         keep only each layer's input; the whole layer runs again in the backward (one extra
                forward of the layers, least memory).
 Every remat policy also keeps SAVED_NAMES, values tagged with `checkpoint_name` where they are
@@ -88,11 +89,14 @@ JOINT_KEYS = ("raw_kv", "window", "sink")
 # Small named values every remat policy keeps (module docstring): what the backward would
 # otherwise recompute at a high op count for a few bytes per token (checkpoint_name at the source).
 SAVED_NAMES = ("topk_idx", "topk_valid", "topk_mask", "indexer_loss_grads", "indexer_local_grads", "moe_routing")
-# The costly products `projections` keeps, named where they are made: the query projection c_q W_qb and
-# the grouped output projection (core.model.attention), the fused kernels' output and log-sum-exp
-# (core.ops.fused_attention), the compressor's float32 projections, the experts' gate and up products
-# (core.model.moe, routed and shared). Their elementwise consumers (norms, RoPE, SwiGLU) run again.
-PROJECTION_NAMES = ("attn_q_proj", "attn_o_lora", "attn_out", "attn_lse", "compressor_proj", "moe_gate", "moe_up")
+# The costly products `projections` keeps, named where they are made: the query projection c_q W_qb, the
+# queries the kernels read (normed, rotated), the attention's output (inverse-rotated) and its grouped
+# projection (core.model.attention), the fused kernels' log-sum-exp (core.ops.fused_attention), the
+# compressor's float32 projections, the experts' gate and up products (core.model.moe, routed and
+# shared), and both sublayers' outputs, which the mHC post's backward reads (Block). Their elementwise
+# consumers (norms, SwiGLU) and the small projections run again.
+PROJECTION_NAMES = ("attn_q_proj", "attn_q", "attn_out", "attn_o_lora", "attn_lse", "compressor_proj", "moe_gate",
+                    "moe_up", "attn_sublayer_out", "moe_sublayer_out")
 LAYER_INPUT = "decoder_layer_input"  # each layer body's input x [B, T, n, M] (run_segment)
 REMAT_POLICIES = ("none", "minimal", "projections", "full")  # module docstring
 
@@ -199,9 +203,11 @@ class Block(nnx.Module):
         y_btm, post_btn, comb_btnn = self.hc_attn.pre(x_btnm)
         out_btm, aux = self.attn(self.attn_norm(y_btm), positions_bt, segment_ids_bt, dense=dense,
                                  indexer_loss=indexer_loss, collect=collect, observe=observe)
+        out_btm = checkpoint_name(out_btm, "attn_sublayer_out")  # post's backward reads it
         x_btnm = HyperConnection.post(out_btm, x_btnm, post_btn, comb_btnn, self.hc_attn.form)
         y_btm, post_btn, comb_btnn = self.hc_ffn.pre(x_btnm)
         out_btm, moe_aux = self.ffn(self.ffn_norm(y_btm), tokens_bt, segment_ids_bt > 0)
+        out_btm = checkpoint_name(out_btm, "moe_sublayer_out")
         x_btnm = HyperConnection.post(out_btm, x_btnm, post_btn, comb_btnn, self.hc_ffn.form)
         return x_btnm, {**aux, "lb_loss": moe_aux["lb_loss"], "load": moe_aux["load"], "dropped": moe_aux["dropped"]}
 
