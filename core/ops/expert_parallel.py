@@ -185,7 +185,9 @@ def expert_parallel_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf,
 
         recv_cm = send(x_sm, cap, out)
         ends = jnp.cumsum(kept_dse[me].reshape(-1))                                       # [src * E_l]
-        row_e = jnp.searchsorted(ends, jnp.arange(cap, dtype=ends.dtype), side="right")
+        # one fused compare of every row with the P E_l ends: the default binary search gathers the C rows
+        # once per halving, which a TPU moves one row at a time
+        row_e = jnp.searchsorted(ends, jnp.arange(cap, dtype=ends.dtype), side="right", method="compare_all")
         local_c = jnp.where(row_e < devices * local_experts, row_e % local_experts, local_experts)
         unit_c = jnp.ones((1, cap, 1), weights_s.dtype)  # the combine weights stay at the source
         y_cm = experts(recv_cm[None], local_c[None, :, None].astype(jnp.int32), unit_c, w1, w2, w3)[0]
