@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.extend.core  # noqa: F401  (jaxprs_in_params)
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType
 
@@ -28,7 +29,7 @@ def _exchanges(jaxpr) -> list[str]:
 def _eqns(jaxpr):
     for eqn in jaxpr.eqns:
         yield eqn
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             yield from _eqns(sub)
 
 
