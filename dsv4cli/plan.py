@@ -134,6 +134,9 @@ def _estimate(console, r: dict[str, Any]) -> None:
                       f"(matmul-bound {parts['compute_s']:.4f} s, memory-bound {parts['memory_s']:.4f} s, gathers "
                       f"{parts['gather_s']:.4f} s, per-op overhead {parts['overhead_s']:.4f} s, copy waits "
                       f"{parts['dma_wait_s']:.4f} s, collectives {parts['collective_s']:.4f} s); {parts['model']}")
+        if rows := parts.get("ragged_rows"):
+            console.print(f"[dim]grouped matmuls priced at {rows['priced_rows']:,} rows, not their buffers' "
+                          f"{rows['static_rows']:,}: {rows['rule']}[/dim]")
     elif parts:
         console.print(parts)
 

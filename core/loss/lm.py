@@ -12,8 +12,14 @@ the residuals are d hidden [B*T, M] and d head [M, V]. The head's matmuls are th
 path (logits, d hidden, d head: 3 x 2*B*T*M*V FLOPs), with no recomputation.
 
 Deviation from MaxText: the chunk is a size in tokens (`lm_loss_chunk_size`), not a number of
-tiles, so it need not divide B * T (the flattened tokens are zero-padded to a multiple of C; the
+tiles, so it need not divide B * T (the positions are zero-padded to a multiple of the chunk's; the
 padding carries weight 0) and the live memory does not grow with B or T.
+
+Under a mesh the batch rows are split over the batch axes (core/ops/expert_parallel.py
+`token_shards`), so each scan step takes C / (rows per device) positions of every row: each device
+runs the chunks of its own rows, C tokens a step. Chunking the flattened B * T tokens instead would
+scan over chunks that are split across devices, and XLA would run every device through every chunk
+of the global batch (the logits summed over the head's sharded `embed`, an all-reduce per chunk).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from core.ops.expert_parallel import token_shards
 from core.ops.order import read_after
 
 
@@ -67,9 +74,11 @@ def chunked_lm_loss(h_btm, head_mv, targets_bt, mask_bt, *, chunk: int):
     Returns:
       Scalar loss in float32 (float64 for float64 inputs); 0.0 when nothing is masked in.
 
-    Shapes:
-      1. tokens flattened to N = B*T, zero-padded to a multiple of C; weight = mask / max(#mask, 1)
-      2. per chunk: logits [C, V] = h_c @ head; nll_c = lse_c - logits[target]; loss += sum(nll_c * w_c)
+    Shapes (R rows per device: B over the mesh's batch shards; P = max(1, C / R) positions a chunk):
+      1. positions zero-padded to a multiple of P: [B, T, M] -> [T / P, B, P, M] (chunk-major);
+         weight = mask / max(#mask, 1)
+      2. per chunk (its B*P tokens as rows c): logits [c, V] = h_c @ head; nll_c = lse_c -
+         logits[target]; loss += sum(nll_c * w_c)
       3. under differentiation, in the same step: d logits = (e / sum_v e - onehot) * w with
          e = exp(logits - max) computed once for the log-sum-exp and the softmax;
          dh_c = d logits @ head^T, dhead += h_c^T @ d logits; the backward returns g * (dh, dhead)
@@ -78,18 +87,22 @@ def chunked_lm_loss(h_btm, head_mv, targets_bt, mask_bt, *, chunk: int):
         raise ValueError(f"chunk={chunk} must be >= 1")
     dtype = jnp.promote_types(jnp.promote_types(h_btm.dtype, head_mv.dtype), jnp.float32)
     b, t, m = h_btm.shape
-    n = b * t
-    chunk = min(chunk, n)  # a chunk larger than the batch would only pad
-    pad = -n % chunk
-    mask_n = mask_bt.reshape(n).astype(dtype)
-    weight_n = jax.lax.stop_gradient(mask_n / jnp.maximum(jnp.sum(mask_n), 1.0))
+    shards = token_shards(mesh) if not (mesh := jax.sharding.get_abstract_mesh()).empty else 1
+    rows = b // shards if b % shards == 0 else b
+    positions = max(1, min(chunk // rows, t))  # a chunk larger than the batch would only pad
+    pad = -t % positions
+    mask_bt = mask_bt.astype(dtype)
+    weight_bt = jax.lax.stop_gradient(mask_bt / jnp.maximum(jnp.sum(mask_bt), 1.0))
+
+    def chunks(a_bt_):  # [B, T, ...] -> [T / P, B, P, ...], each chunk the same positions of every row
+        a_bt_ = jnp.pad(a_bt_, ((0, 0), (0, pad)) + ((0, 0),) * (a_bt_.ndim - 2))
+        return jnp.moveaxis(a_bt_.reshape(b, -1, positions, *a_bt_.shape[2:]), 1, 0)
+
     # h and the head stay in their dtypes and the matmuls accumulate in `dtype` (a bfloat16 product
     # is exact in float32), so no float32 copy of the head [M, V] is made where the backend
     # multiplies bfloat16 itself (`_late`)
-    h_ncm = jnp.pad(h_btm.reshape(n, m), ((0, pad), (0, 0))).reshape(-1, chunk, m)
-    targets_nc = jnp.pad(targets_bt.reshape(n).astype(jnp.int32), (0, pad)).reshape(-1, chunk)
-    weight_nc = jnp.pad(weight_n, (0, pad)).reshape(-1, chunk)
-    return _weighted_nll(h_ncm, head_mv, targets_nc, weight_nc, (h_ncm.dtype, head_mv.dtype))
+    return _weighted_nll(chunks(h_btm), head_mv, chunks(targets_bt.astype(jnp.int32)), chunks(weight_bt),
+                         (h_btm.dtype, head_mv.dtype))
 
 
 def _chunk_stats(h_cm, head_mv, targets_c, dtype):
@@ -118,7 +131,12 @@ def _late(head_mv, h_ncm, dtype):
     """
     if head_mv.dtype == dtype:
         return head_mv
-    return read_after(head_mv, h_ncm[0, 0, 0])
+    return read_after(head_mv, h_ncm[(0,) * h_ncm.ndim])
+
+
+def _rows(h_bpm, targets_bp, weight_bp):
+    """One chunk's [B, P, ...] as rows c = B * P."""
+    return h_bpm.reshape(-1, h_bpm.shape[-1]), targets_bp.reshape(-1), weight_bp.reshape(-1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -129,7 +147,7 @@ def _weighted_nll(h_ncm, head_mv, targets_nc, weight_nc, dtypes):
     head_mv = _late(head_mv, h_ncm, dtype)
 
     def body(total, xs):
-        h_cm, targets_c, weight_c = xs
+        h_cm, targets_c, weight_c = _rows(*xs)
         _, _, lse_c, target_c = _chunk_stats(h_cm, head_mv, targets_c, dtype)
         return total + jnp.sum((lse_c - target_c) * weight_c), None
 
@@ -141,13 +159,13 @@ def _weighted_nll_fwd(h_ncm, head_mv, targets_nc, weight_nc, dtypes):
 
     def body(carry, xs):
         total, dhead_mv = carry
-        h_cm, targets_c, weight_c = xs
+        h_cm, targets_c, weight_c = _rows(*xs)
         exp_cv, sum_c, lse_c, target_c = _chunk_stats(h_cm, head_mv, targets_c, dtype)
         onehot_cv = jax.nn.one_hot(targets_c, head_mv.shape[-1], dtype=dtype)
         dlogits_cv = exp_cv * (weight_c / sum_c)[:, None] - onehot_cv * weight_c[:, None]
         dh_cm = jnp.einsum("cv,mv->cm", dlogits_cv, head_mv, preferred_element_type=dtype)
         dhead_mv = dhead_mv + jnp.einsum("cm,cv->mv", h_cm, dlogits_cv, preferred_element_type=dtype)
-        return (total + jnp.sum((lse_c - target_c) * weight_c), dhead_mv), dh_cm
+        return (total + jnp.sum((lse_c - target_c) * weight_c), dhead_mv), dh_cm.reshape(xs[0].shape)
 
     init = (jnp.zeros((), dtype), jnp.zeros(head_mv.shape, dtype))
     (total, dhead_mv), dh_ncm = jax.lax.scan(body, init, (h_ncm, targets_nc, weight_nc))

@@ -48,7 +48,7 @@ import dataclasses
 import itertools
 import math
 import re
-from typing import Any
+from typing import Any, Mapping
 
 from core.plan import hlo
 
@@ -279,7 +279,7 @@ def _in_space(type_text: str, space: int) -> str:
     return text if space == 0 else re.sub(r"\{([^}]*)\}", lambda m: "{" + m.group(1) + f"S({space})" + "}", text)
 
 
-def _custom_call(module: hlo.Module, inst: hlo.Instruction) -> Work | None:
+def _custom_call(module: hlo.Module, inst: hlo.Instruction, ragged: Mapping[int, float]) -> Work | None:
     target = re.search(r'custom_call_target="([^"]*)"', inst.attrs)
     target = target.group(1) if target else ""
     if target in _FREE_CALLS:
@@ -288,21 +288,23 @@ def _custom_call(module: hlo.Module, inst: hlo.Instruction) -> Work | None:
     shaped = hlo.declared_flops(inst) is None  # FLOPs from a grouped matmul's shapes, not declared
     if shaped and target == "tpu_custom_call" and any(module.types.get(o, "").startswith("f32[") for o in inst.operands):
         work.flops *= 3  # a kernel's float32 matmul: three bf16 passes of the MXU
+    if ragged and target == "tpu_custom_call" and (shape := hlo.grouped_matmul_shape(module, inst)):
+        work.flops *= ragged.get(shape[0], shape[0]) / shape[0]  # the rows its group sizes cover
     for text in [inst.type_text] + [module.types.get(o, "") for o in inst.operands]:
         _add(work, text)
     return work
 
 
-def instruction_work(module: hlo.Module, inst: hlo.Instruction) -> Work | None:
+def instruction_work(module: hlo.Module, inst: hlo.Instruction, ragged: Mapping[int, float] = {}) -> Work | None:  # noqa: B006
     """What one execution of a synchronous instruction outside fusions does; None for those that
-    move no data and cost no op (structure, scalars, buffer markers)."""
+    move no data and cost no op (structure, scalars, buffer markers). `ragged`: `estimate`'s."""
     op = inst.opcode
     if op in hlo._NO_BYTES:
         return None
     if op == "fusion":
         return _fusion(module, inst)
     if op == "custom-call":
-        return _custom_call(module, inst)
+        return _custom_call(module, inst, ragged)
     if not any(d for _, d, _ in _LAID_OUT.findall(inst.type_text)):
         return None  # a scalar: the scalar unit's, hidden behind the vector work
     work = Work(hlo.matmul_flops_of(module, inst))
@@ -411,7 +413,7 @@ def _op(work: Work, ceilings: Ceilings, eff: Efficiency) -> Breakdown:
 
 
 def _walk(module: hlo.Module, comp: str, ceilings: Ceilings, eff: Efficiency, memo: dict[str, Breakdown],
-          depth: int = 0) -> Breakdown:
+          depth: int = 0, ragged: Mapping[int, float] = {}) -> Breakdown:  # noqa: B006
     """One run of computation `comp`, its instructions in schedule order (module docstring)."""
     if comp in memo or depth > 64:
         return memo.get(comp, Breakdown())
@@ -423,7 +425,7 @@ def _walk(module: hlo.Module, comp: str, ceilings: Ceilings, eff: Efficiency, me
         if op == "while":
             trips = hlo._trip_count(module, inst)
             for callee in re.findall(r"\b(?:body|condition)=%?([\w.\-]+)", inst.attrs):
-                part.add(_walk(module, callee, ceilings, eff, memo, depth + 1), trips)
+                part.add(_walk(module, callee, ceilings, eff, memo, depth + 1, ragged), trips)
             part.overhead_s += eff.op_s
         elif op.endswith("-start") and op.removesuffix("-start") in hlo._COLLECTIVES:
             ici[inst.name] = _collective_s(module, inst, ceilings)
@@ -435,7 +437,7 @@ def _walk(module: hlo.Module, comp: str, ceilings: Ceilings, eff: Efficiency, me
             callees = (re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches else
                        re.findall(r"\b(?:true_computation|false_computation|to_apply|calls)=%?([\w.\-]+)", inst.attrs))
             for callee in callees:
-                part.add(_walk(module, callee, ceilings, eff, memo, depth + 1))
+                part.add(_walk(module, callee, ceilings, eff, memo, depth + 1, ragged))
         elif op.endswith("-start"):
             arrays = laid_out(inst.type_text)
             moved = arrays[1][0] if len(arrays) > 1 else 0  # (source, destination, context)
@@ -449,7 +451,7 @@ def _walk(module: hlo.Module, comp: str, ceilings: Ceilings, eff: Efficiency, me
             ici[inst.name] = _collective_s(module, inst, ceilings)
         elif op in hlo._COLLECTIVES:
             part.collective_s = _collective_s(module, inst, ceilings)
-        elif (work := instruction_work(module, inst)) is not None:
+        elif (work := instruction_work(module, inst, ragged)) is not None:
             part = _op(work, ceilings, eff)
             if op == "fusion":  # XLA:TPU's reduce-scatter: a fusion around an all-reduce
                 part.collective_s = sum(_collective_s(module, i, ceilings)
@@ -471,15 +473,20 @@ def _walk(module: hlo.Module, comp: str, ceilings: Ceilings, eff: Efficiency, me
     return total
 
 
-def estimate(hlo_text: str, ceilings: Ceilings, eff: Efficiency = V5E) -> dict[str, Any]:
+def estimate(hlo_text: str, ceilings: Ceilings, eff: Efficiency = V5E,
+             ragged: Mapping[int, float] = {}) -> dict[str, Any]:  # noqa: B006
     """The step time of a compiled program's optimised HLO text, and what decides it.
 
+    Args:
+      ragged: {static rows: rows computed} of grouped-matmul kernels whose group sizes cover fewer
+        rows than their buffers hold (`ragged_rows`): such a kernel's FLOPs are scaled to the rows
+        it computes; its bytes stay the buffers'.
     Returns:
       {"step_s", "compute_s", "memory_s", "gather_s", "overhead_s", "dma_wait_s", "collective_s"}:
       the step and its parts (they sum to it), seconds per device.
     """
     module = hlo.parse(hlo_text)
-    parts = _walk(module, module.entry, ceilings, eff, {})
+    parts = _walk(module, module.entry, ceilings, eff, {}, ragged=ragged)
     out = {"step_s": parts.step_s}
     out.update({f.name: getattr(parts, f.name) for f in dataclasses.fields(parts) if f.name != "hbm_busy_s"})
     return out

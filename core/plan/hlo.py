@@ -254,6 +254,12 @@ def grouped_matmul_flops(module: Module, inst: Instruction) -> float:
     out [S, N] from lhs [S, K] and rhs [G, K, N] or [G, N, K] (ragged_dot, megablox gmm), or out
     [G, K, N] from [S, K] or [K, S] and [S, N] (the weights' gradient, tgmm): 2 * S * K * N.
     0 for a kernel of another shape (splash attention, ...): its FLOPs stay unknown."""
+    shape = grouped_matmul_shape(module, inst)
+    return 2.0 * math.prod(shape) if shape else 0.0
+
+
+def grouped_matmul_shape(module: Module, inst: Instruction) -> tuple[int, int, int] | None:
+    """(S rows, K, N) of a grouped-matmul kernel's shapes (`grouped_matmul_flops`), None for another."""
     out = _dims(inst.type_text)
     shapes = [_dims(module.types.get(o, "")) for o in inst.operands]
     two, three = [d for d in shapes if len(d) == 2], [d for d in shapes if len(d) == 3]
@@ -261,14 +267,14 @@ def grouped_matmul_flops(module: Module, inst: Instruction) -> float:
         rows, n = out
         for lhs in (d for d in two if d[0] == rows):
             if any(rhs[1:] in ([lhs[1], n], [n, lhs[1]]) for rhs in three):
-                return 2.0 * rows * lhs[1] * n
+                return rows, lhs[1], n
     if len(out) == 3:
         k, n = out[1:]
         for lhs in (d for d in two if k in d):
             rows = lhs[1] if lhs[0] == k else lhs[0]
             if [rows, n] in two:
-                return 2.0 * rows * k * n
-    return 0.0
+                return rows, k, n
+    return None
 
 
 def masked_groups(module: Module, fusion: Instruction) -> int:

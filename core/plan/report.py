@@ -131,7 +131,8 @@ def compiled_report(cfg, target: Target, mesh, state_info: dict[str, int], compi
            "collective_bytes": program["collective_bytes"],
            **flop_figures(cfg, mesh, program, cost, analytic),
            "top_temporaries": top_temporaries(buffer_text, text, top) if top else []}
-    out.update(step_estimate(target, text, out["global_batch"] * cfg.max_target_length))
+    out.update(step_estimate(target, text, out["global_batch"] * cfg.max_target_length,
+                             ragged_rows(cfg, mesh, out["global_batch"])))
     return out
 
 
@@ -258,18 +259,40 @@ def flop_figures(cfg, mesh, program: dict[str, Any], cost: dict[str, float], ana
                           "jaxpr count also counts elementwise work, which the peak bf16 FLOP/s does not apply to"}
 
 
-def step_estimate(target: Target, hlo_text: str, tokens: int) -> dict[str, Any]:
-    """estimated_step_s, estimated_tokens_per_s and `step_estimate`, the model's parts (core/plan/cost.py)."""
+def ragged_rows(cfg, mesh, global_batch: int) -> dict[str, Any] | None:
+    """How the step-time model prices the expert-parallel grouped matmuls when drop-free: each
+    destination's kernels run over static receive buffers of C = P n min(k, E/P) rows
+    (core/ops/expert_parallel.py `capacity`), of which the group sizes cover the slots it receives,
+    n k under a balanced load; priced at those n k rows. None where the buffers are the rows the
+    kernels compute (a capacity factor: C = ceil(f n k)), or no grouped-matmul kernel runs them."""
+    from core.ops.expert_parallel import capacity, expert_axis_size, token_shards
+
+    devices = expert_axis_size(mesh)
+    if devices <= 1 or cfg.moe_capacity_factor > 0 or cfg.moe_impl not in ("gmm", "ragged") or not cfg.num_experts:
+        return None
+    n, k = global_batch * cfg.max_target_length // token_shards(mesh), cfg.num_experts_per_tok
+    static = capacity(n, k, cfg.num_experts, devices, 0.0)
+    tm = min(cfg.moe_gmm_tiles[6] if cfg.moe_gmm_tiles else 512, -(-static // 8) * 8)  # tgmm pads rows to its tile
+    return {"static_rows": static, "padded_rows": -(-static // tm) * tm, "priced_rows": n * k,
+            "rule": "drop-free expert parallelism: each grouped-matmul kernel priced at the n k rows a destination "
+                    "receives under a balanced load, not at its static buffer's P n min(k, E/P) rows (the executed "
+                    "rows follow the routing; elementwise work and bytes stay the buffer's)"}
+
+
+def step_estimate(target: Target, hlo_text: str, tokens: int, ragged: dict[str, Any] | None = None) -> dict[str, Any]:
+    """estimated_step_s, estimated_tokens_per_s and `step_estimate`, the model's parts (core/plan/cost.py);
+    `ragged`: `ragged_rows`' pricing of the grouped matmuls, reported under step_estimate's ragged_rows."""
     from core.plan import cost
 
     if target.chip is None:
         return {"estimated_step_s": None, "estimated_tokens_per_s": None,
                 "step_estimate": "no estimate: fake CPU devices have no peak figures"}
     chip = target.chip
-    parts = cost.estimate(hlo_text, ceilings(target))
+    rows = {ragged[r]: ragged["priced_rows"] for r in ("static_rows", "padded_rows")} if ragged else {}
+    parts = cost.estimate(hlo_text, ceilings(target), ragged=rows)
     step = parts.pop("step_s")
     return {"estimated_step_s": step, "estimated_tokens_per_s": tokens / step if step else None,
-            "step_estimate": {**parts, "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
+            "step_estimate": {**parts, **({"ragged_rows": ragged} if ragged else {}), "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
                               "link_bandwidth": chip.link_bandwidth, "efficiency": dataclasses.asdict(cost.V5E),
                               "model": "per executed instruction: max(matmul FLOPs / (peak x mxu), (HBM bytes + "
                                        "vmem x on-chip bytes) / (HBM bandwidth x hbm), rows x row_s) + op_s, loops "

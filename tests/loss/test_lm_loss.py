@@ -8,6 +8,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import jax.extend.core  # noqa: F401  (jaxprs_in_params)
 import jax.test_util  # noqa: F401  (check_grads)
 import numpy as np
 import pytest
@@ -63,6 +64,30 @@ def test_chunked_equals_reference_and_direct_float64(x64, chunk):
                                    err_msg=f"max diff {np.abs(np.asarray(g) - np.asarray(ref)).max()}")
     jax.test_util.check_grads(lambda a, b: chunked_lm_loss(a, b, targets, mask, chunk=chunk), (h, w), order=1,
                               modes=("rev",), atol=1e-6, rtol=1e-6)
+
+
+def _scan_lengths(jaxpr) -> list[int]:
+    """The lengths of the scans in a (closed) jaxpr, nested ones included."""
+    out = []
+    for e in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        out += [e.params["length"]] if e.primitive.name == "scan" else []
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            out += _scan_lengths(sub)
+    return out
+
+
+def test_under_a_mesh_each_device_chunks_its_own_rows():
+    """8 rows x 32 positions, chunk 16: on one device 2 positions of every row a step (16 steps of 16
+    tokens); on a mesh of 8 batch shards (expert 8), each device's one row 16 positions a step (2 steps of
+    8 x 16 tokens, 16 on each device), never a scan over chunks of the flattened rows that span devices."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    h, w, targets, mask = inputs(0, b=8, t=32, dtype=np.float32)
+    loss = functools.partial(chunked_lm_loss, chunk=16)
+    assert _scan_lengths(jax.make_jaxpr(loss)(h, w, targets, mask)) == [16]
+    mesh = AbstractMesh((1, 1, 1, 8), ("data", "fsdp", "tensor", "expert"), axis_types=(AxisType.Auto,) * 4)
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert _scan_lengths(jax.make_jaxpr(loss)(h, w, targets, mask)) == [2]
 
 
 def test_chunked_equals_direct_float32():

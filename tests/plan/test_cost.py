@@ -248,6 +248,23 @@ def test_grouped_matmul_kernels_count_their_flops_from_their_shapes():
     assert hlo.matmul_flops(hlo.parse(other)) == 0 and estimate(other)["memory_s"] > 0
 
 
+def test_a_grouped_matmul_kernel_is_priced_at_the_rows_its_groups_cover():
+    """`ragged` {static rows: rows computed}: a grouped-matmul kernel over a 2048-row buffer whose groups
+    cover 512 rows (drop-free expert parallelism's receive buffer) costs a quarter of its matmul, the
+    forward and the weights' gradient alike, declared FLOPs too; its bytes stay the buffer's; a kernel
+    of other rows is priced as before."""
+    flops = 2 * 2048 * 512 * 256
+    declared = (', backend_config={"custom_call_config":{"body":"TUxJUg==","cost_estimate":{"bytes_accessed":"7",'
+                f'"flops":"{flops}","transcendentals":"0"}}}}}}')
+    for text in (RAGGED, TGMM, RAGGED + declared):
+        full, priced = estimate(module(text)), cost.estimate(module(text), CEILINGS, EFF, ragged={2048: 512})
+        assert priced["compute_s"] == pytest.approx(flops / 4 * FLOP_S) and full["compute_s"] == pytest.approx(flops * FLOP_S)
+        m = hlo.parse(module(text))
+        kernel = m.computations["main"][-1]
+        assert cost.instruction_work(m, kernel, {2048: 512}).hbm_bytes == cost.instruction_work(m, kernel).hbm_bytes > 0
+    assert cost.estimate(module(RAGGED), CEILINGS, EFF, ragged={4096: 512})["compute_s"] == pytest.approx(flops * FLOP_S)
+
+
 def test_a_kernel_counts_the_flops_its_cost_estimate_declares():
     """A Pallas kernel of no grouped-matmul shape (core/ops/fused_attention.py's) counts the FLOPs its
     `pl.CostEstimate` declares in the custom call's backend config, as declared whatever its operands'
@@ -430,3 +447,23 @@ def test_a_targets_torus(name, torus):
 
     assert parse_target(name).torus == torus
     assert ceilings(parse_target(name)).torus == torus
+
+
+def test_drop_free_expert_parallelism_prices_its_grouped_matmuls_at_the_balanced_rows():
+    """`ragged_rows` on expert 8 x fsdp 2 (16 token shards), 1 x 128 tokens a device, k 2 of 16 experts:
+    n = 128 tokens a device, drop-free buffers of P n min(k, E/P) = 8 * 128 * 2 rows priced at n k = 256;
+    with a capacity factor, on ragged's tiled sibling, or without an expert axis: none (priced as built)."""
+    from jax.sharding import AbstractMesh
+
+    from core.plan.report import ragged_rows
+    from tests.conftest import tiny_config
+
+    mesh = AbstractMesh((1, 2, 1, 8), ("data", "fsdp", "tensor", "expert"))
+    cfg = tiny_config("sparse", "num_experts=16", "num_experts_per_tok=2", "moe_impl=gmm", "max_target_length=128",
+                      "per_device_batch_size=1")
+    rows = ragged_rows(cfg, mesh, global_batch=16)
+    assert (rows["static_rows"], rows["padded_rows"], rows["priced_rows"]) == (2048, 2048, 256)
+    assert ragged_rows(cfg.replace(moe_gmm_tiles=(512,) * 6 + (768, 512, 512)), mesh, 16)["padded_rows"] == 2304
+    assert ragged_rows(cfg.replace(moe_capacity_factor=1.0), mesh, 16) is None
+    assert ragged_rows(cfg.replace(moe_impl="tiled"), mesh, 16) is None
+    assert ragged_rows(cfg, AbstractMesh((1, 16, 1, 1), ("data", "fsdp", "tensor", "expert")), 16) is None

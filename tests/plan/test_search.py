@@ -180,6 +180,23 @@ def test_cli_search_prints_the_table_and_names_the_best(searched, monkeypatch):
     assert rows[0]["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1, "expert": 1} and rows[0]["plan"]["fits"]
 
 
+@pytest.mark.slow
+def test_the_search_compiles_an_expert_split_like_any_mesh(tmp_path):
+    """cpu:2 with data, fsdp, tensor and the batch held: the one candidate left is expert 2 (the experts
+    split over the devices, the tokens sent to them), state-counted and compiled through the search like
+    any mesh: it fits and is the best, its pruning state exactly the compiled plan's. That the enumeration
+    proposes expert splits beside the other axes: test_enumeration_is_every_valid_mesh_and_batch_once."""
+    from core.plan.search import search
+
+    r = search("deepseek4-tiny", "sparse", "cpu:2", [*SMALL, "ici_data_parallelism=1", "ici_fsdp_parallelism=1",
+                                                      "ici_tensor_parallelism=1", "per_device_batch_size=1"],
+               cache_dir=tmp_path, top=0)
+    (only,) = r["candidates"]
+    assert only["label"] == "expert 2, batch 1" and only["status"] == "fits" and r["best"] is only, only
+    d = only["plan"]["per_device"]
+    assert only["plan"]["mesh"]["expert"] == 2 and only["state_bytes"] == d["parameter_bytes"] + d["optimizer_bytes"] + d["batch_bytes"]
+
+
 # ----------------------------------------------------------------------------- ranking and failures (stand-in compile)
 
 
