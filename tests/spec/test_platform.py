@@ -100,7 +100,7 @@ def test_attention_is_fused_where_a_tpu_trains_it_and_its_shapes_fit_the_kernels
         assert resolve_config(flash("sparse"), platform, one_chip).attention == "chunked"
     assert resolve_config(flash("sparse"), "tpu", {**one_chip, "tensor": 8}).attention == "chunked"  # 8 heads each
     assert resolve_config(flash("sparse", "max_target_length=8192"), "tpu", one_chip).attention == "chunked"  # top-k gathered
-    heads_unknown = flash("sparse", "ici_fsdp_parallelism=1", "ici_tensor_parallelism=-1")
+    heads_unknown = flash("sparse", "ici_fsdp_parallelism=1", "ici_expert_parallelism=1", "ici_tensor_parallelism=-1")
     assert resolve_config(heads_unknown, "tpu").attention == "chunked"  # the tensor split fills the devices
     assert resolve_config(flash("sparse", "head_dim=192"), "tpu", one_chip).attention == "chunked"
     assert resolve_config(flash("sparse", "attention=chunked"), "tpu", one_chip).attention == "chunked"  # explicit wins
