@@ -174,7 +174,10 @@ def test_the_state_check_asks_only_this_process_devices_for_memory(monkeypatch):
 
 # ----------------------------------------------------------------------------- SIGTERM (one process)
 
-SMALL = ("compress_ratios=[0,4]", "base_num_decoder_layers=2", "first_num_hash_layers=1", "vocab_size=512",
+# One layer (a CSA layer, hash-routed), 64 tokens: what is tested here is the processes (their stops, signals,
+# checkpoints and data positions), which no layer changes; each process traces, lowers and compiles the
+# smallest warm-up step.
+SMALL = ("compress_ratios=[4]", "base_num_decoder_layers=1", "first_num_hash_layers=1", "vocab_size=512",
          "max_target_length=64", "per_device_batch_size=1", "checkpoint_period=2", "learning_rate_schedule_steps=6")
 KEYS = ("total_loss", "indexer_loss", "moe_lb_loss", "grad_norm", "learning_rate")
 
@@ -252,15 +255,14 @@ def test_the_most_severe_stop_reason_wins():
 # per process starts and steps faster). One uninterrupted reference run
 # serves every comparison: the Ctrl-C run, resumed and then stopped by SIGTERM, resumed again to the
 # end, must log the reference's metrics bitwise. Two more runs lose a process to kill -9.
-MULTI_STEPS = 80  # JAX's preemption sync point comes a few steps after SIGTERM, later under load; and a signal
-# sent once step 0 is logged must find the run still going on a loaded machine
-MULTI = (*SMALL[:-2], "checkpoint_period=100", f"learning_rate_schedule_steps={MULTI_STEPS}", "async_checkpointing=false")
-# The kill -9 runs compare with nothing and never reach their end: one layer (a CSA layer, hash-routed), whose
-# processes start with a smaller program to trace, lower and compile, and steps enough that the run is still
-# going when the kill comes, however late it comes on a loaded machine.
+MULTI_STEPS = 160  # JAX's preemption sync point comes seconds after SIGTERM (tens of the one-layer model's
+# steps), later under load; and a signal sent once step 0 is logged must find the run still going on a loaded machine
+MULTI = (*SMALL[:-2], "checkpoint_period=1000", f"learning_rate_schedule_steps={MULTI_STEPS}",
+         "async_checkpointing=false")
+# The kill -9 runs compare with nothing and never reach their end: steps enough that the run is still going
+# when the kill comes, however late it comes on a loaded machine.
 LOST_STEPS = 1000
-LOST = ("compress_ratios=[4]", "base_num_decoder_layers=1", *SMALL[2:-2], "checkpoint_period=100",
-        f"learning_rate_schedule_steps={LOST_STEPS}", "async_checkpointing=false")
+LOST = (*SMALL[:-2], "checkpoint_period=100", f"learning_rate_schedule_steps={LOST_STEPS}", "async_checkpointing=false")
 # DSV4_HEARTBEAT_TIMEOUT_S of the kill -9 run: a heartbeat RPC that misses it ends a process, so a few
 # seconds are too few on a heavily loaded machine; the wait overlaps the other runs.
 MULTI_HEARTBEAT_S = 30

@@ -6,6 +6,7 @@ platform patched; the planner's through libtpu."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
@@ -27,6 +28,15 @@ def _configs(*extra, stage="sparse"):
 
     mesh = make_mesh(asked)
     return asked, resolve_config(asked, "tpu", mesh.shape), mesh
+
+
+@pytest.fixture(scope="module", autouse=True)
+def residuals_traced_once_per_config():
+    """`kept_bytes_per_row` traces the step's backward; its answer depends on the config alone, and the
+    screen asks it again for each call of `remat_that_fits`: this file traces each config once."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(program, "kept_bytes_per_row", functools.cache(program.kept_bytes_per_row))
+        yield
 
 
 @pytest.fixture
