@@ -49,6 +49,9 @@ def heartbeat_timeout_s() -> int:
 
 class _State:
     stopped = threading.Event()   # set once this process leaves: the watch ends, nothing more is reported
+    ending = threading.Event()    # the watch is ending this process with its line
+    claimed = False               # a failed collective's own line is this process's one (`await_verdict`)
+    line = threading.Lock()       # who says the one line: the watch or the failed collective
     left: str | None = None
     report: Callable[[str], None] | None = None
     progress: Callable[[], str] = staticmethod(lambda: kept(None))
@@ -97,12 +100,19 @@ def leave(how: str) -> None:
 
 def await_verdict() -> None:
     """Before a failed collective is reported: give the watch the time to declare a lost peer (it then
-    ends this process with its own line, naming the process). Returns when no peer was lost."""
+    ends this process with its own line, naming the process). Returns when no peer was declared lost in
+    that time; the caller's line is then the process's only one (a later verdict of the watch says nothing)."""
     if _State.report is None or _State.left is not None:
         return
     deadline = time.monotonic() + heartbeat_timeout_s() + 2 * WATCH_PERIOD_S
-    while time.monotonic() < deadline or _State.left == "stopped":  # "stopped": the watch is ending the process
+    while time.monotonic() < deadline and not _State.ending.is_set():
         time.sleep(0.1)
+    with _State.line:
+        if not _State.ending.is_set():  # no peer declared lost in time: the caller's line, and no other
+            _State.claimed = True
+            return
+    while True:  # the watch is ending the process with its line
+        time.sleep(1)
 
 
 def _goodbyes(client) -> dict[int, str]:
@@ -135,8 +145,10 @@ def _watch() -> None:
 
 
 def _end(what: str, reachable: bool = True) -> None:
-    if _State.stopped.is_set():
-        return
+    with _State.line:
+        if _State.stopped.is_set() or _State.claimed:
+            return
+        _State.ending.set()
     leave("stopped")
     if _State.report is not None:
         _State.report(f"{what}; {_State.progress()}: rerun the same command on every process to resume from it.")

@@ -6,6 +6,7 @@ The localhost multi-process training runs live in tests/parallel/test_sharding.p
 from __future__ import annotations
 
 import os
+import threading
 import types
 
 import jax
@@ -98,10 +99,7 @@ def test_the_watch_names_a_lost_process_once(monkeypatch, goodbyes, line):
     monkeypatch.setattr(jax, "process_index", lambda: 0)
     monkeypatch.setattr(jax, "process_count", lambda: 3)
     monkeypatch.delenv(peers.HEARTBEAT_ENV, raising=False)
-    monkeypatch.setattr(peers._State, "stopped", threading.Event())
-    monkeypatch.setattr(peers._State, "left", None)
-    monkeypatch.setattr(peers._State, "report", lines.append)
-    monkeypatch.setattr(peers._State, "progress", staticmethod(lambda: "checkpoint step 7 is the last complete one"))
+    _fresh_peers_state(monkeypatch, peers, lines)
     if line is None:  # the watch keeps asking until this process leaves
         watch = threading.Thread(target=peers._watch)
         watch.start()
@@ -114,6 +112,42 @@ def test_the_watch_names_a_lost_process_once(monkeypatch, goodbyes, line):
     peers._watch()
     assert len(lines) == 1 and line in lines[0] and "checkpoint step 7 is the last complete one" in lines[0], lines
     assert exits == [5]
+
+
+def _fresh_peers_state(monkeypatch, peers, lines):
+    monkeypatch.setattr(peers._State, "stopped", threading.Event())
+    monkeypatch.setattr(peers._State, "ending", threading.Event())
+    monkeypatch.setattr(peers._State, "claimed", False)
+    monkeypatch.setattr(peers._State, "left", None)
+    monkeypatch.setattr(peers._State, "report", lines.append)
+    monkeypatch.setattr(peers._State, "progress", staticmethod(lambda: "checkpoint step 7 is the last complete one"))
+
+
+@pytest.mark.parametrize("first", ["collective", "watch"])
+def test_one_line_whoever_comes_first_the_failed_collective_or_the_watch(monkeypatch, first):
+    """A failed collective waits for the watch's verdict (`await_verdict`), but on a loaded host the watch
+    may see the lost peer only after that wait: then the collective's line is the one, and the watch's
+    late verdict says nothing. A watch that came first ends the process alone: the wait never returns."""
+    from core.parallel import peers
+
+    lines, exits = [], []
+    monkeypatch.setattr(peers, "WATCH_PERIOD_S", 0.01)
+    monkeypatch.setattr(peers, "_disconnect", lambda: None)
+    monkeypatch.setattr(peers.os, "_exit", exits.append)
+    monkeypatch.setattr(jax, "process_count", lambda: 1)  # leave() tells no service
+    monkeypatch.setenv(peers.HEARTBEAT_ENV, "1")
+    _fresh_peers_state(monkeypatch, peers, lines)
+    if first == "collective":
+        peers.await_verdict()  # the deadline passes with no verdict: the caller's line is the one
+        peers._end("process 1 of 2 was lost")
+        assert lines == [] and exits == []
+        return
+    peers._end("process 1 of 2 was lost")
+    assert len(lines) == 1 and "process 1 of 2 was lost" in lines[0] and exits == [5]
+    waiting = threading.Thread(target=peers.await_verdict, daemon=True)
+    waiting.start()
+    waiting.join(1.5)  # past the deadline (1 s + 2 watch periods)
+    assert waiting.is_alive()  # the process is the watch's to end (os._exit), not the caller's to report
 
 
 def test_a_single_process_passes_barriers_at_once():
