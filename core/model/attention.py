@@ -164,11 +164,18 @@ class Mode:
     loss_rows: int
 
 
-def teacher_of(s: AttentionSpec, queries: RowQueries, keys: Keys) -> Teacher:
-    """The indexer loss's teacher: the main attention's queries and keys, detached."""
-    sg, joint = jax.lax.stop_gradient, s.teacher == "joint"
-    return Teacher(sg(queries), sg(keys.compressed_bwd), sg(keys.raw_bsd) if joint else None,
-                   sg(keys.sink_h) if joint else None, kind=s.teacher, window=s.window if joint else 0)
+def indexer_inputs(s: AttentionSpec, indexer: Indexer, x_btm, queries: RowQueries, keys: Keys, packing: Packing,
+                   whole: bool) -> tuple[IndexerInputs, Teacher]:
+    """(the indexer's inputs, the teacher: the main attention's queries and keys, detached) of a CSA
+    layer, per run of rows, or with their queries built whole."""
+    sg, joint, pos = jax.lax.stop_gradient, s.teacher == "joint", packing.positions_bt
+    teacher = Teacher(sg(queries), sg(keys.compressed_bwd), sg(keys.raw_bsd) if joint else None,
+                      sg(keys.sink_h) if joint else None, kind=s.teacher, window=s.window if joint else 0)
+    index = indexer.inputs(x_btm, queries.inputs, pos)
+    if whole:
+        index = index._replace(queries=index.queries.whole(pos))
+        teacher = dataclasses.replace(teacher, queries=teacher.queries.whole(pos))
+    return index, teacher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,13 +196,7 @@ class IndexerView:
     def inputs(self) -> tuple[IndexerInputs, Teacher]:
         """(the indexer's inputs, the teacher) as the layer's loss takes them: per run of rows, or
         built whole where the mode scores whole."""
-        pos = self.packing.positions_bt
-        teacher = teacher_of(self.spec, self.queries, self.keys)
-        index = self.indexer.inputs(self.x_btm, self.queries.inputs, pos)
-        if self.whole:
-            index = index._replace(queries=index.queries.whole(pos))
-            teacher = dataclasses.replace(teacher, queries=teacher.queries.whole(pos))
-        return index, teacher
+        return indexer_inputs(self.spec, self.indexer, self.x_btm, self.queries, self.keys, self.packing, self.whole)
 
 
 def collect(view: IndexerView) -> dict:
@@ -344,7 +345,7 @@ class Attention(nnx.Module):
             return None, aux, self._teacher_tap(x_btm, queries, packing, mode.loss_rows)
         rows = mode.loss_rows
         whole = mode.select is None or (indexer_loss and not rows)
-        index, teacher = IndexerView(s, self.indexer, x_btm, queries, keys, packing, rows, whole).inputs()
+        index, teacher = indexer_inputs(s, self.indexer, x_btm, queries, keys, packing, whole)
         scores = visible = selection = None
         if whole and (not dense or (indexer_loss and not rows)):
             visible = compressed_visibility(*packing, s.ratio)
