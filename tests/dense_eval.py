@@ -3,7 +3,7 @@
 The formulation `dsv4 eval-indexer` used before it streamed, kept as the reference it must equal to
 float32 rounding: every CSA layer's teacher queries, scores and visibility whole ([B, T, H, D],
 [B, T, W]), the per-head probabilities [B, H, T, W], and the LM loss from whole [B, T, V] logits.
-The definitions are core/eval/metrics.py's; `dense_step` runs the model with collect=True and
+The definitions are core/eval/metrics.py's; `dense_step` runs the model with the `collect` probe and
 returns what `core.eval.evaluate.make_eval_step` does, from the same random draws.
 """
 
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from core.eval.metrics import METRICS, random_rows
 from core.eval.rows import row_keys
+from core.model.attention import collect
 from core.ops.masks import NEG
 from core.ops.topk import select_topk, selection_mask
 
@@ -187,7 +188,7 @@ def dense_step(model, batch, ks: Sequence[int], seed: int):
     """
     tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
     targets, loss_mask, keys_b = batch["targets"], batch["loss_mask"], row_keys(seed, batch["rows"])
-    logits_dense, aux = model(tokens, positions, segment_ids, mode="eval_dense", collect=True)
+    logits_dense, aux = model(tokens, positions, segment_ids, mode="eval_dense", probe=collect)
     logits_topk, _ = model(tokens, positions, segment_ids, mode="eval")
     layers, _, t, w = aux["visible"].shape
     random_btw = random_rows(keys_b, 0, t, w)

@@ -14,6 +14,7 @@ from flax import nnx
 from core.checkpoint import store as ckpt
 from core.config.schema import load_config
 from core.data.batches import train_batches, eval_batches
+from core.model.attention import collect
 from tests.dense_eval import dense_teacher, row_kl  # the dense reference of core/eval/metrics.py
 
 path = sys.argv[1]
@@ -25,7 +26,7 @@ arr = [jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids")]
 
 @nnx.jit
 def fwd(model, t, p, s):
-    _, aux = model(t, p, s, mode="eval_dense", collect=True)
+    _, aux = model(t, p, s, mode="eval_dense", probe=collect)
     return aux
 aux = fwd(model, *arr)
 vis = np.asarray(aux["visible"]); sc = np.asarray(aux["index_scores"])

@@ -77,7 +77,7 @@ def main() -> None:
 
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         sys.setprofile(on_call)
-        block(x, tokens, positions, segments, dense=False, indexer_loss=True, collect=False)
+        block(x, tokens, positions, segments, dense=False, indexer_loss=True)
         sys.setprofile(None)
     for _, node in nnx.iter_graph(block):
         note(type(node))

@@ -7,6 +7,8 @@ source locations, so moving code between files changes nothing):
 
 - `tiny-pretrain`, `tiny-warmup`, `tiny-sparse`: deepseek4-tiny's step of each stage, lowered on
   this process's CPU (one device) from abstract inputs, the config resolved for the CPU;
+- `tiny-eval-dense`, `tiny-eval-topk`: deepseek4-tiny's evaluation programs (`dsv4 eval`'s, as
+  `core.eval.evaluate.lowered_eval` lowers them) on the CPU, at its top-k, one row per step;
 - `S-v5e-1-<remat>`: `dsv4 plan --model deepseek4-284b --stage sparse --target v5e-1 $S`'s step
   (docs/planning.md#on-a-chip), lowered (not compiled) for libtpu's compile-only v5e device in a
   child process set up as the planner's (core/plan/targets.py `child_env`), once per remat policy
@@ -62,6 +64,17 @@ def tiny_hashes() -> dict[str, str]:
         cfg = load_config("deepseek4-tiny", ["dataset_type=synthetic", "jax_cache_dir="], stage=stage)
         out[f"tiny-{stage}"] = _digest(_lowered(cfg, "cpu", make_mesh(cfg)), f"tiny-{stage}")
     return out
+
+
+def tiny_eval_hashes() -> dict[str, str]:
+    """deepseek4-tiny's two evaluation programs lowered on the CPU."""
+    from core.eval.evaluate import lowered_eval
+    from core.eval.rows import EvalSet
+    from core.plan.compile import load
+
+    cfg = load("deepseek4-tiny", "eval", ["dataset_type=synthetic", "jax_cache_dir="])
+    lowered, _ = lowered_eval(cfg, (cfg.indexer_topk,), eval_set=EvalSet(batch_rows=1))
+    return {f"tiny-eval-{part}": _digest(program, f"tiny-eval-{part}") for part, program in lowered.items()}
 
 
 def strip_kernel_locations() -> None:
@@ -124,7 +137,7 @@ def main() -> None:
     from core.process import tune_garbage_collector
 
     tune_garbage_collector()
-    hashes = {} if args.tpu_only else tiny_hashes()
+    hashes = {} if args.tpu_only else {**tiny_hashes(), **tiny_eval_hashes()}
     if not args.skip_tpu:
         hashes.update(tpu_hashes())
     for name, digest in hashes.items():

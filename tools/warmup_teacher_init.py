@@ -24,6 +24,7 @@ from core.config.schema import load_config
 from core.data.batches import eval_batches, train_batches
 from core.eval.evaluate import evaluate_indexer
 from core.loss.indexer_kl_rows import EPS
+from core.model.attention import collect
 from core.model.indexer_init import principal_maps
 from core.train.indexer_init import calibration_batches, layer_stats, teacher_init
 
@@ -49,7 +50,7 @@ def bound(ranks):
         mean = st.k_sum[:n] / st.blocks
         ck = st.k_m2[:n, :n] / st.blocks - np.outer(mean, mean)
         maps.append({r: principal_maps(ck, st.q_m2[:n, :n] / st.tokens, r)[:2] for r in ranks})
-    fwd = nnx.jit(lambda m, *a: m(*a, mode="eval_dense", collect=True)[1])
+    fwd = nnx.jit(lambda m, *a: m(*a, mode="eval_dense", probe=collect)[1])
     kl, kl_u = np.zeros(len(ranks)), 0.0
     for batch in eval_batches(cfg, cfg.per_device_batch_size, 4):
         aux = fwd(model, batch["tokens"], batch["positions"], batch["segment_ids"])

@@ -30,6 +30,12 @@ from core.errors import ConfigError
 ALIASES = {"mla_qk_head_chunk_size": "csa_qk_head_chunk_size"}
 
 
+def run_only():
+    """A key the compiled step does not depend on (the data's source, the run's directory, the
+    checkpoints, the compile's cache): core/train/program.py's memo key leaves it out."""
+    return dataclasses.field(metadata={"run_only": True})
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Every key of configs/base.yml, typed. Defaults live in base.yml, not here."""
@@ -86,8 +92,8 @@ class Config:
     attention_query_chunk_size: int   # query positions per chunk of the chunked attention and top-k; -1 = per platform
     csa_topk_attention: str           # auto | gather | mask (CSA's top-k keys gathered, or all keys masked)
     attention_projections: str        # auto | chunked | whole (core/model/attention.py)
-    jax_cache_dir: str                # persistent compilation cache: "" off, "default" = ~/.cache/dsv4/jax, or a path
-    compile_ahead: bool               # training runs compile the step from abstract state while the model builds
+    jax_cache_dir: str = run_only()   # persistent compilation cache: "" off, "default" = ~/.cache/dsv4/jax, or a path
+    compile_ahead: bool = run_only()  # training runs compile the step from abstract state while the model builds
     xla_backend_optimization_level: int  # LLVM level of the train step's compile: 0-3, -1 = 1 on CPU, XLA's default elsewhere
     # mixture of experts
     num_experts: int
@@ -130,28 +136,28 @@ class Config:
     trainable_parameters_mask: tuple[str, ...]
     frozen_parameters_mask: tuple[str, ...]
     init_weights_seed: int
-    checkpoint_period: int            # steps
-    max_checkpoints: int
-    async_checkpointing: bool
-    base_output_directory: str
-    run_name: str
+    checkpoint_period: int = run_only()  # steps
+    max_checkpoints: int = run_only()
+    async_checkpointing: bool = run_only()
+    base_output_directory: str = run_only()
+    run_name: str = run_only()
     learning_rate_schedule_steps: int  # steps; -1 = steps
     abort_on_nan_loss: bool
     abort_on_inf_loss: bool
-    enable_tensorboard: bool
+    enable_tensorboard: bool = run_only()
     # data
-    dataset_type: str
-    hf_path: str
-    hf_name: str
-    hf_data_files: str
-    hf_split: str
-    hf_eval_split: str
-    hf_text_column: str
-    hf_streaming: bool
-    tokenizer_path: str
-    eval_holdout_fraction: float
-    data_shuffle_seed: int
-    allow_data_change: bool           # resume although the data contents' identity changed
+    dataset_type: str = run_only()
+    hf_path: str = run_only()
+    hf_name: str = run_only()
+    hf_data_files: str = run_only()
+    hf_split: str = run_only()
+    hf_eval_split: str = run_only()
+    hf_text_column: str = run_only()
+    hf_streaming: bool = run_only()
+    tokenizer_path: str = run_only()
+    eval_holdout_fraction: float = run_only()
+    data_shuffle_seed: int = run_only()
+    allow_data_change: bool = run_only()  # resume although the data contents' identity changed
     # device mesh
     ici_data_parallelism: int
     ici_fsdp_parallelism: int

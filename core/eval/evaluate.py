@@ -12,7 +12,7 @@ both that forward and the top-k forward (mode "eval") that inference runs. The t
 blocks alone would do, and the selection only decides among blocks).
 
 Memory (DESIGN.md, "Memory"): the step is linear in T. Each CSA layer streams its metrics by query
-block inside the forward (core/eval/metrics.py, through the model's `observe` hook) and hands on
+block inside the forward (core/eval/metrics.py, each CSA layer's probe) and hands on
 only its sums; the LM losses are chunked over tokens from the final hidden states
 (core.loss.lm.chunked_lm_loss), so no [L, ...] stack of layer inputs, no [B, H, T, W] and no
 [B, T, V] exists. The model runs as the run holds it: on its mesh, with expert parallelism where
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from core.eval.metrics import layer_sums
+from core.eval.metrics import layer_probe
 from core.eval.report import IndexerEval, MetricSums, ratio, topk_warnings
 from core.eval.rows import EVAL_KEYS, EvalSet, batch_rows, eval_config, row_batches, row_keys
 
@@ -99,7 +99,7 @@ def eval_step(spec: StepSpec, program: str) -> Callable[..., Any]:
     `core.eval.rows.EVAL_KEYS` arrays.
 
     "dense": mode "eval_dense" with each CSA layer's metrics streamed inside it
-    (`core.eval.metrics.layer_sums` as the `observe` hook; progress ticks when spec.progress) ->
+    (`core.eval.metrics.layer_probe` as each CSA layer's probe; progress ticks when spec.progress) ->
     (sums with a leading CSA-layer axis, nll sum, target weight). "topk": mode "eval" -> nll sum.
     Two programs, not one: one program would hold both forwards' activations at once (the compiler
     interleaves them), two hold one forward's (docs/evaluation.md#memory). The random baseline
@@ -120,9 +120,9 @@ def eval_step(spec: StepSpec, program: str) -> Callable[..., Any]:
         weight = jnp.sum(batch["loss_mask"].astype(jnp.float32))
         if program == "topk":
             return nll(model, model.hidden(*args, mode="eval")[0], batch, weight)
-        observe = functools.partial(layer_sums, ks=spec.ks, keys_b=row_keys(spec.seed, batch["rows"]),
+        probe = functools.partial(layer_probe, ks=spec.ks, keys_b=row_keys(spec.seed, batch["rows"]),
                                     head_chunk=spec.head_chunk, tick=_tick if spec.progress else None)
-        h_btm, aux = model.hidden(*args, mode="eval_dense", observe=observe)
+        h_btm, aux = model.hidden(*args, mode="eval_dense", probe=probe)
         return aux["observed"], nll(model, h_btm, batch, weight), weight
 
     return step

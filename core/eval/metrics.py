@@ -25,8 +25,9 @@ Definitions, per query row (b, t); n_vis = #visible blocks, k_eff = min(k, n_vis
                      nothing, on the same row.
 Top-k everywhere is `core.ops.topk.select_topk`: ties to the lower block index.
 
-Streaming (DESIGN.md, "Memory"): `layer_sums` runs inside the model's CSA layer (its `observe`
-hook, core.model.attention) on the indexer's and the teacher's inputs per run of rows, and scans
+Streaming (DESIGN.md, "Memory"): `layer_sums` runs inside the model's CSA layer (`layer_probe`, the
+layer's probe: core.model.attention.IndexerView) on the indexer's and the teacher's inputs per run
+of rows, as the layer's loss takes them, and scans
 over query blocks of qc rows with the streamed loss's row machinery (core/loss/indexer_kl_rows.py:
 `teacher_rows`, `kl_terms`, `scan_blocks`). What lives at once, per block: the teacher's
 [B, qc, hc, W] logits of one head group, the indexer's [B, qc, W, HI] logits, and a few
@@ -134,8 +135,7 @@ def layer_sums(index: IndexerInputs, teacher, packing: Packing, rows: int, *, ks
                head_chunk: int = 0, tick: Callable[[], None] | None = None) -> dict[str, Any]:
     """Row sums of every metric of one CSA layer, for each k in `ks`, one query block at a time.
 
-    The model's `observe` hook (core.model.attention.Attention) with the evaluation's settings
-    bound: `functools.partial(layer_sums, ks=..., keys_b=..., head_chunk=...)`.
+    Run inside the layer by `layer_probe` with the evaluation's settings (ks, keys_b, head_chunk, tick).
 
     Args:
       index: the indexer's queries (per run of rows), compressed keys [B, W, DI], weights [B, T, HI].
@@ -186,3 +186,11 @@ def layer_sums(index: IndexerInputs, teacher, packing: Packing, rows: int, *, ks
     if tick is not None:
         jax.debug.callback(lambda _: tick(), sums["valid"])
     return sums
+
+
+def layer_probe(view, **settings) -> dict[str, Any]:
+    """The evaluation's probe of a CSA layer (`Attention.__call__`'s `probe`, bound with `layer_sums`'
+    keywords): {"observed": `layer_sums` of the indexer's and the teacher's inputs the layer's view
+    gives (core.model.attention.IndexerView), its packing and the streamed loss's rows}."""
+    index, teacher = view.inputs()
+    return {"observed": layer_sums(index, teacher, view.packing, view.rows, **settings)}

@@ -43,9 +43,11 @@ layer call:
   (blocks), the top-k selection entering as `allowed = visible & selected`; logits [B, H, T, T]
   and [B, H, T, W]; the indexer scores [B, T, W] are built whole.
 
-Either mode builds the whole [B, T, W] scores and [B, T, H, D] teacher queries where a consumer
-needs them whole: `collect` (the eval tools) and an indexer loss that cannot stream (T not a
-multiple of the W blocks), which then takes the direct path (core.loss.indexer_kl).
+Either mode builds the whole [B, T, W] scores and [B, T, H, D] teacher queries where the indexer
+loss cannot stream (T not a multiple of the W blocks), which then takes the direct path
+(core.loss.indexer_kl). The training forward is the selection and the loss; what else reads the
+indexer (the evaluation's metrics, core/eval/metrics.py; the indexer's scores and teacher inputs,
+`collect`) is a probe: the layer hands it an `IndexerView` of its call and puts its result in aux.
 
 Queries travel as one `RowQueries` (a pure function of c_q and W_qb for any run of rows). The
 lightning indexer (`core.model.indexer.Indexer`) lives under `indexer` on CSA layers; its inputs
@@ -60,7 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -163,13 +165,57 @@ class Mode:
     loss_rows: int
 
 
-class Flags(NamedTuple):
-    """What one layer call computes besides its output (`Attention.__call__`'s keywords)."""
+def indexer_inputs(s: AttentionSpec, indexer: Indexer, x_btm, queries: RowQueries, keys: Keys, packing: Packing,
+                   whole: bool) -> tuple[IndexerInputs, Teacher]:
+    """(the indexer's inputs, the teacher: the main attention's queries and keys, detached) of a CSA
+    layer, per run of rows, or with their queries built whole."""
+    sg, joint, pos = jax.lax.stop_gradient, s.teacher == "joint", packing.positions_bt
+    teacher = Teacher(sg(queries), sg(keys.compressed_bwd), sg(keys.raw_bsd) if joint else None,
+                      sg(keys.sink_h) if joint else None, kind=s.teacher, window=s.window if joint else 0)
+    index = indexer.inputs(x_btm, queries.inputs, pos)
+    if whole:
+        index = index._replace(queries=index.queries.whole(pos))
+        teacher = dataclasses.replace(teacher, queries=teacher.queries.whole(pos))
+    return index, teacher
 
-    dense: bool          # CSA attends every visible block, not the top-k
-    indexer_loss: bool   # the layer's indexer loss (dense if `dense`, else sparse)
-    collect: bool        # the indexer's scores, selection and teacher inputs in aux
-    observe: Callable | None = None  # (IndexerInputs, Teacher, Packing, rows) -> aux["observed"] (the evaluation)
+
+@dataclasses.dataclass(frozen=True)
+class IndexerView:
+    """What a CSA layer's call shows a probe (`Attention.__call__`'s `probe`): its spec and indexer,
+    its input x, its queries and keys, the packing, and how its mode runs the indexer (the streamed
+    loss's rows per block, 0: none; `whole`: the mode scores [B, T, W] whole)."""
+
+    spec: AttentionSpec
+    indexer: Indexer
+    x_btm: jax.Array
+    queries: RowQueries
+    keys: Keys
+    packing: Packing
+    rows: int
+    whole: bool
+
+    def inputs(self) -> tuple[IndexerInputs, Teacher]:
+        """(the indexer's inputs, the teacher) as the layer's loss takes them: per run of rows, or
+        built whole where the mode scores whole."""
+        return indexer_inputs(self.spec, self.indexer, self.x_btm, self.queries, self.keys, self.packing, self.whole)
+
+
+def collect(view: IndexerView) -> dict:
+    """The probe of the indexer's tools (core/train/indexer_init.py, tools/, the tests): the layer's
+    whole scores [B, T, W], its top-k selection and the teacher's inputs, detached: index_scores,
+    topk_idx, topk_valid, teacher_query, compressed_kv, visible, indexer_x, indexer_c_q (+ raw_kv,
+    window, sink for the joint teacher)."""
+    s, sg, packing = view.spec, jax.lax.stop_gradient, view.packing
+    index, teacher = dataclasses.replace(view, whole=True).inputs()
+    visible = compressed_visibility(*packing, s.ratio)
+    scores = indexer_scores(index.queries.inputs, *index[1:], visible, head_chunk=s.impl.head_chunk)
+    selection = select_topk(scores, visible, s.indexer_topk)
+    out = dict(index_scores=sg(scores), topk_idx=selection.idx_btk, topk_valid=selection.valid_btk,
+               teacher_query=teacher.queries.inputs, compressed_kv=teacher.compressed_bwd, visible=visible,
+               indexer_x=sg(view.x_btm), indexer_c_q=sg(view.queries.inputs))
+    if s.teacher == "joint":
+        out.update(raw_kv=teacher.raw_bsd, window=sliding_window_mask(*packing, s.window), sink=teacher.sink_h)
+    return out
 
 
 def streamable_rows(s: AttentionSpec, t: int) -> int:
@@ -229,22 +275,18 @@ class Attention(nnx.Module):
             self.indexer = Indexer(s.indexer_spec(), rngs=rngs, param_dtype=param_dtype, dtype=dtype)
 
     def __call__(self, x_btm, positions_bt, segment_ids_bt, *, dense: bool = False,
-                 indexer_loss: bool = False, collect: bool = False, observe: Callable | None = None):
+                 indexer_loss: bool = False, probe: Callable[[IndexerView], dict] | None = None):
         """Args:
           x_btm: [B, T, M] (already attn-normed).
           positions_bt, segment_ids_bt: int [B, T].
           dense: CSA attends every visible block (dense warm-up, eval_dense) instead of the top-k.
           indexer_loss: compute this CSA layer's indexer loss (dense if `dense`, else sparse).
-          collect: also return the indexer's scores, selection and teacher inputs.
-          observe: CSA layers with an indexer call it with the indexer's inputs, the teacher (both
-            per run of rows), the packing and the streamed loss's query block (0: none); its
-            result is aux["observed"] (the streamed evaluation, core/eval/metrics.py).
+          probe: CSA layers with an indexer call it with their `IndexerView`, before the attention;
+            the dict it returns joins aux (`collect`; the evaluation's `core.eval.metrics.layer_sums`).
 
         Returns:
           (y_btm [B, T, M], aux). CSA layers with an indexer: aux["indexer_loss"] (f32 scalar,
-          times loss_scale; 0.0 when not computed) and, when collecting, index_scores,
-          topk_idx, topk_valid, teacher_query, compressed_kv, visible, indexer_x, indexer_c_q (the
-          indexer's inputs x and c_q) (+ raw_kv, window, sink for the joint teacher).
+          times loss_scale; 0.0 when not computed) and the probe's keys.
         """
         s, dt = self.spec, self.dtype
         mode = mode_of(s, x_btm.shape[1])
@@ -259,8 +301,10 @@ class Attention(nnx.Module):
                     self.compressor(x_btm, positions_bt) if s.ratio else None, s.ratio)
         selection, aux, tap = None, {}, None
         if s.indexer_heads:
-            selection, aux, tap = self._index(mode, x_btm, queries, keys, packing,
-                                              Flags(dense, indexer_loss, collect, observe))
+            selection, aux, tap = self._index(mode, x_btm, queries, keys, packing, dense, indexer_loss)
+            if probe is not None:
+                aux.update(probe(IndexerView(s, self.indexer, x_btm, queries, keys, packing, mode.loss_rows,
+                                             mode.select is None)))
         attend = mode.attend if tap is None else functools.partial(mode.attend, tap=tap[0])
         if s.impl.projections == "whole":  # one matmul per projection and weight gradient, [B, T, H, D] whole
             q = RowQueries.given(pin_rows(queries.of(queries.inputs, positions_bt), heads_axis=2))  # split as x is
@@ -285,54 +329,40 @@ class Attention(nnx.Module):
                                    "attn_o_lora")
         return jnp.einsum("btr,rm->btm", lat_btgr.reshape(b, t, -1), self.wo_b[...].astype(dt))
 
-    def _index(self, mode: Mode, x_btm, queries: RowQueries, keys: Keys, packing: Packing, flags: Flags):
+    def _index(self, mode: Mode, x_btm, queries: RowQueries, keys: Keys, packing: Packing, dense: bool,
+               indexer_loss: bool):
         """The indexer of a CSA layer: (the selection attention uses, None for every visible block; aux;
         None, or the loss's (tap, finish) when the chunked attention feeds it, `_teacher_tap`).
 
-        The scores [B, T, W] are built whole in the masked mode, for `collect`, and for a loss that
-        cannot stream; otherwise the top-k runs per chunk and the loss streams.
+        The scores [B, T, W] are built whole in the masked mode and for a loss that cannot stream;
+        otherwise the top-k runs per chunk and the loss streams.
         """
-        s, sg, pos = self.spec, jax.lax.stop_gradient, packing.positions_bt
+        s, pos = self.spec, packing.positions_bt
         aux = {"indexer_loss": jnp.zeros((), jnp.float32)}
-        if flags.dense and not flags.indexer_loss and not flags.collect and flags.observe is None:  # no part
+        if dense and not indexer_loss:  # no part
             return None, aux, None
-        plain = flags.dense and flags.indexer_loss and not flags.collect and flags.observe is None
-        if plain and s.impl.attention == "chunked" and s.impl.indexer_gradient == "local" and \
+        if dense and s.impl.attention == "chunked" and s.impl.indexer_gradient == "local" and \
                 mode.loss_rows == min(s.impl.attention_chunk, x_btm.shape[1]):  # one loss block per chunk
             return None, aux, self._teacher_tap(x_btm, queries, packing, mode.loss_rows)
-        joint = s.teacher == "joint"
-        teacher = Teacher(sg(queries), sg(keys.compressed_bwd), sg(keys.raw_bsd) if joint else None,
-                          sg(keys.sink_h) if joint else None, kind=s.teacher, window=s.window if joint else 0)
-        index = self.indexer.inputs(x_btm, queries.inputs, pos)
         rows = mode.loss_rows
-        whole = mode.select is None or flags.collect or (flags.indexer_loss and not rows)
-        if whole:
-            index = index._replace(queries=index.queries.whole(pos))
-            teacher = dataclasses.replace(teacher, queries=teacher.queries.whole(pos))
+        whole = mode.select is None or (indexer_loss and not rows)
+        index, teacher = indexer_inputs(s, self.indexer, x_btm, queries, keys, packing, whole)
         scores = visible = selection = None
-        if whole and (flags.collect or not flags.dense or (flags.indexer_loss and not rows)):
+        if whole and (not dense or (indexer_loss and not rows)):
             visible = compressed_visibility(*packing, s.ratio)
             scores = indexer_scores(index.queries.inputs, *index[1:], visible, head_chunk=s.impl.head_chunk)
             selection = select_topk(scores, visible, s.indexer_topk)
-        elif not flags.dense:
+        elif not dense:
             selection = mode.select(index, packing)
-        if flags.indexer_loss:
-            allowed = None if scores is None else visible if flags.dense else visible & selection.mask(visible.shape[-1])
-            topk = None if flags.dense else s.indexer_topk
+        if indexer_loss:
+            allowed = None if scores is None else visible if dense else visible & selection.mask(visible.shape[-1])
+            topk = None if dense else s.indexer_topk
             if rows and not whole and s.impl.indexer_gradient == "local":  # the streamed loss, differentiated here
                 aux["indexer_loss"] = local_gradient_loss(self.indexer, lambda indexer: self._indexer_loss(
                     indexer.inputs(x_btm, queries.inputs, pos), teacher, packing, None, topk, rows))
             else:
                 aux["indexer_loss"] = self._indexer_loss(index, teacher, packing, (scores, allowed), topk, rows)
-        if flags.observe is not None:
-            aux["observed"] = flags.observe(index, teacher, packing, rows)
-        if flags.collect:
-            aux.update(index_scores=sg(scores), topk_idx=selection.idx_btk, topk_valid=selection.valid_btk,
-                       teacher_query=teacher.queries.inputs, compressed_kv=teacher.compressed_bwd, visible=visible,
-                       indexer_x=sg(x_btm), indexer_c_q=sg(queries.inputs))
-            if joint:
-                aux.update(raw_kv=teacher.raw_bsd, window=sliding_window_mask(*packing, s.window), sink=teacher.sink_h)
-        return (None if flags.dense else selection), aux, None
+        return (None if dense else selection), aux, None
 
     def _teacher_tap(self, x_btm, queries: RowQueries, packing: Packing, rows: int):
         """The dense streamed loss with its gradient taken here (`indexer_gradient: local`), its teacher

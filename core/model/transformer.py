@@ -83,9 +83,7 @@ from core.ops.order import backward_after_cotangent
 from core.ops.placement import mesh_platform_of
 
 MODES = ("train", "eval", "eval_dense")
-COLLECT_KEYS = ("index_scores", "topk_idx", "topk_valid", "teacher_query", "compressed_kv", "visible", "indexer_x",
-                "indexer_c_q")
-JOINT_KEYS = ("raw_kv", "window", "sink")
+LAYER_KEYS = ("indexer_loss", "lb_loss", "load", "dropped")  # a block's aux; the rest is a probe's
 # Small named values every remat policy keeps (module docstring): what the backward would
 # otherwise recompute at a high op count for a few bytes per token (checkpoint_name at the source).
 SAVED_NAMES = ("topk_idx", "topk_valid", "topk_mask", "indexer_loss_grads", "indexer_local_grads", "moe_routing")
@@ -198,11 +196,11 @@ class Block(nnx.Module):
         self.hc_ffn = HyperConnection(spec.emb, spec.hc_n, spec.hc_iters, spec.hc_eps, spec.eps, **hc)
 
     def __call__(self, x_btnm, tokens_bt, positions_bt, segment_ids_bt, *, dense: bool,
-                 indexer_loss: bool, collect: bool, observe=None):
+                 indexer_loss: bool, probe=None):
         """[B, T, n, M] -> ([B, T, n, M], aux: lb_loss, load [E], dropped and the attention's aux)."""
         y_btm, post_btn, comb_btnn = self.hc_attn.pre(x_btnm)
         out_btm, aux = self.attn(self.attn_norm(y_btm), positions_bt, segment_ids_bt, dense=dense,
-                                 indexer_loss=indexer_loss, collect=collect, observe=observe)
+                                 indexer_loss=indexer_loss, probe=probe)
         out_btm = checkpoint_name(out_btm, "attn_sublayer_out")  # post's backward reads it
         x_btnm = HyperConnection.post(out_btm, x_btnm, post_btn, comb_btnn, self.hc_attn.form)
         y_btm, post_btn, comb_btnn = self.hc_ffn.pre(x_btnm)
@@ -317,7 +315,7 @@ def run_segment(layer, x_btnm, args, flags, *, remat: bool, policy, scanned: boo
 
 
 class Transformer(nnx.Module):
-    """The decoder: `logits, aux = model(tokens, positions, segment_ids, mode=..., collect=...)`."""
+    """The decoder: `logits, aux = model(tokens, positions, segment_ids, mode=..., probe=...)`."""
 
     def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
         pdt, dt = jnp.dtype(spec.weight_dtype), jnp.dtype(spec.dtype)
@@ -352,41 +350,36 @@ class Transformer(nnx.Module):
         loss = train and stage.indexer_loss != "off" and bool(self.csa_layers)
         return dense, loss, not (train and not stage.lm_loss)
 
-    def __call__(self, tokens, positions, segment_ids, *, mode: str = "train", collect: bool = False):
+    def __call__(self, tokens, positions, segment_ids, *, mode: str = "train", probe=None):
         """The logits: `hidden` then the head (evaluation and the HF parity test use this).
 
         Args:
           tokens, positions, segment_ids: int [B, T] (DESIGN.md's packed rows).
           mode: "train" | "eval" | "eval_dense" (module docstring).
-          collect: also return every CSA layer's indexer scores, selection and teacher inputs.
+          probe: called by every CSA layer with its view (core.model.attention.Attention, e.g. its
+            `collect`); each key it returns is in aux, stacked in layer order (leading axis len(csa_layers)).
 
         Returns:
           (logits float32 [B, T, V] or None, aux) with aux["indexer_loss"] (mean over CSA layers
           of the scaled layer losses, 0.0 when not computed), aux["moe_lb_loss"] (mean over
           learned-routing layers), aux["expert_load"] [L, E], aux["moe_dropped"] (the fraction of
-          routed slots dropped for expert-parallel capacity, mean over layers); with `collect`, per CSA layer in
-          layer order (leading axis len(csa_layers)): index_scores, topk_idx, topk_valid,
-          teacher_query, compressed_kv, visible, indexer_x, indexer_c_q (+ raw_kv, window, sink for the
-          joint teacher).
+          routed slots dropped for expert-parallel capacity, mean over layers); the probe's keys.
         """
-        h, aux = self.hidden(tokens, positions, segment_ids, mode=mode, collect=collect)
+        h, aux = self.hidden(tokens, positions, segment_ids, mode=mode, probe=probe)
         return (None if h is None else self.logits(h)), aux
 
     def logits(self, h_btm):
         """The head: final hidden states [B, T, M] -> float32 logits [B, T, V]."""
         return head_logits(h_btm, self.head[...].astype(self.dtype))
 
-    def hidden(self, tokens, positions, segment_ids, *, mode: str = "train", collect: bool = False,
-               observe=None):
+    def hidden(self, tokens, positions, segment_ids, *, mode: str = "train", probe=None):
         """The decoder without its head: (h [B, T, M] = norm(hc_head(x)) or None, aux).
 
         Same arguments and aux as `__call__`; h is None where the head is not run (dense warm-up).
         The training step feeds h and `self.head` to the chunked LM loss (core/loss/lm.py).
-        `observe` (core.model.attention.Attention): each CSA layer's result, stacked in layer
-        order (leading axis len(csa_layers)), is aux["observed"].
         """
         dense, loss, run_head = self._flags(mode)
-        flags = dict(dense=dense, indexer_loss=loss, collect=collect, observe=observe)
+        flags = dict(dense=dense, indexer_loss=loss, probe=probe)
         args = (tokens, positions, segment_ids)
         x = expand(self.embed[...].astype(self.dtype)[tokens], self.n)  # cast first: FSDP gathers in dtype
 
@@ -397,7 +390,7 @@ class Transformer(nnx.Module):
                                  scanned=reps > 1, tie=self.cross_layer_gradient)
             auxes.append(aux if reps > 1 else [aux])
         h = self.norm(self.hc_head(x)) if run_head else None
-        return h, self._aux(auxes, loss, collect, observe is not None)
+        return h, self._aux(auxes, loss)
 
     def _layer_values(self, auxes, key, layers):
         """Stack aux[key] (an array or a pytree of them) of the given layers in layer order:
@@ -414,7 +407,7 @@ class Transformer(nnx.Module):
                 parts.append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), arr))
         return jax.tree.map(lambda *a: jnp.concatenate(a), *parts) if parts else None
 
-    def _aux(self, auxes, loss: bool, collect: bool, observed: bool = False):
+    def _aux(self, auxes, loss: bool):
         learned = set(range(self.first_hash, self.num_layers))
         csa = set(self.csa_layers)
         lb = self._layer_values(auxes, "lb_loss", learned)
@@ -425,11 +418,9 @@ class Transformer(nnx.Module):
             "expert_load": self._layer_values(auxes, "load", set(range(self.num_layers))),
             "moe_dropped": jnp.mean(self._layer_values(auxes, "dropped", set(range(self.num_layers)))),
         }
-        if observed and csa:
-            aux["observed"] = self._layer_values(auxes, "observed", csa)
-        if collect and csa:
-            for key in COLLECT_KEYS + (JOINT_KEYS if self.joint else ()):
-                aux[key] = self._layer_values(auxes, key, csa)
+        probed = dict.fromkeys(k for seg in auxes for unit in seg for k in unit if k not in LAYER_KEYS)
+        for key in probed if csa else ():  # the probe's, in the order it returned them
+            aux[key] = self._layer_values(auxes, key, csa)
         return aux
 
     def update_router_biases(self, expert_load_le, rate: float) -> None:

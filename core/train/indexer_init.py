@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from core.loss.indexer_kl_rows import Spec, kl_rows, teacher_rows
+from core.model.attention import collect
 from core.model.indexer_init import LayerStats, TeacherWeights, teacher_indexer
 from core.ops.masks import block_first_positions
 from core.ops.rope import apply_rope
@@ -111,7 +112,7 @@ def _layer_sums(q_bthd, kv_bwd, visible_btw, x_btm, cq_btr, positions_bt, rope):
 
 def _stats_step(rope):
     def step(model, tokens, positions, segment_ids):
-        _, aux = model(tokens, positions, segment_ids, mode="eval_dense", collect=True)
+        _, aux = model(tokens, positions, segment_ids, mode="eval_dense", probe=collect)
         fn = lambda a: _layer_sums(*a, positions, rope)
         return jax.lax.map(fn, tuple(aux[k] for k in ("teacher_query", "compressed_kv", "visible", "indexer_x",
                                                       "indexer_c_q")))
@@ -120,7 +121,7 @@ def _stats_step(rope):
 
 def _kl_step(model, tokens, positions, segment_ids):
     """Per layer: KL sums for every temperature [G], the uniform student's, valid rows."""
-    _, aux = model(tokens, positions, segment_ids, mode="eval_dense", collect=True)
+    _, aux = model(tokens, positions, segment_ids, mode="eval_dense", probe=collect)
 
     def layer(a):
         q_bthd, kv_bwd, scores_btw, visible_btw = a

@@ -32,6 +32,7 @@ compares the lowered programs).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -57,13 +58,6 @@ from core.train import memory, optimizer
 from core.train.step import config_matcher, step_fn, training_loss
 
 AUTO_CPU_LEVEL = 1  # xla_backend_optimization_level -1 on CPU (step_compiler_options)
-
-# Config keys a compiled step does not depend on (data source, run directory, checkpointing).
-_RUN_ONLY_KEYS = frozenset({
-    "dataset_type", "hf_path", "hf_name", "hf_data_files", "hf_split", "hf_eval_split", "hf_text_column",
-    "hf_streaming", "tokenizer_path", "eval_holdout_fraction", "data_shuffle_seed", "checkpoint_period",
-    "max_checkpoints", "async_checkpointing", "base_output_directory", "run_name", "allow_data_change",
-    "enable_tensorboard", "jax_cache_dir", "compile_ahead"})
 
 
 class StepMemo:
@@ -118,8 +112,10 @@ class StepInputs(NamedTuple):
 
 def _compile_key(cfg) -> tuple:
     # steps only shapes the step through the schedule's length, unless learning_rate_schedule_steps fixes it
-    skip = _RUN_ONLY_KEYS | ({"steps"} if cfg.learning_rate_schedule_steps > 0 else set())
-    return tuple((f, v) for f, v in vars(cfg).items() if f not in skip)
+    # the schema marks the keys a step does not depend on (core.config.schema.run_only)
+    skip = {"steps"} if cfg.learning_rate_schedule_steps > 0 else set()
+    return tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                 if not f.metadata.get("run_only") and f.name not in skip)
 
 
 def step_key(cfg, graphdef, mesh) -> tuple:

@@ -34,6 +34,7 @@ from flax import nnx
 
 from core.config.schema import load_config
 from core.hf.names import block_slot, dims_of, hf_to_dsv4, set_params
+from core.model.attention import collect
 from core.model.mhc import HyperConnection, expand
 from core.model.transformer import Transformer
 from core.model.moe import combine_weights, route, router_scores
@@ -88,7 +89,7 @@ def inputs(fx):
 def forward(loaded, inputs):
     model, _ = loaded
     # one compiled program, not one small compile per eager op (hundreds of them)
-    return nnx.jit(lambda m, *args: m(*args, mode="eval", collect=True))(model, *inputs)
+    return nnx.jit(lambda m, *args: m(*args, mode="eval", probe=collect))(model, *inputs)
 
 
 def _maxdiff(a, b):
@@ -175,7 +176,7 @@ def _layer_values(block, cfg, layer, x, hf_attn_out, tokens, positions, segments
     y2, _, _ = block.hc_ffn.pre(x_mid)
     out["moe_out"], _ = block.ffn(block.ffn_norm(y2), tokens, segments > 0)
     out["route_idx"], out["route_weights"] = _routing(block, block.ffn_norm(y2), tokens)
-    out["stream_out"], _ = block(x, tokens, positions, segments, dense=False, indexer_loss=False, collect=False)
+    out["stream_out"], _ = block(x, tokens, positions, segments, dense=False, indexer_loss=False)
     return out
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from core.model.attention import Attention, AttentionImpl, AttentionSpec
+from core.model.attention import Attention, AttentionImpl, AttentionSpec, collect
 from core.model.indexer import Indexer, IndexerSpec
 from core.ops.chunked_attention import softmax_attention
 from core.ops.masks import compressed_visibility
@@ -141,7 +141,7 @@ def test_attention_layer_matches_reference(x64, ratio, dense):
     layer, params = make_layer(s, jnp.float64, seed=ratio)
     pos, seg = packed(ROWS, T)
     x = np.random.default_rng(10 + ratio).standard_normal((2, T, 16))
-    y, aux = call(layer, x, pos, seg, dense=dense, collect=True)
+    y, aux = call(layer, x, pos, seg, dense=dense, probe=collect)
     want, scores = ref_layer(s, params, x, pos, seg, dense=dense)
     err = float(np.max(np.abs(np.asarray(y) - want)))
     assert err < 1e-10, f"max diff {err}"
@@ -276,7 +276,7 @@ def test_layer_indexer_loss_wiring():
 
     @nnx.jit
     def run(layers, x, pos, seg):
-        return {v: layer(x, pos, seg, dense=v[2], indexer_loss=True, collect=True)[1]
+        return {v: layer(x, pos, seg, dense=v[2], indexer_loss=True, probe=collect)[1]
                 for v, layer in layers.items()}
 
     out = run(layers, x, jnp.asarray(pos), jnp.asarray(seg))

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from core.config.schema import load_config
+from core.model.attention import collect
 from core.model.transformer import Transformer, layer_plan, param_counts
 from core.model.moe import HashTable, RouterBias
 from core.spec.resolve import resolve
@@ -156,7 +157,7 @@ def model_b():
 
 @nnx.jit
 def eval_fwd(model, tokens, positions, segment_ids):
-    return model(tokens, positions, segment_ids, mode="eval", collect=True)
+    return model(tokens, positions, segment_ids, mode="eval", probe=collect)
 
 
 def rows_of(*docs, t=128):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from core.model.attention import Attention
+from core.model.attention import Attention, collect
 from core.ops.chunked_attention import Keys, RowQueries, band_run, chunked_attention, softmax_attention
 from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
 from core.ops.topk import (IndexerInputs, SelectionMask, indexer_scores, select_topk, select_topk_chunked,
@@ -219,7 +219,7 @@ def test_layer_chunked_collect_equals_masked():
     chunked, masked = _layer_pair(4, seed=3, loss_scale=0.1)
     pos, seg = (jnp.asarray(a) for a in packed([[13, 9], [22]], 22))
     x = jax.random.normal(jax.random.key(5), (2, 22, 16))
-    run = nnx.jit(lambda layer, x: layer(x, pos, seg, collect=True, indexer_loss=True))
+    run = nnx.jit(lambda layer, x: layer(x, pos, seg, probe=collect, indexer_loss=True))
     (y_c, aux_c), (y_m, aux_m) = run(chunked, x), run(masked, x)
     np.testing.assert_allclose(y_c, y_m, atol=1e-5)
     assert set(aux_c) == set(aux_m)
