@@ -41,6 +41,7 @@ from core.plan import compile as plan_compile
 from core.plan import report
 from core.plan import targets as tg
 from core.process import tune_garbage_collector
+from core.spec.resolve import resolve
 
 CACHE_LAYOUT = 1  # bump when a cache file's content changes meaning
 DEFAULT_CACHE = "runs/plan-cache"
@@ -139,7 +140,7 @@ def state_figures(model: str, stage: str | None, overrides: Sequence[str], confi
                   target: tg.Target, cands: Sequence[Candidate], timeout_s: float | None = None) -> list[dict[str, int]]:
     """`report.state_bytes` of every candidate, from one child process (no devices, no compile)."""
     args = {"model": model, "stage": stage, "overrides": list(overrides), "config_file": config_file,
-            "candidates": [dataclasses.asdict(c) for c in cands]}
+            "platform": target.platform, "candidates": [dataclasses.asdict(c) for c in cands]}
     return plan_compile.run_child("core.plan.search", args, target, timeout_s=timeout_s, what="the state pass")["state"]
 
 
@@ -151,11 +152,13 @@ def _state_child(args: dict[str, Any]) -> dict[str, Any]:
 
     try:
         cfg = plan_compile.load(args["model"], args["stage"], args["overrides"], args["config_file"])
-        model = program.abstract_model_and_optimizer(cfg)  # depends on neither the mesh nor the batch
+        platform = args["platform"]
+        # the parameters and the optimizer state depend on neither the mesh nor the batch
+        model = program.abstract_model_and_optimizer(resolve(cfg, platform).cfg)
         out = []
         for fields in args["candidates"]:
             c = Candidate(tuple(fields["ici"]), tuple(fields["dcn"]), fields["per_device_batch_size"])
-            ccfg = cfg.replace(**c.fields())
+            ccfg = resolve(cfg.replace(**c.fields()), platform, c.mesh).cfg
             mesh = AbstractMesh(tuple(c.mesh.values()), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
             _, state, batch, _ = program.abstract_inputs(ccfg, model, mesh)
             out.append(report.state_bytes(ccfg, state, batch))
