@@ -9,7 +9,7 @@ times (median). Random routing, bf16 operands, float32 accumulation, as the mode
 Prints one JSON line per implementation with the medians and the TFLOP/s of the slots' matmuls
 (2 * 3 * N k M F forward, three times that with the gradients). Implementations:
 
-- `tiled`: core/ops/moe_dispatch.py's tiles (the CPU's default);
+- `tiled`: core/model/moe.py's `tiled_experts` (the CPU's default);
 - `ragged`: core/model/moe.py's `grouped_experts` over lax.ragged_dot (moe_impl=ragged);
 - `gmm:TILES`: the same over the megablox kernels (moe_impl=gmm); TILES is one (tm,tk,tn) for all
   passes or fwd/dlhs/drhs, three tuples separated by '/'.
@@ -40,9 +40,8 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from core.model.moe import auto_tile, grouped_experts, megablox_gmm, ragged, swiglu_hidden
+    from core.model.moe import auto_tile, grouped_experts, megablox_gmm, ragged, swiglu_hidden, tiled_experts
     from core.ops.grouped_matmul import GmmTiling
-    from core.ops.moe_dispatch import Tiling, tiled_experts
 
     n, m, f, e, k = args.tokens, args.emb, args.mlp, args.experts, args.k
     keys = jax.random.split(jax.random.key(0), 6)
@@ -58,8 +57,7 @@ def main() -> None:
 
     def impl_fn(name):
         if name == "tiled":
-            tiling = Tiling(auto_tile(n, e, k))
-            return lambda *a: tiled_experts(*a, tiling, hidden=functools.partial(swiglu_hidden, limit=10.0))
+            return lambda *a: tiled_experts(*a, tile=auto_tile(n, e, k), hidden=functools.partial(swiglu_hidden, limit=10.0))
         if name == "ragged":
             return lambda *a: grouped_experts(*a, 10.0, ragged(jnp.bfloat16))
         if name.startswith("gmm:"):

@@ -23,7 +23,7 @@ OWNERS = {
     "model/compressor": "compressor",
     "model/indexer": "indexer", "ops/topk": "indexer", "loss/indexer_kl": "indexer",
     "loss/indexer_kl_rows": "indexer", "loss/indexer_kl_streamed": "indexer",
-    "model/moe": "MoE", "ops/moe_dispatch": "MoE", "ops/grouped_matmul": "MoE", "ops/expert_parallel": "MoE",
+    "model/moe": "MoE", "ops/grouped_matmul": "MoE", "ops/expert_parallel": "MoE",
     "model/mhc": "mHC",
     "loss/lm": "head",
     "model/indexer_init": "indexer",

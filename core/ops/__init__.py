@@ -3,7 +3,7 @@
 Modules: masks (visibility from positions and segment ids), rope (partial RoPE with YaRN),
 chunked_attention (banded window, gathered top-k, chunked visible blocks), fused_attention (the same
 attention as Pallas TPU kernels, forward and backward), topk (indexer scores,
-top-k block selection), moe_dispatch (drop-free sorted, tiled expert dispatch), grouped_matmul (the
+top-k block selection), grouped_matmul (the
 megablox kernels with per-pass tiles, slot permutations), expert_parallel (tokens sent to their
 experts' devices and back), quant (the released FP8/FP4 formats), order (data
 dependencies that fix the order of collectives on XLA:CPU), placement (an activation pinned to the

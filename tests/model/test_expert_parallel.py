@@ -80,7 +80,7 @@ def test_expert_parallel_experts_equal_the_one_device_dispatch(worker, dtype):
     """`expert_parallel_experts` on fsdp 2 x expert 4 (two local experts: a token may send two slots to one
     device) equals the one-device tiled dispatch in value and in the gradients of x, the combine weights and
     the expert weights: to float32 rounding, and in float64 to float64 rounding (the one-device dispatch is
-    tested against its float64 dense reference in tests/ops/test_moe_dispatch.py)."""
+    tested against its float64 dense reference in tests/model/test_moe_dispatch.py)."""
     tol = 1e-5 if dtype == "float32" else 1e-12
     for what, (diff, scale) in worker["direct"][dtype].items():
         assert diff <= tol * max(1.0, scale), f"{dtype} {what}: max |diff| = {diff:.3e} (scale {scale:.2e})"
@@ -312,7 +312,7 @@ def _direct_in(dtype):
 
     from core.model import moe
     from core.ops.expert_parallel import Exchange, expert_parallel_experts
-    from core.ops.moe_dispatch import Tiling, tiled_experts
+    from core.model.moe import tiled_experts
 
     model = _models("learned")
     x, _, _, cot = _inputs()
@@ -330,9 +330,9 @@ def _direct_in(dtype):
         (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True))(x, weights, *w)
         return (y, *g)
 
-    ref = grads(lambda *a: tiled_experts(*a, Tiling(8), hidden=hidden))
+    ref = grads(lambda *a: tiled_experts(*a, tile=8, hidden=hidden))
     mesh = _mesh(MESHES["fsdp2_expert4"])
-    local = functools.partial(tiled_experts, tiling=Tiling(8, empty_slots=True), hidden=hidden)
+    local = functools.partial(tiled_experts, tile=8, empty_slots=True, hidden=hidden)
     with jax.set_mesh(mesh):
         got = grads(lambda *a: expert_parallel_experts(*a, Exchange(mesh, emulated=True), experts=local)[0])
     return {what: _diff(a, r) for what, a, r in zip(names, got, ref, strict=True)}

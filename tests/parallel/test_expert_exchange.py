@@ -16,7 +16,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from core.model import moe
 from core.ops.expert_parallel import Exchange, expert_parallel_experts
-from core.ops.moe_dispatch import Tiling, tiled_experts
+from core.model.moe import tiled_experts
 
 B, T, M, F, E, K = 8, 16, 8, 16, 16, 2
 
@@ -37,7 +37,7 @@ def test_the_combine_weights_stay_at_the_source():
     """Forward: two exchanges of [rows, M] (the slots out, their outputs back), none of the [rows] weights;
     value and gradient (x, weights, w1, w2, w3): four, all of [rows, M]."""
     mesh = AbstractMesh((1, 1, 1, 8), ("data", "fsdp", "tensor", "expert"), axis_types=(AxisType.Auto,) * 4)
-    local = functools.partial(tiled_experts, tiling=Tiling(8, empty_slots=True),
+    local = functools.partial(tiled_experts, tile=8, empty_slots=True,
                               hidden=functools.partial(moe.swiglu_hidden, limit=10.0))
     f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
     args = (f32((B, T, M)), jax.ShapeDtypeStruct((B, T, K), jnp.int32), f32((B, T, K)), f32((E, M, F)),

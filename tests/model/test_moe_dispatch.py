@@ -1,4 +1,4 @@
-"""core.ops.moe_dispatch: the tiled drop-free dispatch equals the dense path in value and gradient."""
+"""core.model.moe.tiled_experts: the tiled drop-free dispatch equals the dense path in value and gradient."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 from core.model import moe
-from core.ops import moe_dispatch
 from tests.model.test_moe import _call, _close, _flat, _grads, _inputs, _moe, _normal, _ref_moe_output
 
-_layout = jax.jit(moe_dispatch.tile_layout, static_argnums=(1, 2))
+_layout = jax.jit(moe.tile_layout, static_argnums=(1, 2))
 
 
 @pytest.mark.parametrize("tile", [1, 3, 8, 64])
@@ -122,7 +121,7 @@ def test_chunked_tiles_equal_dense_value_and_gradient_f64(x64, per_step, routing
     x, weights, ws, cot = _operands(k)
 
     def tiled(x, weights, w1, w2, w3):
-        return moe_dispatch.tiled_experts(x, idx, weights, w1, w2, w3, moe_dispatch.Tiling(2, per_step),
+        return moe.tiled_experts(x, idx, weights, w1, w2, w3, tile=2, per_step=per_step,
                                           hidden=_hidden)
 
     (v, g), (v_d, g_d) = _value_and_grads(tiled, x, weights, ws, cot), _value_and_grads(
@@ -138,8 +137,8 @@ def test_chunked_tiles_equal_one_chunk_f32():
     x, weights, ws, cot = _operands(_K, n=40, dtype=jnp.float32)
     results = {}
     for per_step in (1, 0, 10 ** 6):
-        fn = functools.partial(lambda ps, x, w, w1, w2, w3: moe_dispatch.tiled_experts(
-            x, idx, w, w1, w2, w3, moe_dispatch.Tiling(4, ps), hidden=_hidden), per_step)
+        fn = functools.partial(lambda ps, x, w, w1, w2, w3: moe.tiled_experts(
+            x, idx, w, w1, w2, w3, tile=4, per_step=ps, hidden=_hidden), per_step)
         results[per_step] = _value_and_grads(fn, x, weights, ws, cot)
     (v_all, g_all) = results[10 ** 6]
     for per_step in (1, 0):
@@ -158,8 +157,8 @@ def test_empty_slots_add_nothing_and_empty_chunks_are_skipped(x64, per_step):
     x, weights, ws, cot = _operands(_K)
 
     def tiled(idx):
-        return lambda x, w, w1, w2, w3: moe_dispatch.tiled_experts(
-            x, idx, w, w1, w2, w3, moe_dispatch.Tiling(2, per_step, empty_slots=True), hidden=_hidden)
+        return lambda x, w, w1, w2, w3: moe.tiled_experts(
+            x, idx, w, w1, w2, w3, tile=2, per_step=per_step, empty_slots=True, hidden=_hidden)
 
     v, g = _value_and_grads(tiled(jnp.asarray(np.where(empty, _E, idx), jnp.int32)), x, weights, ws, cot)
     kept = jnp.asarray(np.where(empty, 0.0, 1.0))
@@ -177,13 +176,13 @@ def test_chunked_tiles_hold_no_per_tile_copy_of_all_weights():
     and less than a single [G, M, F] copy."""
     e, k, m, f, n, tile = 32, 2, 128, 128, 256, 8
     tiles = -(-(n * k + e * (tile - 1)) // tile)
-    per_step = moe_dispatch.tiles_per_step(tiles, tile, f)
+    per_step = moe.tiles_per_step(tiles, tile, f)
     copy = tiles * m * f * 4                                  # one float32 [G, M, F]
     s = jax.ShapeDtypeStruct
 
     def temp(steps):
         def loss(x, w, w1, w2, w3, idx):
-            y = moe_dispatch.tiled_experts(x, idx, w, w1, w2, w3, moe_dispatch.Tiling(tile, steps),
+            y = moe.tiled_experts(x, idx, w, w1, w2, w3, tile=tile, per_step=steps,
                                            hidden=_hidden)
             return jnp.sum(y ** 2)
 
