@@ -493,50 +493,38 @@ def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):
 # ----------------------------------------------------------------------------- modules
 
 
-class Router(nnx.Module):
-    """The gate: weight [M, E]; bias [E] (learned routing with use_bias); tid2eid [V, k] (hash)."""
-
-    def __init__(self, spec: MoESpec, *, seed_for_hash_table: int, rngs, param_dtype=jnp.float32):
-        self.weight = param(rngs, dense_init(), (spec.emb, spec.num_experts), ("embed", None), param_dtype)
-        # Each attribute is assigned once: an nnx attribute first set to None would turn static.
-        if spec.hash_routed:
-            table = hash_table(seed_for_hash_table, spec.vocab_size, spec.num_experts, spec.k)
-            self.tid2eid = HashTable(table, out_sharding=(None, None), eager_sharding=False)
-            self.bias = None
-        else:
-            self.tid2eid = None
-            self.bias = (RouterBias(jnp.zeros((spec.num_experts,), jnp.float32), out_sharding=(None,),
-                                    eager_sharding=False) if spec.use_bias else None)
+def router(spec: MoESpec, *, seed_for_hash_table: int, rngs, param_dtype=jnp.float32) -> nnx.Dict:
+    """The gate's variables: weight [M, E]; bias [E] (learned routing with use_bias); tid2eid [V, k] (hash)."""
+    weight = param(rngs, dense_init(), (spec.emb, spec.num_experts), ("embed", None), param_dtype)
+    if spec.hash_routed:
+        table = hash_table(seed_for_hash_table, spec.vocab_size, spec.num_experts, spec.k)
+        return nnx.Dict(weight=weight, tid2eid=HashTable(table, out_sharding=(None, None), eager_sharding=False),
+                        bias=None)
+    bias = (RouterBias(jnp.zeros((spec.num_experts,), jnp.float32), out_sharding=(None,), eager_sharding=False)
+            if spec.use_bias else None)
+    return nnx.Dict(weight=weight, tid2eid=None, bias=bias)
 
 
-class Experts(nnx.Module):
-    """E routed SwiGLU experts stacked on a leading `experts` axis."""
+def swiglu_weights(emb: int, mlp: int, *, rngs, param_dtype=jnp.float32, experts: int = 0) -> nnx.Dict:
+    """w1, w3 [M, F] and w2 [F, M] of one SwiGLU MLP (the shared expert), or with `experts` E of them
+    stacked on a leading `experts` axis (the routed experts: w1, w3 [E, M, F], w2 [E, F, M])."""
+    if not experts:
+        return nnx.Dict(w1=param(rngs, dense_init(), (emb, mlp), ("embed", "mlp"), param_dtype),
+                        w2=param(rngs, dense_init(), (mlp, emb), ("mlp", "embed"), param_dtype),
+                        w3=param(rngs, dense_init(), (emb, mlp), ("embed", "mlp"), param_dtype))
+    init_in = dense_init(in_axis=-2, out_axis=-1, batch_axis=(0,))
+    return nnx.Dict(w1=param(rngs, init_in, (experts, emb, mlp), ("experts", "embed", "mlp"), param_dtype),
+                    w2=param(rngs, init_in, (experts, mlp, emb), ("experts", "mlp", "embed"), param_dtype),
+                    w3=param(rngs, init_in, (experts, emb, mlp), ("experts", "embed", "mlp"), param_dtype))
 
-    def __init__(self, spec: MoESpec, *, rngs, param_dtype=jnp.float32):
-        e, m, f = spec.num_experts, spec.emb, spec.mlp
-        init_in = dense_init(in_axis=-2, out_axis=-1, batch_axis=(0,))
-        self.w1 = param(rngs, init_in, (e, m, f), ("experts", "embed", "mlp"), param_dtype)
-        self.w2 = param(rngs, init_in, (e, f, m), ("experts", "mlp", "embed"), param_dtype)
-        self.w3 = param(rngs, init_in, (e, m, f), ("experts", "embed", "mlp"), param_dtype)
 
-
-class MLP(nnx.Module):
-    """One SwiGLU MLP (the shared expert): w2(silu(min(x w1, L)) * clip(x w3, -L, L))."""
-
-    def __init__(self, emb, mlp, swiglu_limit, *, rngs, param_dtype=jnp.float32, dtype=jnp.float32):
-        self.limit = float(swiglu_limit)
-        self.dtype = dtype
-        self.w1 = param(rngs, dense_init(), (emb, mlp), ("embed", "mlp"), param_dtype)
-        self.w2 = param(rngs, dense_init(), (mlp, emb), ("mlp", "embed"), param_dtype)
-        self.w3 = param(rngs, dense_init(), (emb, mlp), ("embed", "mlp"), param_dtype)
-
-    def __call__(self, x_btm):
-        x_btm = x_btm.astype(self.dtype)
-        gate_btf = checkpoint_name(jnp.einsum("btm,mf->btf", x_btm, self.w1[...].astype(self.dtype)), "moe_gate")
-        up_btf = checkpoint_name(jnp.einsum("btm,mf->btf", x_btm, self.w3[...].astype(self.dtype)), "moe_up")
-        h_btf = swiglu_hidden(gate_btf, up_btf, self.limit).astype(self.dtype)
-        return jnp.einsum("btf,fm->btm", h_btf, self.w2[...].astype(self.dtype),
-                          preferred_element_type=_acc(x_btm))
+def swiglu_mlp(x_btm, weights: nnx.Dict, limit: float, dtype):
+    """One SwiGLU MLP (the shared expert) in `dtype`: w2(silu(min(x w1, L)) * clip(x w3, -L, L))."""
+    x_btm = x_btm.astype(dtype)
+    gate_btf = checkpoint_name(jnp.einsum("btm,mf->btf", x_btm, weights.w1[...].astype(dtype)), "moe_gate")
+    up_btf = checkpoint_name(jnp.einsum("btm,mf->btf", x_btm, weights.w3[...].astype(dtype)), "moe_up")
+    h_btf = swiglu_hidden(gate_btf, up_btf, limit).astype(dtype)
+    return jnp.einsum("btf,fm->btm", h_btf, weights.w2[...].astype(dtype), preferred_element_type=_acc(x_btm))
 
 
 class MoE(nnx.Module):
@@ -551,11 +539,10 @@ class MoE(nnx.Module):
                  dtype=jnp.float32):
         self.spec = spec
         self.dtype = dtype
-        self.gate = Router(spec, seed_for_hash_table=seed_for_hash_table, rngs=rngs, param_dtype=param_dtype)
-        self.experts = Experts(spec, rngs=rngs, param_dtype=param_dtype)
-        self.shared_experts = (
-            MLP(spec.emb, spec.shared * spec.mlp, spec.swiglu_limit, rngs=rngs, param_dtype=param_dtype,
-                dtype=dtype) if spec.shared else None)
+        self.gate = router(spec, seed_for_hash_table=seed_for_hash_table, rngs=rngs, param_dtype=param_dtype)
+        self.experts = swiglu_weights(spec.emb, spec.mlp, rngs=rngs, param_dtype=param_dtype, experts=spec.num_experts)
+        self.shared_experts = (swiglu_weights(spec.emb, spec.shared * spec.mlp, rngs=rngs, param_dtype=param_dtype)
+                               if spec.shared else None)
 
     def __call__(self, x_btm, tokens_bt, valid_bt):
         """Args: x_btm [B,T,M] (already ffn-normed), tokens_bt int [B,T], valid_bt bool [B,T].
@@ -578,7 +565,7 @@ class MoE(nnx.Module):
         # The shared expert's collectives follow the routed loop's, forward and backward, and the backward
         # waits for the loop's recompute (XLA:CPU's order, docs/scaling.md#collective-order-on-the-cpu).
         if self.shared_experts is not None:
-            y_btm = y_btm + self.shared_experts(after(x_c, y_btm))
+            y_btm = y_btm + swiglu_mlp(after(x_c, y_btm), self.shared_experts, spec.swiglu_limit, self.dtype)
         y_btm = cotangent_after_value(y_btm)
         aux = {"lb_loss": lb_loss, "dropped": jax.lax.stop_gradient(dropped),
                "load": jax.lax.stop_gradient(expert_load(idx_btk, valid_bt, spec.num_experts))}
