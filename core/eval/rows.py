@@ -32,7 +32,7 @@ class EvalSet:
     rows: sequences scored (fewer when the held-out documents run out).
     length: tokens per row; None: the run's max_target_length.
     seed: synthetic rows and the random baseline's draws.
-    batch_rows: rows per step; None: one per batch shard of the mesh (`core.parallel.sharding.BATCH_AXES`).
+    batch_rows: rows per step; None: one per batch shard of the mesh (`core.ops.placement.BATCH_AXES`).
     """
 
     rows: int = 16
@@ -60,7 +60,7 @@ def eval_config(cfg, eval_set: EvalSet):
 
 def batch_rows(eval_set: EvalSet, mesh) -> int:
     """Rows per step: `eval_set.batch_rows`, which must split over the mesh's batch shards, or one per shard."""
-    from core.parallel.sharding import BATCH_AXES
+    from core.ops.placement import BATCH_AXES
 
     shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in BATCH_AXES)
     if eval_set.batch_rows is not None and eval_set.batch_rows < 1:

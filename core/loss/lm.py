@@ -15,8 +15,7 @@ Deviation from MaxText: the chunk is a size in tokens (`lm_loss_chunk_size`), no
 tiles, so it need not divide B * T (the positions are zero-padded to a multiple of the chunk's; the
 padding carries weight 0) and the live memory does not grow with B or T.
 
-Under a mesh the batch rows are split over the batch axes (core/ops/expert_parallel.py
-`token_shards`), so each scan step takes C / (rows per device) positions of every row: each device
+Under a mesh the batch rows are split over the batch axes (core/ops/placement.py `token_shards`), so each scan step takes C / (rows per device) positions of every row: each device
 runs the chunks of its own rows, C tokens a step. Chunking the flattened B * T tokens instead would
 scan over chunks that are split across devices, and XLA would run every device through every chunk
 of the global batch (the logits summed over the head's sharded `embed`, an all-reduce per chunk).
@@ -29,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from core.ops.expert_parallel import token_shards
+from core.ops.placement import token_shards
 from core.ops.order import read_after
 
 
@@ -87,6 +86,8 @@ def chunked_lm_loss(h_btm, head_mv, targets_bt, mask_bt, *, chunk: int):
         raise ValueError(f"chunk={chunk} must be >= 1")
     dtype = jnp.promote_types(jnp.promote_types(h_btm.dtype, head_mv.dtype), jnp.float32)
     b, t, m = h_btm.shape
+    # The mesh the step is traced under (core/train/program.py `with_mesh` sets it around the whole trace, this
+    # loss included), so its batch axes are the ones h's rows were split over by the batch's sharding.
     shards = token_shards(mesh) if not (mesh := jax.sharding.get_abstract_mesh()).empty else 1
     rows = b // shards if b % shards == 0 else b
     positions = max(1, min(chunk // rows, t))  # a chunk larger than the batch would only pad

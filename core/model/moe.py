@@ -79,9 +79,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from core.model.layers import dense_init, param, upcast
 from core.ops.grouped_matmul import GmmTiling, SlotOrder, gmm, ragged_dot
-from core.ops.expert_parallel import (Exchange, expert_axis_size, expert_parallel_experts, token_parallel_experts,
-                                      token_shards)
-from core.ops.placement import mesh_platform_of
+from core.ops.expert_parallel import Exchange, expert_parallel_experts, token_parallel_experts
+from core.ops.placement import expert_axis_size, mesh_platform_of, token_shards
 from core.ops.order import after, cotangent_after_value
 
 

@@ -36,14 +36,12 @@ Weights. The in_specs take the expert weights as [experts over `expert`, embed w
 `tensor`]: an `embed` dimension sharded over `fsdp` in the parameters is gathered by the compiler
 at the shard_map's boundary (its gradient reduce-scattered back), one layer at a time; no device
 holds another device's experts. Tokens (the flattened batch) split over (data, fsdp, expert), as
-the batch does (core/parallel/sharding.py); mesh axes named here mirror its rules (ops may not
-import parallel).
+the batch does (core/ops/placement.py's BATCH_AXES, which the sharding rules take too).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable
 
 import jax
@@ -51,10 +49,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from core.ops.grouped_matmul import SlotOrder
-
-EXPERT_AXIS = "expert"                    # the experts' leading axis ("experts" -> "expert")
-MLP_AXIS = "tensor"                       # the experts' hidden axis ("mlp" -> "tensor")
-TOKEN_AXES = ("data", "fsdp", "expert")   # the batch's axes (BATCH_AXES)
+from core.ops.placement import BATCH_AXES, EXPERT_AXIS, MLP_AXIS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,18 +59,6 @@ class Exchange:
     mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh   # has an `expert` axis
     capacity_factor: float = 0.0          # 0: drop-free (module docstring)
     emulated: bool = False                # the all_to_all form of the exchange (XLA:CPU has no ragged one)
-
-
-def expert_axis_size(mesh) -> int:
-    """Size of the mesh's `expert` axis (1 without a mesh or without the axis)."""
-    if mesh is None or mesh.empty or EXPERT_AXIS not in mesh.axis_names:
-        return 1
-    return mesh.shape[EXPERT_AXIS]
-
-
-def token_shards(mesh) -> int:
-    """Devices the tokens split over: the product of the mesh's TOKEN_AXES sizes."""
-    return math.prod(mesh.shape[a] for a in TOKEN_AXES if a in mesh.axis_names)
 
 
 def capacity(tokens: int, k: int, num_experts: int, devices: int, factor: float) -> int:
@@ -134,7 +117,7 @@ def expert_parallel_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf,
     """sum_j weights[b,t,j] * expert_{idx[b,t,j]}(x[b,t]), the slots sent to their experts' devices.
 
     Args:
-      x_btm: [B, T, M] tokens (compute dtype); B*T must split over the mesh's TOKEN_AXES.
+      x_btm: [B, T, M] tokens (compute dtype); B*T must split over the mesh's BATCH_AXES.
       idx_btk: int [B, T, k] chosen experts (distinct per token); weights_btk: float32 [B, T, k].
       w1_emf, w3_emf: [E, M, F]; w2_efm: [E, F, M] (E divisible by the `expert` axis size).
       exchange: the mesh, the capacity factor, the exchange's form.
@@ -159,7 +142,7 @@ def expert_parallel_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf,
     if num_experts % devices or (b * t) % shards:
         raise ValueError(f"expert parallelism needs E={num_experts} divisible by expert={devices} and "
                          f"B*T={b * t} tokens divisible by the {shards} token shards")
-    tokens = tuple(a for a in TOKEN_AXES if a in mesh.axis_names)
+    tokens = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
     mlp_axis = MLP_AXIS if MLP_AXIS in mesh.axis_names and mlp % mesh.shape[MLP_AXIS] == 0 else None
     local_experts, n = num_experts // devices, b * t // shards
     slots_n = n * k
@@ -224,7 +207,7 @@ def token_parallel_experts(experts, x_btm, idx_btk, weights_btk, w1_emf, w2_efm,
     """
     b, t, m = x_btm.shape
     k, mlp = idx_btk.shape[-1], w1_emf.shape[-1]
-    tokens = tuple(a for a in TOKEN_AXES if a in mesh.axis_names)
+    tokens = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
     if (b * t) % token_shards(mesh):
         raise ValueError(f"B*T={b * t} tokens must divide over the {token_shards(mesh)} token shards")
     mlp_axis = MLP_AXIS if MLP_AXIS in mesh.axis_names and mlp % mesh.shape[MLP_AXIS] == 0 else None

@@ -501,9 +501,8 @@ def fused_layer_attention(queries, keys, packing, selection=None, out_fn=None, *
     """
     from jax.sharding import PartitionSpec as P
 
-    from core.ops.expert_parallel import TOKEN_AXES
     from core.ops.masks import compressed_visibility
-    from core.ops.placement import HEADS_AXIS, divisible_prefix, mesh_platform_of
+    from core.ops.placement import BATCH_AXES, HEADS_AXIS, divisible_prefix, mesh_platform_of
 
     positions_bt, segment_ids_bt = packing
     q_bthd = queries.of(queries.inputs, positions_bt)
@@ -520,7 +519,7 @@ def fused_layer_attention(queries, keys, packing, selection=None, out_fn=None, *
             check_kernel_shapes(q_bthd.shape[2], q_bthd.shape[3])
         o = attend(q_bthd, keys.raw_bsd, keys.sink_h, positions_bt, segment_ids_bt, ckv_bwd=ckv, allowed_btw=allowed)
     else:
-        rows = divisible_prefix(q_bthd.shape[0], TOKEN_AXES, mesh)
+        rows = divisible_prefix(q_bthd.shape[0], BATCH_AXES, mesh)
         heads = divisible_prefix(q_bthd.shape[2], (HEADS_AXIS,), mesh)
         if on_tpu:
             check_kernel_shapes(q_bthd.shape[2] // (mesh.shape[HEADS_AXIS] if heads else 1), q_bthd.shape[3])

@@ -6,16 +6,35 @@ computes the whole batch's. `pin_rows` states the split the rules give an activa
 core.parallel.sharding's `batch` rule (BATCH_AXES) on its first axis and `heads` (`tensor`) on one
 more, on the abstract mesh a step is traced under (core/train/program.py `with_mesh`).
 `mesh_platform_of` names the platform that mesh's trace is for (where a Pallas kernel compiles).
+
+The mesh axes named here are the sharding rules' own (core/parallel/sharding.py takes BATCH_AXES from
+here; ops may not import parallel): the batch's, which the loss, the MoE's exchange, the attention's
+kernels, the plan's report and the rules share, and the experts'.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from core.ops.expert_parallel import MLP_AXIS, TOKEN_AXES
-
+BATCH_AXES = ("data", "fsdp", "expert")   # the `batch` rule's mesh axes: a batch's rows, and the MoE's tokens
+EXPERT_AXIS = "expert"                    # the experts' leading axis ("experts" -> "expert")
+MLP_AXIS = "tensor"                       # the experts' hidden axis ("mlp" -> "tensor")
 HEADS_AXIS = MLP_AXIS  # the `heads` rule's mesh axis ("heads" -> "tensor"), as the experts' hidden axis
+
+
+def token_shards(mesh) -> int:
+    """Devices a batch's rows (and so the tokens) split over: the product of the mesh's BATCH_AXES sizes."""
+    return math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names)
+
+
+def expert_axis_size(mesh) -> int:
+    """Size of the mesh's `expert` axis (1 without a mesh or without the axis)."""
+    if mesh is None or mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+        return 1
+    return mesh.shape[EXPERT_AXIS]
 
 
 def platform_name(platform: str) -> str:
@@ -43,7 +62,7 @@ def pin_rows(x: jax.Array, heads_axis: int | None = None) -> jax.Array:
     if mesh is None or mesh.empty or mesh.size == 1:
         return x
     spec = [None] * x.ndim
-    spec[0] = divisible_prefix(x.shape[0], TOKEN_AXES, mesh)
+    spec[0] = divisible_prefix(x.shape[0], BATCH_AXES, mesh)
     if heads_axis is not None:
         spec[heads_axis] = divisible_prefix(x.shape[heads_axis], (HEADS_AXIS,), mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))

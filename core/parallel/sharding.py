@@ -36,11 +36,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from core.errors import ConfigError
-from core.ops.placement import divisible_prefix
+from core.ops.placement import BATCH_AXES, divisible_prefix
 
 T = TypeVar("T")
 
-BATCH_AXES = ("data", "fsdp", "expert")
 
 # Logical axis -> mesh axis (or axes, or None = replicated); flax's rule format.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (

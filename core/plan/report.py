@@ -265,7 +265,8 @@ def ragged_rows(cfg, mesh, global_batch: int) -> dict[str, Any] | None:
     (core/ops/expert_parallel.py `capacity`), of which the group sizes cover the slots it receives,
     n k under a balanced load; priced at those n k rows. None where the buffers are the rows the
     kernels compute (a capacity factor: C = ceil(f n k)), or no grouped-matmul kernel runs them."""
-    from core.ops.expert_parallel import capacity, expert_axis_size, token_shards
+    from core.ops.expert_parallel import capacity
+    from core.ops.placement import expert_axis_size, token_shards
 
     devices = expert_axis_size(mesh)
     if devices <= 1 or cfg.moe_capacity_factor > 0 or cfg.moe_impl not in ("gmm", "ragged") or not cfg.num_experts:

@@ -51,7 +51,8 @@ from core.ops.order import tied
 from core.parallel import mesh as parallel_mesh
 from core.parallel import sharding
 from core.parallel.mesh import make_mesh, mesh_platform
-from core.parallel.sharding import BATCH_AXES, abstract_state
+from core.ops.placement import BATCH_AXES
+from core.parallel.sharding import abstract_state
 from core.parallel.xla_flags import collective_options
 from core.spec.resolve import crosses_layers, model_spec, resolve
 from core.train import memory, optimizer

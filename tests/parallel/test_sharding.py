@@ -200,12 +200,12 @@ def test_logical_to_spec_resolves_rules_and_divisibility():
 
 
 def test_the_ops_pin_activations_by_the_same_rules():
-    """core.ops may not import core.parallel, so the placement and the expert exchange name the batch's
-    and the heads' mesh axes themselves: the rules' own."""
-    from core.ops.placement import HEADS_AXIS, TOKEN_AXES
-    from core.parallel.sharding import BATCH_AXES, LOGICAL_AXIS_RULES
+    """core.ops may not import core.parallel, so the placement names the batch's and the heads' mesh axes,
+    and the rules take the batch's from there: the rules' own."""
+    from core.ops.placement import BATCH_AXES, HEADS_AXIS
+    from core.parallel.sharding import LOGICAL_AXIS_RULES
 
-    assert TOKEN_AXES == BATCH_AXES and dict(LOGICAL_AXIS_RULES)["heads"] == HEADS_AXIS
+    assert dict(LOGICAL_AXIS_RULES)["batch"] == BATCH_AXES and dict(LOGICAL_AXIS_RULES)["heads"] == HEADS_AXIS
 
 
 def test_every_logical_axis_of_the_model_has_a_rule():
