@@ -1,4 +1,4 @@
-"""What the collective-order ties (core/ops/order.py) cost a CPU mesh's step: the same step traced
+"""What the collective-order ties (core/ops/placement.py) cost a CPU mesh's step: the same step traced
 tied (as dsv4 traces it on a CPU mesh of several devices) and untied, side by side in one process.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\

@@ -28,8 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from core.ops.placement import token_shards
-from core.ops.order import read_after
+from core.ops.placement import read_after, token_shards
 
 
 def lm_loss(logits_btv, targets_bt, mask_bt):
@@ -122,7 +121,7 @@ def _chunk_stats(h_cm, head_mv, targets_c, dtype):
 
 
 def _late(head_mv, h_ncm, dtype):
-    """head_mv, read after h_ncm (core/ops/order.py `read_after`) when it is narrower than `dtype`.
+    """head_mv, read after h_ncm (core/ops/placement.py `read_after`) when it is narrower than `dtype`.
 
     XLA:CPU multiplies bfloat16 by converting the operands to float32, and hoists the head's convert
     out of the chunk loop; the scheduler may then convert the head [M, V] first thing, and its

@@ -77,8 +77,7 @@ from core.model.indexer import Indexer, IndexerSpec, local_gradient_loss, local_
 from core.model.layers import RMSNorm, dense_init, param, rms_normalize
 from core.ops.chunked_attention import Keys, RowQueries, chunked_attention, masked_attention
 from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
-from core.ops.order import einsum_after_cotangent
-from core.ops.placement import pin_rows
+from core.ops.placement import einsum_after_cotangent, pin_rows
 from core.ops.rope import RopeSpec, apply_rope
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked
 

@@ -80,8 +80,7 @@ from jax.ad_checkpoint import checkpoint_name
 from core.model.layers import dense_init, param, upcast
 from core.ops.grouped_matmul import GmmTiling, SlotOrder, gmm, ragged_dot
 from core.ops.expert_parallel import Exchange, expert_parallel_experts, token_parallel_experts
-from core.ops.placement import expert_axis_size, mesh_platform_of, token_shards
-from core.ops.order import after, cotangent_after_value
+from core.ops.placement import after, cotangent_after_value, expert_axis_size, mesh_platform_of, token_shards
 
 
 IMPLS = ("dense", "tiled", "ragged", "gmm")  # expert computation (module docstring); a config's auto is one of them

@@ -79,8 +79,7 @@ from core.model.mhc import HeadCollapse, HyperConnection, expand
 from core.model.moe import MoE, MoESpec, hash_table, update_router_bias
 from core.model.params import mask_matcher
 from core.model import quant
-from core.ops.order import backward_after_cotangent
-from core.ops.placement import mesh_platform_of
+from core.ops.placement import backward_after_cotangent, mesh_platform_of
 
 MODES = ("train", "eval", "eval_dense")
 LAYER_KEYS = ("indexer_loss", "lb_loss", "load", "dropped")  # a block's aux; the rest is a probe's
@@ -272,7 +271,7 @@ def run_segment(layer, x_btnm, args, flags, *, remat: bool, policy, scanned: boo
     segment `(x, [aux per unit position] with arrays [repeats, ...])`.
 
     The layer is split into (graphdef, variables) and its body runs under `jax.checkpoint`
-    (`remat`, with `policy`), under core.ops.order's `backward_after_cotangent` (its backward reads
+    (`remat`, with `policy`), under core.ops.placement's `backward_after_cotangent` (its backward reads
     what it saved after its cotangent: docs/scaling.md#collective-order-on-the-cpu) and, when
     `scanned`, `jax.lax.scan` over the stacked variables' leading axis (`tie=False` leaves out the
     `backward_after_cotangent`: where no gradient crosses the segment, its opaque backward would

@@ -5,8 +5,8 @@ chunked_attention (banded window, gathered top-k, chunked visible blocks), fused
 attention as Pallas TPU kernels, forward and backward), topk (indexer scores,
 top-k block selection), grouped_matmul (the
 megablox kernels with per-pass tiles, slot permutations), expert_parallel (tokens sent to their
-experts' devices and back), quant (the released FP8/FP4 formats), order (data
-dependencies that fix the order of collectives on XLA:CPU), placement (an activation pinned to the
-batch split on the trace's mesh; the platform a trace is for).
+experts' devices and back), quant (the released FP8/FP4 formats), placement (the mesh axes the batch and the experts split over,
+an activation pinned to the batch split on the trace's mesh, the platform a trace is for, and the data
+dependencies that fix the order of collectives on XLA:CPU).
 May import: core.errors, core.tree (never core.config: ops take static ints and specs). No parameters, no nnx modules.
 """

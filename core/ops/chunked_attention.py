@@ -49,7 +49,7 @@ import jax.numpy as jnp
 
 from core.ops.masks import (NEG, Packing, block_last_positions, block_segment_ids, compressed_visibility,
                             sliding_window_mask, visible_rows, window_rows)
-from core.ops.order import backward_after_cotangent
+from core.ops.placement import backward_after_cotangent
 
 
 def _given(q_bt_, params, positions_bt):

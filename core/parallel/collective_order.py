@@ -7,7 +7,7 @@ read the loop's output (no data path from it) may run before the loop's remainin
 devices then reach collectives in different orders (docs/scaling.md#collective-order-on-the-cpu).
 `at_risk_pairs` lists those (loop, collective) pairs in every scheduled computation (the entry and
 every loop body, branch and called computation, each in its own schedule); a program with none is
-safe from it. core/ops/order.py makes the model's collectives read the loops they follow.
+safe from it. core/ops/placement.py makes the model's collectives read the loops they follow.
 """
 
 from __future__ import annotations

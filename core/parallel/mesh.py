@@ -136,7 +136,7 @@ CPU_COLLECTIVE_TERMINATE_S = 900
 CPU_COLLECTIVE_WARN_S = 120
 # Seconds a device of a multi-process run waits for a peer in a gloo collective before the collective
 # fails (XLA's default: 30 min). Across processes the reordering above left two devices waiting for
-# each other in different collectives for ever (the model's ties, core/ops/order.py, now prevent it);
+# each other in different collectives for ever (the model's ties, core/ops/placement.py, now prevent it);
 # this bounds any such wait, and the failure becomes one line (`Trainer._fetch`) instead of a hang
 # (docs/scaling.md#collective-order-on-the-cpu).
 CPU_COLLECTIVE_PEER_TIMEOUT_S = 600

@@ -47,7 +47,7 @@ from jax.sharding import AbstractMesh, AxisType
 from core.data.batches import BATCH_KEYS
 from core.errors import resource_exhausted
 from core.model import transformer
-from core.ops.order import tied
+from core.ops.placement import tied
 from core.parallel import mesh as parallel_mesh
 from core.parallel import sharding
 from core.parallel.mesh import make_mesh, mesh_platform
@@ -191,7 +191,7 @@ def jit_step(fn: Callable, cfg, mesh, state_shardings: Any = None):
 def with_mesh(mesh, fn):
     """`fn` traced under `mesh`'s abstract mesh, so the model sees it (the MoE's expert-parallel
     exchange: core/ops/expert_parallel.py); `jax.set_mesh` cannot be entered under jit. The
-    collective-order ties (core/ops/order.py) are traced where the mesh needs them: on the CPU, with
+    collective-order ties (core/ops/placement.py) are traced where the mesh needs them: on the CPU, with
     more than one device."""
     @functools.wraps(fn)  # keeps the step's name: core/plan reads the jit_step dumps
     def traced(*args):

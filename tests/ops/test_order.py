@@ -1,4 +1,4 @@
-"""core.ops.order: the ties that order collectives change no value and no gradient, bit for bit.
+"""core.ops.placement: the ties that order collectives change no value and no gradient, bit for bit.
 
 That they do order the collectives of a program under a mesh (at-risk pairs without them, none
 with them) is tested on eight devices in tests/parallel/test_sharding.py (`_order_report`).
@@ -14,7 +14,7 @@ import contextlib
 
 import pytest
 
-from core.ops.order import after, backward_after_cotangent, cotangent_after_value, einsum_after_cotangent, read_after, tied
+from core.ops.placement import after, backward_after_cotangent, cotangent_after_value, einsum_after_cotangent, read_after, tied
 
 # signed zeros, infinities and subnormals in the value that passes through
 X = jnp.array([[-0.0, 0.0, 1.5, -2.25], [np.inf, -np.inf, 1e-40, -3.0]], jnp.float32)

@@ -320,7 +320,7 @@ def test_same_losses_on_every_mesh(runs):
 def test_collectives_read_the_loops_they_follow(runs):
     """XLA:CPU may start a collective that follows a loop holding collectives before the loop's own
     unless it reads the loop's output (docs/scaling.md#collective-order-on-the-cpu): the ties of
-    core/ops/order.py leave no such pair in a small program that has some without them, nor in the
+    core/ops/placement.py leave no such pair in a small program that has some without them, nor in the
     trained steps on fsdp 4 x tensor 2."""
     assert runs["eight"]["order"]["False"] > 0, "the untied program should have at-risk pairs"
     assert runs["eight"]["order"]["True"] == 0, runs["eight"]["order"]
@@ -466,7 +466,7 @@ def _at_risk(trainer) -> int:
 
 
 def _order_report() -> dict:
-    """At-risk pairs of a small program on fsdp 4 x tensor 2, without and with core/ops/order.py's ties:
+    """At-risk pairs of a small program on fsdp 4 x tensor 2, without and with core/ops/placement.py's ties:
     three checkpointed layers (tied as run_segment ties a layer), each a scan whose steps hold partial
     sums over `tensor` beside a one-matmul MLP that does not read the scan (the MoE's routed and shared
     experts)."""
@@ -475,7 +475,7 @@ def _order_report() -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from core.ops.order import after, backward_after_cotangent, cotangent_after_value, tied
+    from core.ops.placement import after, backward_after_cotangent, cotangent_after_value, tied
     from core.parallel.collective_order import at_risk_pairs
 
     mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
