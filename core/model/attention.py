@@ -10,7 +10,7 @@ One layer, as in the official inference code's `Attention`:
   o = inverse RoPE(sum p v);  out = W_ob [ per group g: W_oa[g] flatten(o heads of g) ]
 
 `Attention.__call__` is one forward for every implementation of config `attention`; they differ
-only in the pure functions their `Mode` selects, and are equal to float32 rounding in value and
+only in the pure functions `attend_of` and `select_of` pick, and are equal to float32 rounding in value and
 gradient (tests/ops/test_sparse_attention.py, test_fused_attention.py). What lives at once, per
 layer call:
 
@@ -50,9 +50,12 @@ indexer (the evaluation's metrics, core/eval/metrics.py; the indexer's scores an
 `collect`) is a probe: the layer hands it an `IndexerView` of its call and puts its result in aux.
 
 Queries travel as one `RowQueries` (a pure function of c_q and W_qb for any run of rows). The
-lightning indexer (`core.model.indexer.Indexer`) lives under `indexer` on CSA layers; its inputs
-are detached so neither the indexer loss reaches other parameters nor (the selection being
-discrete) the LM loss the indexer.
+lightning indexer (`Indexer`, DESIGN.md "Lightning indexer") lives under `indexer` on CSA layers; its
+inputs are detached so neither the indexer loss reaches other parameters nor (the selection being
+discrete) the LM loss the indexer. `indexer_queries` is its query projection as a pure function;
+`Indexer` owns its parameters and hands its projections out as `IndexerInputs` (queries per run of
+rows, compressed keys, head weights) to the pure scoring and top-k of core.ops.topk and to the
+indexer loss. Scores, selection and everything downstream are float32 whatever the compute dtype.
 
 Deviations from the official code: no FP8/FP4 quantisation simulation; the weightless query norm
 is computed in float32.
@@ -73,7 +76,6 @@ from core.loss.indexer_kl import csa_indexer_loss
 from core.loss.indexer_kl_rows import Teacher
 from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed, csa_indexer_loss_tap
 from core.model.compressor import Compressor
-from core.model.indexer import Indexer, IndexerSpec, local_gradient_loss, local_gradient_surrogate
 from core.model.layers import RMSNorm, dense_init, param, rms_normalize
 from core.ops.chunked_attention import Keys, RowQueries, chunked_attention, masked_attention
 from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
@@ -139,7 +141,7 @@ class AttentionSpec:
     indexer_topk: int = 0
     loss_scale: float = 0.0    # indexer_loss_scaling_factor
     teacher: str = "compressed"
-    indexer_weights_init: str = "fan_in"  # how the indexer's weights_proj starts (core.model.indexer.WEIGHTS_INITS)
+    indexer_weights_init: str = "fan_in"  # how the indexer's weights_proj starts (core.model.attention.WEIGHTS_INITS)
     impl: AttentionImpl = AttentionImpl()
 
     def indexer_spec(self) -> IndexerSpec:
@@ -147,21 +149,6 @@ class AttentionSpec:
         return IndexerSpec(emb=self.emb, q_lora_rank=self.q_lora_rank, heads=self.indexer_heads,
                            head_dim=self.indexer_head_dim, rope=self.rope, eps=self.eps,
                            weights_init=self.indexer_weights_init)
-
-
-@dataclasses.dataclass(frozen=True)
-class Mode:
-    """The pure functions one implementation of `AttentionImpl.attention` calls.
-
-    attend: (queries, keys, packing, selection, out_fn) -> the layer output [B, T, M].
-    select: (IndexerInputs, packing) -> Selection, one query chunk at a time; None: the top-k
-      comes from whole [B, T, W] scores (`indexer_scores`, `select_topk`).
-    loss_rows: query rows per block of the streamed indexer loss; 0: the direct loss on whole scores.
-    """
-
-    attend: Callable
-    select: Callable | None
-    loss_rows: int
 
 
 def indexer_inputs(s: AttentionSpec, indexer: Indexer, x_btm, queries: RowQueries, keys: Keys, packing: Packing,
@@ -228,19 +215,31 @@ def streamable_rows(s: AttentionSpec, t: int) -> int:
     return max(c for c in range(1, min(t, s.impl.attention_chunk) + 1) if t % c == 0)
 
 
-def mode_of(s: AttentionSpec, t: int) -> Mode:
-    """The `Mode` that `s.impl.attention` selects for T positions, bound to the layer's static ints."""
+def loss_rows(s: AttentionSpec, t: int) -> int:
+    """Query rows per block of the streamed indexer loss for T positions; 0: the direct loss on whole scores."""
     if s.impl.attention == "masked":
-        return Mode(attend=masked_attention, select=None, loss_rows=s.impl.query_chunk)
-    select = functools.partial(select_topk_chunked, ratio=s.ratio, k=s.indexer_topk, chunk=s.impl.attention_chunk,
-                               head_chunk=s.impl.head_chunk, as_mask=s.impl.topk_attention == "mask")
-    rows = streamable_rows(s, t) if s.indexer_heads else 0
+        return s.impl.query_chunk
+    return streamable_rows(s, t) if s.indexer_heads else 0
+
+
+def attend_of(s: AttentionSpec) -> Callable:
+    """(queries, keys, packing, selection, out_fn) -> the layer output [B, T, M], as `s.impl.attention` runs it."""
+    if s.impl.attention == "masked":
+        return masked_attention
     if s.impl.attention == "fused":
         from core.ops.fused_attention import fused_layer_attention  # Pallas's import only where it runs
 
-        return Mode(attend=fused_layer_attention, select=select, loss_rows=rows)
-    return Mode(attend=functools.partial(chunked_attention, chunk=s.impl.attention_chunk), select=select,
-                loss_rows=rows)
+        return fused_layer_attention
+    return functools.partial(chunked_attention, chunk=s.impl.attention_chunk)
+
+
+def select_of(s: AttentionSpec) -> Callable | None:
+    """(IndexerInputs, packing) -> Selection, one query chunk at a time; None (masked): the top-k comes
+    from whole [B, T, W] scores (`indexer_scores`, `select_topk`)."""
+    if s.impl.attention == "masked":
+        return None
+    return functools.partial(select_topk_chunked, ratio=s.ratio, k=s.indexer_topk, chunk=s.impl.attention_chunk,
+                             head_chunk=s.impl.head_chunk, as_mask=s.impl.topk_attention == "mask")
 
 
 class Attention(nnx.Module):
@@ -288,7 +287,7 @@ class Attention(nnx.Module):
           times loss_scale; 0.0 when not computed) and the probe's keys.
         """
         s, dt = self.spec, self.dtype
-        mode = mode_of(s, x_btm.shape[1])
+        rows, select = loss_rows(s, x_btm.shape[1]), select_of(s)
         x_btm = x_btm.astype(dt)
         packing = Packing(positions_bt, segment_ids_bt)
         c_q = self.q_norm(jnp.einsum("btm,mr->btr", x_btm, self.wq_a[...].astype(dt)))
@@ -300,11 +299,10 @@ class Attention(nnx.Module):
                     self.compressor(x_btm, positions_bt) if s.ratio else None, s.ratio)
         selection, aux, tap = None, {}, None
         if s.indexer_heads:
-            selection, aux, tap = self._index(mode, x_btm, queries, keys, packing, dense, indexer_loss)
+            selection, aux, tap = self._index(select, rows, x_btm, queries, keys, packing, dense, indexer_loss)
             if probe is not None:
-                aux.update(probe(IndexerView(s, self.indexer, x_btm, queries, keys, packing, mode.loss_rows,
-                                             mode.select is None)))
-        attend = mode.attend if tap is None else functools.partial(mode.attend, tap=tap[0])
+                aux.update(probe(IndexerView(s, self.indexer, x_btm, queries, keys, packing, rows, select is None)))
+        attend = attend_of(s) if tap is None else functools.partial(attend_of(s), tap=tap[0])
         if s.impl.projections == "whole":  # one matmul per projection and weight gradient, [B, T, H, D] whole
             q = RowQueries.given(pin_rows(queries.of(queries.inputs, positions_bt), heads_axis=2))  # split as x is
             got = attend(q, keys, packing, selection, None)
@@ -328,8 +326,8 @@ class Attention(nnx.Module):
                                    "attn_o_lora")
         return jnp.einsum("btr,rm->btm", lat_btgr.reshape(b, t, -1), self.wo_b[...].astype(dt))
 
-    def _index(self, mode: Mode, x_btm, queries: RowQueries, keys: Keys, packing: Packing, dense: bool,
-               indexer_loss: bool):
+    def _index(self, select: Callable | None, rows: int, x_btm, queries: RowQueries, keys: Keys, packing: Packing,
+               dense: bool, indexer_loss: bool):
         """The indexer of a CSA layer: (the selection attention uses, None for every visible block; aux;
         None, or the loss's (tap, finish) when the chunked attention feeds it, `_teacher_tap`).
 
@@ -341,10 +339,9 @@ class Attention(nnx.Module):
         if dense and not indexer_loss:  # no part
             return None, aux, None
         if dense and s.impl.attention == "chunked" and s.impl.indexer_gradient == "local" and \
-                mode.loss_rows == min(s.impl.attention_chunk, x_btm.shape[1]):  # one loss block per chunk
-            return None, aux, self._teacher_tap(x_btm, queries, packing, mode.loss_rows)
-        rows = mode.loss_rows
-        whole = mode.select is None or (indexer_loss and not rows)
+                rows == min(s.impl.attention_chunk, x_btm.shape[1]):  # one loss block per chunk
+            return None, aux, self._teacher_tap(x_btm, queries, packing, rows)
+        whole = select is None or (indexer_loss and not rows)
         index, teacher = indexer_inputs(s, self.indexer, x_btm, queries, keys, packing, whole)
         scores = visible = selection = None
         if whole and (not dense or (indexer_loss and not rows)):
@@ -352,7 +349,7 @@ class Attention(nnx.Module):
             scores = indexer_scores(index.queries.inputs, *index[1:], visible, head_chunk=s.impl.head_chunk)
             selection = select_topk(scores, visible, s.indexer_topk)
         elif not dense:
-            selection = mode.select(index, packing)
+            selection = select(index, packing)
         if indexer_loss:
             allowed = None if scores is None else visible if dense else visible & selection.mask(visible.shape[-1])
             topk = None if dense else s.indexer_topk
@@ -393,3 +390,112 @@ class Attention(nnx.Module):
         scores_btw, allowed_btw = whole
         return csa_indexer_loss(scores_btw, teacher.whole(packing), allowed_btw, scale=s.loss_scale,
                                 head_chunk=s.impl.head_chunk)
+
+
+# ----------------------------------------------------------------------------- the lightning indexer
+
+def indexer_queries(c_q_btr, wq_b_rid, positions_bt, *, rope: RopeSpec, dtype):
+    """q_btid = RoPE(c_q W_Iq) in `dtype`: [B, T, R] x [R, HI, DI] -> [B, T, HI, DI]."""
+    q_btid = jnp.einsum("btr,rid->btid", c_q_btr.astype(dtype), wq_b_rid.astype(dtype))
+    return apply_rope(q_btid, positions_bt, rope)
+
+
+def local_gradient_loss(module: nnx.Module, loss_of):
+    """`loss_of(module)` whose gradient w.r.t. the module's parameters is taken here, in the forward.
+
+    For a loss that reaches nothing but `module`'s own nnx.Params (the indexer loss: the indexer's
+    inputs and teacher are detached). Returns the surrogate
+
+        stop_gradient(value) + sum over parameters p of  sum((p - stop_gradient(p)) * g_p),
+        g = d loss / d p,
+
+    equal to the loss in value and with gradient g for p, and no gradient for anything else. The
+    outer backward then needs only g (named "indexer_local_grads", which every remat policy saves),
+    not the layer's activations: no layer of the warm-up runs again in the backward, and no layer's
+    input is kept for it (core/model/transformer.py).
+    """
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    value, grads = jax.value_and_grad(lambda p: loss_of(nnx.merge(graphdef, p, rest)))(jax.lax.stop_gradient(params))
+    return local_gradient_surrogate(params, value, grads)
+
+
+def local_gradient_surrogate(params, value, grads):
+    """`local_gradient_loss`'s surrogate of a loss `value` whose gradient `grads` w.r.t. `params`
+    (an nnx.State of a module's Params, as `nnx.split` gives it) is already known:
+    stop_gradient(value) + sum over p of sum((p - stop_gradient(p)) * g_p)."""
+    sg = jax.lax.stop_gradient
+    grads = jax.tree.map(lambda g: checkpoint_name(sg(g), "indexer_local_grads"), grads)
+
+    def inner(p, g):  # in float32 (float64 for float64 parameters); its gradient is g, cast to p's dtype
+        acc = jnp.promote_types(p.dtype, jnp.float32)
+        return jnp.sum((p.astype(acc) - sg(p).astype(acc)) * g.astype(acc))
+
+    inner = [inner(p, g) for p, g in zip(jax.tree.leaves(params), jax.tree.leaves(grads))]
+    return sg(value) + sum(inner)
+
+
+WEIGHTS_INITS = ("fan_in", "zeros")  # IndexerSpec.weights_init: how weights_proj starts
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerSpec:
+    """Static shape of one lightning indexer, passed down whole (built from the layer's AttentionSpec)."""
+
+    emb: int            # model width M
+    q_lora_rank: int    # width of the main attention's c_q, the queries' input
+    heads: int          # HI
+    head_dim: int       # DI, also the width of the indexer's compressor
+    rope: RopeSpec
+    eps: float          # the compressor's RMSNorm epsilon
+    weights_init: str = "fan_in"  # one of WEIGHTS_INITS
+
+
+class Indexer(nnx.Module):
+    """The lightning indexer of one CSA layer (official names, [in, out] layout).
+
+    Parameters: wq_b [q_lora, HI, DI] (indexer queries from the main attention's c_q),
+    weights_proj [M, HI] (per-head weights from x), compressor (its own overlapping m = 4
+    compressor of width DI). Both inputs pass through `stop_gradient`, so no gradient leaves the
+    indexer. The official code also applies a Hadamard rotation and FP4 quantisation to q_I and
+    k_I; the rotation is orthogonal on both sides (dot products unchanged) and the quantisation is
+    inference-only simulation, so both are omitted.
+
+    spec.weights_init: "fan_in" (the default: weights_proj ~ variance 1/M) or "zeros" (weights_proj = 0:
+    every score 0, a uniform student; the first step's gradient reaches weights_proj only, the next
+    ones q and k too). The warm-up presets start from "zeros": a random start is a student worse
+    than uniform (docs/benchmarks.md#why-the-defaults).
+    """
+
+    def __init__(self, spec: IndexerSpec, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32):
+        s = spec
+        if s.weights_init not in WEIGHTS_INITS:
+            raise ValueError(f"weights_init={s.weights_init!r} is unknown: use one of {', '.join(WEIGHTS_INITS)}")
+        self.heads, self.head_dim, self.rope, self.dtype = s.heads, s.head_dim, s.rope, dtype
+        self.wq_b = param(rngs, dense_init(in_axis=0, out_axis=(1, 2)), (s.q_lora_rank, s.heads, s.head_dim),
+                          ("q_lora", "indexer_heads", "kv"), param_dtype)
+        # "zeros": every score 0, the student uniform (KL = KL_uniform) instead of a random one worse
+        # than uniform; `param` draws its key either way, so every other parameter is unchanged.
+        w_init = dense_init() if s.weights_init == "fan_in" else jax.nn.initializers.zeros
+        self.weights_proj = param(rngs, w_init, (s.emb, s.heads), ("embed", "indexer_heads"), param_dtype)
+        self.compressor = Compressor(s.emb, s.head_dim, 4, s.rope, s.eps, rngs=rngs,
+                                     param_dtype=param_dtype, dtype=dtype)
+
+    def inputs(self, x_btm, c_q_btr, positions_bt) -> IndexerInputs:
+        """Detached inputs -> IndexerInputs(q_I per run of rows, k_bwd, weights_bti float32).
+
+        Shapes:
+          1. q_btid  = RoPE(stop_gradient(c_q) W_Iq)   at positions[t], built where consumed
+          2. k_bwd   = compressor(x)           (m = 4, overlapping; RoPE at block starts)
+          3. weights = x W_Iw * HI^-1/2 * DI^-1/2
+        """
+        queries = RowQueries(functools.partial(indexer_queries, rope=self.rope, dtype=self.dtype),
+                             jax.lax.stop_gradient(c_q_btr), self.wq_b[...])
+        return IndexerInputs(queries, *self.keys_and_weights(x_btm, positions_bt))
+
+    def keys_and_weights(self, x_btm, positions_bt):
+        """(k_bwd, weights_bti float32) of `inputs` from the detached x."""
+        dt = self.dtype
+        x_btm = jax.lax.stop_gradient(x_btm).astype(dt)
+        k_bwd = self.compressor(x_btm, positions_bt)
+        weights_bti = jnp.einsum("btm,mi->bti", x_btm, self.weights_proj[...].astype(dt))
+        return k_bwd, weights_bti.astype(jnp.float32) * (self.heads ** -0.5 * self.head_dim ** -0.5)

@@ -42,7 +42,7 @@ which decides what the backward pass keeps from the forward and what it recomput
 Every remat policy also keeps SAVED_NAMES, values tagged with `checkpoint_name` where they are
 made: the CSA top-k selection (int [B, T, k] + bool), the streamed indexer loss's closed-form
 gradients (per token [B, T, R + HI], its keys [B, W, DI], its query weight), the indexer's own
-gradient where `indexer_gradient: local` takes it in the forward (core.model.indexer.
+gradient where `indexer_gradient: local` takes it in the forward (core.model.attention.
 local_gradient_loss: one copy of the indexer's parameters per layer) and the MoE's routing
 (int: chosen experts, slot rows, tile experts). The backward then runs no indexer scoring, top-k,
 indexer loss nor routing sort again, for a few bytes per token and layer. Under `full` the attention

@@ -344,7 +344,7 @@ def _value(v):
 def _indexer_pair(seed=3):
     from flax import nnx
 
-    from core.model.indexer import Indexer, IndexerSpec
+    from core.model.attention import Indexer, IndexerSpec
     from core.ops.rope import RopeSpec
 
     make = lambda init: Indexer(IndexerSpec(16, 8, 4, 8, RopeSpec(4, 50.0), 1e-6, weights_init=init),  # noqa: E731
@@ -391,7 +391,7 @@ def test_zero_weights_init_is_a_uniform_student_and_changes_nothing_else(x64):
 def test_unknown_weights_init_raises():
     from flax import nnx
 
-    from core.model.indexer import Indexer, IndexerSpec
+    from core.model.attention import Indexer, IndexerSpec
     from core.ops.rope import RopeSpec
 
     with pytest.raises(ValueError, match="weights_init='normal' is unknown"):

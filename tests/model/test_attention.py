@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from core.model.attention import Attention, AttentionImpl, AttentionSpec, collect
-from core.model.indexer import Indexer, IndexerSpec
+from core.model.attention import Attention, AttentionImpl, AttentionSpec, Indexer, IndexerSpec, collect
 from core.ops.chunked_attention import softmax_attention
 from core.ops.masks import compressed_visibility
 from core.ops.topk import indexer_scores, select_topk

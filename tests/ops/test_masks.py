@@ -1,4 +1,4 @@
-"""core.ops.masks and the pure functions of core.model.indexer against tests/reference_loss.py.
+"""core.ops.masks and the pure functions of core.model.attention against tests/reference_loss.py.
 
 DESIGN.md "Block segment", "Visibility", "Lightning indexer"; issue 4 (the T=16 warm-up mask).
 """
