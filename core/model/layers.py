@@ -1,4 +1,5 @@
-"""Small shared building blocks: parameter creation with logical axes, RMS normalisation.
+"""What every layer is built of: parameters with logical axes, RMS normalisation, RoPE and the KV
+compressor (the attention's and its indexer's).
 
 Every parameter of the decoder is created through `param`, which attaches logical axis names
 (embed, mlp, experts, heads, kv, vocab, norm, mhc, ...) as the variable's `out_sharding`
@@ -8,18 +9,56 @@ metadata without sharding anything eagerly: a mesh maps the names to device axes
 RMSNorm follows DESIGN.md and the official DeepSeek-V4 code: normalise in float32,
 x * rsqrt(mean(x^2) + eps), times a learned per-feature scale (init 1), cast back to the input
 dtype. `rms_normalize` is the same without the scale (per-head query norm, mHC input norm).
+
+RoPE: partial rotary position embedding with YaRN (DESIGN.md, "RoPE"; "Attention", last sentence).
+It rotates only the last R = qk_rope_head_dim features of a vector; the leading features carry
+no position. Those R features form interleaved pairs (2i, 2i+1), i.e. the official code's complex
+view `x[..., -R:].unflatten(-1, (-1, 2))`, and pair i turns by the angle position * freq[i].
+The inverse rotation (the conjugate) is applied to the attention output.
+
+Per-layer frequencies, as in the official DeepSeek-V4 inference code:
+  * sliding-window (SWA) layers: theta = rope_max_timescale, never YaRN;
+  * compressed (CSA/HCA) layers and their indexer: theta = compressed_rope_max_timescale, with
+    YaRN frequency interpolation when rope_type = yarn.
+YaRN here is frequency interpolation only: dims whose wavelength is short against
+original_max_position_embeddings (more than beta_fast rotations) keep their frequency, long ones
+(fewer than beta_slow rotations) are divided by rope_factor, with a linear ramp in between. The
+official V4 code applies no YaRN attention-temperature (mscale) correction: the softmax scale
+stays head_dim^-1/2, and so does ours.
+
+The KV compressor (DESIGN.md, "Compressor"): gated per-feature softmax pooling of token blocks.
+Every m consecutive tokens become one compressed entry of width d:
+
+  a = x W_kv, g = x W_gate + ape[slot]       (float32, width c*d; c = 2 when overlapping)
+  plain (m = 128, HCA):   entry[w] = sum over the m slots of block w of softmax_slot(g) * a
+  overlap (m = 4, CSA and the indexer): the features split into halves A | B and entry[w]
+      pools 2m slots: the A-half of block w-1's tokens and the B-half of block w's tokens.
+      Block w-1's slots are excluded for w = 0 and whenever block w does not continue block
+      w-1's document (their first tokens' positions do not differ by exactly m).
+  then RMSNorm (learned scale) and RoPE on the last R features at the block's first position.
+
+The softmax runs over slots independently for every feature. Only complete blocks are
+compressed: W = T // m, trailing tokens that do not fill a block are dropped (a query never sees
+an incomplete block anyway). Deviation from the official inference code: no FP8/FP4
+quantisation simulation and no Hadamard rotation of the indexer's keys (an orthogonal map applied
+to both indexer queries and keys, which leaves their dot products unchanged).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from core import tree
 from core.model.init_draws import FanInTruncatedNormal
+from core.ops.masks import NEG, block_first_positions
 
 Initializer = Callable[..., jax.Array]
 
@@ -115,3 +154,157 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         y = rms_normalize(x, self.eps) * upcast(self.weight[...])
         return y.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- rope
+
+@dataclasses.dataclass(frozen=True)
+class RopeSpec:
+    """Static RoPE settings of one layer (hashable, so it can live on a module).
+
+    rope_dim: R, the trailing features that rotate (even).
+    theta: base wavelength scale.
+    yarn_factor: YaRN context-extension factor; <= 1 disables YaRN.
+    original_max_positions: YaRN's pre-training context (tokens).
+    beta_fast / beta_slow: YaRN ramp boundaries (rotations over the original context).
+    """
+
+    rope_dim: int
+    theta: float
+    yarn_factor: float = 1.0
+    original_max_positions: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    @property
+    def uses_yarn(self) -> bool:
+        return self.yarn_factor > 1.0 and self.original_max_positions > 0
+
+
+def rope_frequencies(spec: RopeSpec) -> np.ndarray:
+    """Angular frequency of each rotating pair, float64 [R / 2] (a static constant).
+
+    Base: freq[i] = theta^(-2i / R). With YaRN, pair i keeps freq[i] below the ramp, becomes
+    freq[i] / factor above it, and interpolates linearly inside it; the ramp runs between the
+    pair indices where a wavelength fits beta_fast and beta_slow times into the original context.
+    """
+    r = spec.rope_dim
+    freqs = spec.theta ** (-np.arange(0, r, 2, dtype=np.float64) / r)
+    if not spec.uses_yarn:
+        return freqs
+
+    def pair_of(rotations: float) -> float:  # the (fractional) dim where `rotations` fit
+        return r * math.log(spec.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(spec.theta))
+
+    low = max(math.floor(pair_of(spec.beta_fast)), 0)
+    high = min(math.ceil(pair_of(spec.beta_slow)), r - 1)
+    if low == high:
+        high += 0.001  # the official code's guard against a zero-width ramp
+    ramp = np.clip((np.arange(r // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    return freqs / spec.yarn_factor * ramp + freqs * (1.0 - ramp)
+
+
+def apply_rope(x, positions, spec: RopeSpec, *, inverse: bool = False):
+    """Rotate the last R features of `x` as interleaved pairs by position * freq.
+
+    Args:
+      x: [B, T, ..., F] any float dtype, F >= R; e.g. q_bthd, kv_btd, kv_bwd.
+      positions: int [B, T] (one position per leading (B, T) entry, broadcast over the rest).
+      spec: the layer's RoPE settings.
+      inverse: rotate by -angle (the conjugate), undoing a forward rotation.
+
+    Returns:
+      x's shape and dtype; the leading F - R features unchanged.
+
+    Shapes:
+      1. angle_bt..r = positions * freq_r          (float32, float64 for float64 x)
+      2. (x0, x1) pairs of x[..., F-R:]  ->  (x0 cos - x1 sin, x0 sin + x1 cos)
+    """
+    r = spec.rope_dim
+    if r == 0:
+        return x
+    acc = jnp.promote_types(x.dtype, jnp.float32)  # float32, or float64 in x64 references
+    freq_r = jnp.asarray(rope_frequencies(spec), acc)
+    pos = positions.reshape(positions.shape + (1,) * (x.ndim - 1 - positions.ndim))
+    angle = pos.astype(acc)[..., None] * freq_r
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    if inverse:
+        sin = -sin
+    nope, rot = x[..., : x.shape[-1] - r], x[..., x.shape[-1] - r:]
+    pairs = rot.astype(acc).reshape(rot.shape[:-1] + (r // 2, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    turned = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(rot.shape)
+    return jnp.concatenate([nope, turned.astype(x.dtype)], axis=-1)
+
+
+# ----------------------------------------------------------------------------- compressor
+
+def compress(x_btm, wkv_mf, wgate_mf, ape_rf, norm_d, positions_bt, *, ratio: int, eps: float, rope: RopeSpec):
+    """Compress `x` into T // ratio entries (overlapping pooling when ratio == 4).
+
+    Args:
+      x_btm: [B, T, M] token features (the attention input).
+      wkv_mf, wgate_mf: the value and gate projections [M, c*d] (c = 2 if ratio == 4 else 1).
+      ape_rf: [ratio, c*d] learned position bias added to the gate per slot.
+      norm_d: [d] RMSNorm scale.
+      positions_bt: int [B, T], restarting at 0 per document.
+      ratio: tokens per block m (static; 4 overlaps).
+      eps: RMSNorm epsilon.
+      rope: the layer's RoPE settings (applied at each block's first position).
+
+    Returns:
+      [B, T // ratio, d] in x's dtype (pooled in float32, or float64 for float64 inputs).
+
+    Shapes:
+      1. kv_bwrf, gate_bwrf = x W_kv, x W_gate + ape      (blocks of r = ratio slots)
+      2. overlap: slots_bw(2r)d = [A-half of block w-1 | B-half of block w]
+      3. pooled_bwd = sum_slot softmax_slot(gate) * kv
+      4. kv_bwd = RoPE(RMSNorm(pooled), first position of block w)
+    """
+    b, t, _ = x_btm.shape
+    w = t // ratio
+    overlap = ratio == 4
+    in_dtype = x_btm.dtype
+    acc = jnp.promote_types(in_dtype, jnp.float32)
+    x_btm = x_btm[:, : w * ratio].astype(acc)
+    kv_btf = checkpoint_name(jnp.einsum("btm,mf->btf", x_btm, wkv_mf.astype(acc)), "compressor_proj")
+    gate_btf = checkpoint_name(jnp.einsum("btm,mf->btf", x_btm, wgate_mf.astype(acc)), "compressor_proj")
+    f = kv_btf.shape[-1]
+    kv_bwrf = kv_btf.reshape(b, w, ratio, f)
+    gate_bwrf = gate_btf.reshape(b, w, ratio, f) + ape_rf.astype(acc)
+    first_bw = block_first_positions(positions_bt[:, : w * ratio], ratio)
+
+    if overlap:
+        d = f // 2
+        # Block w-1's A-half, shifted one block later; a zero block stands in front of block 0.
+        prev_kv = jnp.pad(kv_bwrf[:, :-1, :, :d], ((0, 0), (1, 0), (0, 0), (0, 0)))
+        prev_gate = jnp.pad(gate_bwrf[:, :-1, :, :d], ((0, 0), (1, 0), (0, 0), (0, 0)))
+        prev_first_bw = jnp.pad(first_bw[:, :-1], ((0, 0), (1, 0)))
+        continues_bw = (first_bw - prev_first_bw == ratio) & (jnp.arange(w) > 0)
+        prev_gate = jnp.where(continues_bw[:, :, None, None], prev_gate, NEG)
+        kv_bwrf = jnp.concatenate([prev_kv, kv_bwrf[..., d:]], axis=2)
+        gate_bwrf = jnp.concatenate([prev_gate, gate_bwrf[..., d:]], axis=2)
+
+    probs_bwrf = jax.nn.softmax(gate_bwrf, axis=2)
+    pooled_bwd = jnp.sum(probs_bwrf * kv_bwrf, axis=2)
+    normed_bwd = rms_normalize(pooled_bwd, eps).astype(acc) * norm_d.astype(acc)
+    return apply_rope(normed_bwd, first_bw, rope).astype(in_dtype)
+
+
+class Compressor(nnx.Module):
+    """Parameters of one compressor: wkv, wgate [M, c*d], ape [m, c*d] (init 0), norm [d]."""
+
+    def __init__(self, emb: int, head_dim: int, ratio: int, rope: RopeSpec, eps: float, *,
+                 rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32):
+        self.ratio, self.rope, self.eps, self.dtype = ratio, rope, float(eps), dtype
+        width = (2 if ratio == 4 else 1) * head_dim
+        self.wkv = param(rngs, dense_init(), (emb, width), ("embed", "kv"), param_dtype)
+        self.wgate = param(rngs, dense_init(), (emb, width), ("embed", "kv"), param_dtype)
+        self.ape = param(rngs, nnx.initializers.zeros, (ratio, width), (None, "kv"), param_dtype)
+        self.norm = RMSNorm(head_dim, eps, rngs=rngs, param_dtype=param_dtype)
+
+    def __call__(self, x_btm, positions_bt):
+        """[B, T, M] -> compressed entries [B, T // ratio, d] in the compute dtype."""
+        kv_bwd = compress(x_btm, self.wkv[...], self.wgate[...], self.ape[...], self.norm.weight[...], positions_bt,
+                          ratio=self.ratio, eps=self.eps, rope=self.rope)
+        return kv_bwd.astype(self.dtype)

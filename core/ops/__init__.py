@@ -1,6 +1,6 @@
 """Pure, jit-safe maths that both the model and the losses use: functions of arrays and static ints.
 
-Modules: masks (visibility from positions and segment ids), rope (partial RoPE with YaRN),
+Modules: masks (visibility from positions and segment ids),
 chunked_attention (banded window, gathered top-k, chunked visible blocks), fused_attention (the same
 attention as Pallas TPU kernels, forward and backward), topk (indexer scores,
 top-k block selection), grouped_matmul (the

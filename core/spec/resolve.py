@@ -24,10 +24,10 @@ from typing import Any
 
 from core.config.stages import Stage, stage_of
 from core.model.attention import AttentionImpl, AttentionSpec
+from core.model.layers import RopeSpec
 from core.model.moe import MoESpec
 from core.model.transformer import BlockSpec, ModelSpec
 from core.ops.placement import platform_name
-from core.ops.rope import RopeSpec
 from core.spec.platform import resolve_config
 
 

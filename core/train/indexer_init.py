@@ -28,8 +28,8 @@ from flax import nnx
 from core.loss.indexer_kl_rows import Spec, kl_rows, teacher_rows
 from core.model.attention import collect
 from core.model.indexer_init import LayerStats, TeacherWeights, teacher_indexer
+from core.model.layers import apply_rope
 from core.ops.masks import block_first_positions
-from core.ops.rope import apply_rope
 from core.parallel.sharding import shard_batch
 from core.train.program import with_mesh
 

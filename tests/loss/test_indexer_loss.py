@@ -345,7 +345,7 @@ def _indexer_pair(seed=3):
     from flax import nnx
 
     from core.model.attention import Indexer, IndexerSpec
-    from core.ops.rope import RopeSpec
+    from core.model.layers import RopeSpec
 
     make = lambda init: Indexer(IndexerSpec(16, 8, 4, 8, RopeSpec(4, 50.0), 1e-6, weights_init=init),  # noqa: E731
                                 rngs=nnx.Rngs(seed))
@@ -392,7 +392,7 @@ def test_unknown_weights_init_raises():
     from flax import nnx
 
     from core.model.attention import Indexer, IndexerSpec
-    from core.ops.rope import RopeSpec
+    from core.model.layers import RopeSpec
 
     with pytest.raises(ValueError, match="weights_init='normal' is unknown"):
         Indexer(IndexerSpec(16, 8, 4, 8, RopeSpec(4, 50.0), 1e-6, weights_init="normal"), rngs=nnx.Rngs(0))

@@ -19,7 +19,7 @@ from core.model.attention import Attention, AttentionImpl, AttentionSpec, Indexe
 from core.ops.chunked_attention import softmax_attention
 from core.ops.masks import compressed_visibility
 from core.ops.topk import indexer_scores, select_topk
-from core.ops.rope import RopeSpec
+from core.model.layers import RopeSpec
 from tests import reference as ref
 
 

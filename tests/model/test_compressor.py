@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from core.model.compressor import Compressor, CompressorWeights, compress as compress_eager
-from core.ops.rope import RopeSpec
+from core.model.layers import Compressor, RopeSpec, compress as compress_eager
 from tests import reference as ref
 
 
@@ -48,8 +47,8 @@ def test_compress_matches_reference(x64, ratio, docs, t):
     x, wkv, wg, ape, norm = _inputs(rng, len(docs), t, 6, d, ratio)
     pos = np.stack([_packed(row, t)[0] for row in docs])
     spec = RopeSpec(rope_dim, 160000.0)
-    weights = CompressorWeights(*map(jnp.asarray, (wkv, wg, ape, norm)))
-    got = compress(jnp.asarray(x), weights, jnp.asarray(pos), ratio=ratio, eps=1e-6, rope=spec)
+    weights = map(jnp.asarray, (wkv, wg, ape, norm))
+    got = compress(jnp.asarray(x), *weights, jnp.asarray(pos), ratio=ratio, eps=1e-6, rope=spec)
     want = ref.compress(x, wkv, wg, ape, norm, pos, ratio, 1e-6, ref.rope_freqs(rope_dim, 160000.0))
     assert got.shape == want.shape == (len(docs), t // ratio, d)
     err = float(np.max(np.abs(np.asarray(got) - want)))
@@ -62,7 +61,7 @@ def test_packed_documents_equal_each_alone():
     d = 8
     x, wkv, wg, ape, norm = _inputs(rng, 1, 24, 6, d, 4)
     x = x.astype(np.float32)
-    f = lambda xx, pp: np.asarray(compress(jnp.asarray(xx), CompressorWeights(wkv, wg, ape, norm), jnp.asarray(pp),
+    f = lambda xx, pp: np.asarray(compress(jnp.asarray(xx), wkv, wg, ape, norm, jnp.asarray(pp),
                                            ratio=4, eps=1e-6, rope=RopeSpec(4, 1e4)))
     pos = _packed([8, 16], 24)[0][None]
     packed = f(x, pos)
@@ -76,7 +75,7 @@ def test_overlap_uses_previous_block():
     """Changing a token of block w-1 changes entry w (A-half overlap) unless a document starts at w."""
     rng = np.random.default_rng(4)
     x, wkv, wg, ape, norm = _inputs(rng, 1, 16, 6, 8, 4)
-    f = lambda xx, pp: np.asarray(compress(jnp.asarray(xx, jnp.float32), CompressorWeights(wkv, wg, ape, norm),
+    f = lambda xx, pp: np.asarray(compress(jnp.asarray(xx, jnp.float32), wkv, wg, ape, norm,
                                            jnp.asarray(pp), ratio=4, eps=1e-6, rope=RopeSpec(4, 1e4)))
     x2 = x.copy()
     x2[0, 5] += 1.0  # block 1
@@ -104,8 +103,8 @@ def test_module_matches_pure_function_and_reference_and_trailing_tokens_dropped(
     run = nnx.jit(lambda c, *a: c(*a))
     out = np.asarray(run(comp, jnp.asarray(x), jnp.asarray(pos)))
     assert out.shape == (2, 2, 8)
-    weights = CompressorWeights(*map(jnp.asarray, (wkv, wg, ape, norm)))
-    pure = compress(jnp.asarray(x), weights, jnp.asarray(pos), ratio=4, eps=1e-6, rope=rope)
+    weights = map(jnp.asarray, (wkv, wg, ape, norm))
+    pure = compress(jnp.asarray(x), *weights, jnp.asarray(pos), ratio=4, eps=1e-6, rope=rope)
     np.testing.assert_array_equal(out, np.asarray(pure))
     want = ref.compress(x, wkv, wg, ape, norm, pos, 4, 1e-6, ref.rope_freqs(4, 1e4))
     err = float(np.max(np.abs(out - want)))

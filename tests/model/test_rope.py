@@ -6,7 +6,7 @@ import pytest
 
 from core.config.schema import load_config
 from core.spec.resolve import layer_rope
-from core.ops.rope import RopeSpec, apply_rope, rope_frequencies
+from core.model.layers import RopeSpec, apply_rope, rope_frequencies
 from tests import reference as ref
 
 
