@@ -42,7 +42,7 @@ def _inputs(shape, ratio: int, topk: int, seed: int = 0):
     import jax
     import jax.numpy as jnp
 
-    from core.ops.masks import Packing, compressed_visibility
+    from core.ops.chunked_attention import Packing, compressed_visibility
     from core.ops.topk import SelectionMask, topk_mask
 
     b, t, h, d = shape

@@ -37,8 +37,7 @@ from core.errors import ConfigError
 from core.loss.indexer_kl import csa_indexer_loss
 from core.loss.indexer_kl_rows import Teacher, WholeTeacher
 from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed
-from core.ops.chunked_attention import RowQueries
-from core.ops.masks import Packing, csa_visible
+from core.ops.chunked_attention import Packing, RowQueries, csa_visible
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, selection_mask
 
 SHAPE_MODELS = {"flash": "deepseek4-284b", "tiny": "deepseek4-tiny"}

@@ -45,8 +45,7 @@ import jax.numpy as jnp
 
 from core.loss.indexer_kl_rows import (EPS, Spec, compute_dtype, kl_terms, resolve_chunk, scan_blocks, slice_t,
                                        teacher_rows)
-from core.ops.chunked_attention import block_keys
-from core.ops.masks import Packing, visible_rows
+from core.ops.chunked_attention import Packing, block_keys, visible_rows
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk
 
 METRICS = ("kl", "recall", "overlap", "recall_oracle", "recall_recent", "recall_random", "kl_uniform")

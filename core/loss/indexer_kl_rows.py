@@ -19,8 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from core.ops.chunked_attention import RowQueries
-from core.ops.masks import NEG, Packing, sliding_window_mask
+from core.ops.chunked_attention import NEG, Packing, RowQueries, sliding_window_mask
 
 TEACHERS = ("compressed", "joint")
 EPS = 1e-8  # DESIGN.md's epsilon in the teacher normalisation and in log(P + eps)

@@ -21,11 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from core.loss.indexer_kl_rows import (TEACHERS, Spec, Teacher, check_teacher, compute_dtype, kl_rows,
-                                       per_valid_row, resolve_chunk, scan_blocks, slice_t, teacher_input,
-                                       teacher_rows)
-from core.ops.chunked_attention import ChunkTap, RowQueries
-from core.ops.masks import Packing, block_last_positions, block_segment_ids, visible_rows, window_rows
+from core.loss.indexer_kl_rows import (Spec, TEACHERS, Teacher, check_teacher, compute_dtype, kl_rows, per_valid_row,
+                                       resolve_chunk, scan_blocks, slice_t, teacher_input, teacher_rows)
+from core.ops.chunked_attention import (ChunkTap, Packing, RowQueries, block_last_positions, block_segment_ids,
+                                        visible_rows, window_rows)
 from core.ops.topk import IndexerInputs, indexer_scores, topk_mask
 
 

@@ -76,8 +76,8 @@ from core.loss.indexer_kl import csa_indexer_loss
 from core.loss.indexer_kl_rows import Teacher
 from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed, csa_indexer_loss_tap
 from core.model.layers import Compressor, RMSNorm, RopeSpec, apply_rope, dense_init, param, rms_normalize
-from core.ops.chunked_attention import Keys, RowQueries, chunked_attention, masked_attention
-from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
+from core.ops.chunked_attention import (Keys, Packing, RowQueries, chunked_attention, compressed_visibility,
+                                        masked_attention, sliding_window_mask)
 from core.ops.placement import einsum_after_cotangent, pin_rows
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked
 

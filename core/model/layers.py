@@ -58,7 +58,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from core import tree
 from core.model.init_draws import FanInTruncatedNormal
-from core.ops.masks import NEG, block_first_positions
+from core.ops.chunked_attention import NEG, block_first_positions
 
 Initializer = Callable[..., jax.Array]
 

@@ -61,7 +61,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from core.ops.masks import NEG
+from core.ops.chunked_attention import NEG
 
 _LANES = 128
 
@@ -501,7 +501,7 @@ def fused_layer_attention(queries, keys, packing, selection=None, out_fn=None, *
     """
     from jax.sharding import PartitionSpec as P
 
-    from core.ops.masks import compressed_visibility
+    from core.ops.chunked_attention import compressed_visibility
     from core.ops.placement import BATCH_AXES, HEADS_AXIS, divisible_prefix, mesh_platform_of
 
     positions_bt, segment_ids_bt = packing

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from core.ops.chunked_attention import RowQueries, block_keys, from_chunks, num_chunks, to_chunks
-from core.ops.masks import NEG, Packing, visible_rows
+from core.ops.chunked_attention import (NEG, Packing, RowQueries, block_keys, from_chunks, num_chunks, to_chunks,
+                                        visible_rows)
 
 
 class IndexerInputs(NamedTuple):

@@ -24,7 +24,7 @@ attention is needed up to the teacher's logits (no values, no output projection,
 
 Attended area. Each batch row is one document of T tokens (positions 0..T-1). Query t reads
 min(S, t + 1) window keys and sees the floor((t + 1) / m) complete blocks before it (a block is
-visible once its last token is, core/ops/masks.py). CSA with top-k (the sparse stage, the
+visible once its last token is, core/ops/chunked_attention.py). CSA with top-k (the sparse stage, the
 no-indexer-loss row) attends min(k, visible) blocks; CSA over every visible block (pre-training,
 warm-up, use_indexer false) and HCA attend the visible ones. The indexer scores every visible
 block.

@@ -29,7 +29,7 @@ from core.loss.indexer_kl_rows import Spec, kl_rows, teacher_rows
 from core.model.attention import collect
 from core.model.indexer_init import LayerStats, TeacherWeights, teacher_indexer
 from core.model.layers import apply_rope
-from core.ops.masks import block_first_positions
+from core.ops.chunked_attention import block_first_positions
 from core.parallel.sharding import shard_batch
 from core.train.program import with_mesh
 

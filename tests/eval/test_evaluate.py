@@ -5,17 +5,15 @@ and core/eval/report.py's pooling and derived figures."""
 from __future__ import annotations
 
 import json
+import pytest
+from tests import dense_eval as eval_metrics, reference_eval as ref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
-from core.eval import evaluate as ev
-from core.eval import report
-from core.ops.masks import NEG, csa_visible
-from tests import dense_eval as eval_metrics
-from tests import reference_eval as ref
+from core.eval import evaluate as ev, report
+from core.ops.chunked_attention import NEG, csa_visible
 
 KS = (1, 4)
 # Jitted once per module: a handful of compiles instead of hundreds of eager per-op ones.

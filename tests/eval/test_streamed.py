@@ -12,23 +12,20 @@
 from __future__ import annotations
 
 import functools
+import pytest
+from tests import dense_eval, reference_eval as ref
+from tests.conftest import init_model, tiny_config
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
-from core.eval import evaluate as ev
-from core.eval import metrics
+from core.eval import evaluate as ev, metrics
 from core.eval.rows import EVAL_KEYS, row_keys
 from core.loss.indexer_kl_rows import Teacher
-from core.ops.chunked_attention import RowQueries
-from core.ops.masks import Packing
+from core.ops.chunked_attention import Packing, RowQueries
 from core.ops.topk import IndexerInputs, indexer_scores
 from core.spec.resolve import resolve
-from tests import dense_eval
-from tests import reference_eval as ref
-from tests.conftest import init_model, tiny_config
 
 KS = (1, 2, 4, 7)
 

@@ -8,24 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pytest
+from hypothesis import given, settings, strategies as st
+from tests import reference_loss as ref
+from tests.conftest import packed
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.test_util import check_grads
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from tests import reference_loss as ref
-from core.ops.topk import indexer_scores, select_topk, selection_mask
 from core.loss.indexer_kl import csa_indexer_loss
 from core.loss.indexer_kl_rows import Teacher, WholeTeacher
 from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed
-from core.ops.chunked_attention import RowQueries
-from core.ops.masks import Packing, csa_visible, sliding_window_mask
-from core.ops.topk import IndexerInputs
-from tests.conftest import packed
+from core.ops.chunked_attention import Packing, RowQueries, csa_visible, sliding_window_mask
+from core.ops.topk import IndexerInputs, indexer_scores, select_topk, selection_mask
 
 RATIO, WINDOW, TOPK = 4, 5, 2
 # Chunk settings shared by the tests so jit's cache is hit: (head_chunk, query_chunk).

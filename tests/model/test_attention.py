@@ -16,8 +16,7 @@ import pytest
 from flax import nnx
 
 from core.model.attention import Attention, AttentionImpl, AttentionSpec, Indexer, IndexerSpec, collect
-from core.ops.chunked_attention import softmax_attention
-from core.ops.masks import compressed_visibility
+from core.ops.chunked_attention import compressed_visibility, softmax_attention
 from core.ops.topk import indexer_scores, select_topk
 from core.model.layers import RopeSpec
 from tests import reference as ref

@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import pytest
+from tests.model.test_attention import packed
+from tests.ops.test_sparse_attention import check_layer_equals_masked
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
-from core.ops.chunked_attention import softmax_attention
+from core.ops.chunked_attention import compressed_visibility, sliding_window_mask, softmax_attention
 from core.ops.fused_attention import fused_attention, key_block
-from core.ops.masks import compressed_visibility, sliding_window_mask
-from tests.model.test_attention import packed
-from tests.ops.test_sparse_attention import check_layer_equals_masked
 
 D = 128
 # (name, row document lengths, T, H, window S, ratio (0: SWA), block_q)
@@ -211,9 +210,8 @@ def test_layer_fused_equals_masked(ratio, dense, loss, kw):
 
 SHARDED = """
 import json, jax, jax.numpy as jnp, numpy as np
-from core.ops.chunked_attention import Keys, RowQueries
+from core.ops.chunked_attention import Keys, Packing, RowQueries
 from core.ops.fused_attention import fused_layer_attention
-from core.ops.masks import Packing
 from core.parallel.mesh import MESH_AXES
 from tests.model.test_attention import packed
 rng = np.random.default_rng(0)

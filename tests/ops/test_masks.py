@@ -1,22 +1,21 @@
-"""core.ops.masks and the pure functions of core.model.attention against tests/reference_loss.py.
+"""core.ops.chunked_attention and the pure functions of core.model.attention against tests/reference_loss.py.
 
 DESIGN.md "Block segment", "Visibility", "Lightning indexer"; issue 4 (the T=16 warm-up mask).
 """
 
 from __future__ import annotations
 
+import pytest
+from hypothesis import given, settings, strategies as st
+from tests import reference_loss as ref
+from tests.conftest import packed
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from tests import reference_loss as ref
+from core.ops.chunked_attention import NEG, block_segment_ids, csa_visible, sliding_window_mask
 from core.ops.topk import indexer_scores, select_topk, selection_mask
-from core.ops.masks import NEG, block_segment_ids, csa_visible, sliding_window_mask
-from tests.conftest import packed
 
 visible = jax.jit(csa_visible, static_argnums=2)
 window = jax.jit(sliding_window_mask, static_argnums=2)

@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 from core.model.attention import Attention, collect
-from core.ops.chunked_attention import Keys, RowQueries, band_run, chunked_attention, softmax_attention
-from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
+from core.ops.chunked_attention import (Keys, Packing, RowQueries, band_run, chunked_attention, compressed_visibility,
+                                        sliding_window_mask, softmax_attention)
 from core.ops.topk import (IndexerInputs, SelectionMask, indexer_scores, select_topk, select_topk_chunked,
                            selection_mask, topk_mask)
 from core.spec.resolve import resolve

@@ -1,7 +1,7 @@
 """core/train/flops.py: the analytic model FLOPs against an independent count of the same step.
 
 Two checks that together pin every term. (1) The attended area: `causal_area`'s closed forms equal
-the sums of the very masks the model uses (core/ops/masks.py) over a document's positions. (2) The
+the sums of the very masks the model uses (core/ops/chunked_attention.py) over a document's positions. (2) The
 matmuls: `step_matmuls`, given the dense reference's full [T, T] / [T, W] area, equals per
 component the dot_generals and ragged dots of the training step's own jaxpr, dead code eliminated
 (core/bench/train.py's `jaxpr_flops`: forward and backward, remat off, attention=masked, the direct
@@ -17,16 +17,16 @@ a dot_general. A dropped or wrong term, a wrong pass count, a wrong attribution 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+
+import numpy as np
 
 from core.bench.train import component_flops, sweep_config
 from core.config.schema import load_config
 from core.config.stages import stage_of
-from core.train.flops import COMPONENTS, Area, causal_area, live_parts, model_flops_per_step, step_matmuls
-from core.ops.chunked_attention import band_run, num_chunks
-from core.ops.masks import compressed_visibility, sliding_window_mask
+from core.ops.chunked_attention import band_run, compressed_visibility, num_chunks, sliding_window_mask
 from core.spec.platform import resolve_config
+from core.train.flops import Area, COMPONENTS, causal_area, live_parts, model_flops_per_step, step_matmuls
 
 # Every layer kind (hash-routed CSA, HCA, SWA), the dense reference paths, no remat.
 TINY = ["base_num_decoder_layers=3", "compress_ratios=[4,128,0]", "first_num_hash_layers=1", "vocab_size=256",
