@@ -23,7 +23,7 @@ from core.checkpoint import store as ckpt
 from core.config.schema import load_config
 from core.data.batches import eval_batches, train_batches
 from core.eval.evaluate import evaluate_indexer
-from core.loss.indexer_kl_rows import EPS
+from core.loss.indexer_kl import EPS
 from core.model.attention import collect
 from core.model.indexer_init import principal_maps
 from core.train.indexer_init import calibration_batches, layer_stats, teacher_init

@@ -34,9 +34,7 @@ import jax.numpy as jnp
 
 from core.config.schema import load_config
 from core.errors import ConfigError
-from core.loss.indexer_kl import csa_indexer_loss
-from core.loss.indexer_kl_rows import Teacher, WholeTeacher
-from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed
+from core.loss.indexer_kl import Teacher, WholeTeacher, csa_indexer_loss, csa_indexer_loss_streamed
 from core.ops.chunked_attention import Packing, RowQueries, csa_visible
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, selection_mask
 

@@ -28,7 +28,7 @@ Top-k everywhere is `core.ops.topk.select_topk`: ties to the lower block index.
 Streaming (DESIGN.md, "Memory"): `layer_sums` runs inside the model's CSA layer (`layer_probe`, the
 layer's probe: core.model.attention.IndexerView) on the indexer's and the teacher's inputs per run
 of rows, as the layer's loss takes them, and scans
-over query blocks of qc rows with the streamed loss's row machinery (core/loss/indexer_kl_rows.py:
+over query blocks of qc rows with the streamed loss's row machinery (core/loss/indexer_kl.py:
 `teacher_rows`, `kl_terms`, `scan_blocks`). What lives at once, per block: the teacher's
 [B, qc, hc, W] logits of one head group, the indexer's [B, qc, W, HI] logits, and a few
 [B, qc, W] rows (scores, P, masks, random draws); per layer only the metric sums leave it. The
@@ -43,8 +43,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from core.loss.indexer_kl_rows import (EPS, Spec, compute_dtype, kl_terms, resolve_chunk, scan_blocks, slice_t,
-                                       teacher_rows)
+from core.loss.indexer_kl import EPS, Spec, compute_dtype, kl_terms, resolve_chunk, scan_blocks, slice_t, teacher_rows
 from core.ops.chunked_attention import Packing, block_keys, visible_rows
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk
 
@@ -100,7 +99,7 @@ def block_sums(psum_btw, scores_btw, visible_btw, random_btw, ks: Sequence[int])
 
     Args:
       psum_btw: sum over heads of the teacher's per-head softmax over visible blocks [B, t, W]
-        (`core.loss.indexer_kl_rows.teacher_rows`), not yet L1-normalised.
+        (`core.loss.indexer_kl.teacher_rows`), not yet L1-normalised.
       scores_btw: indexer scores [B, t, W]; visible_btw: bool [B, t, W].
       random_btw: the random baseline's scores [B, t, W]; ks: static k values.
     """
@@ -138,7 +137,7 @@ def layer_sums(index: IndexerInputs, teacher, packing: Packing, rows: int, *, ks
 
     Args:
       index: the indexer's queries (per run of rows), compressed keys [B, W, DI], weights [B, T, HI].
-      teacher: `core.loss.indexer_kl_rows.Teacher` (its queries per run of rows and compressed
+      teacher: `core.loss.indexer_kl.Teacher` (its queries per run of rows and compressed
         keys; the teacher here is always "compressed").
       packing: positions and segment ids [B, T].
       rows: query rows per block (0: all T at once); divides T.

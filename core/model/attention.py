@@ -72,9 +72,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from core.loss.indexer_kl import csa_indexer_loss
-from core.loss.indexer_kl_rows import Teacher
-from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed, csa_indexer_loss_tap
+from core.loss.indexer_kl import Teacher, csa_indexer_loss, csa_indexer_loss_streamed, csa_indexer_loss_tap
 from core.model.layers import Compressor, RMSNorm, RopeSpec, apply_rope, dense_init, param, rms_normalize
 from core.ops.chunked_attention import (Keys, Packing, RowQueries, chunked_attention, compressed_visibility,
                                         masked_attention, sliding_window_mask)
@@ -361,7 +359,7 @@ class Attention(nnx.Module):
     def _teacher_tap(self, x_btm, queries: RowQueries, packing: Packing, rows: int):
         """The dense streamed loss with its gradient taken here (`indexer_gradient: local`), its teacher
         read off the chunked attention's own block logits, one loss block per chunk of `rows` queries
-        (core.loss.indexer_kl_streamed.csa_indexer_loss_tap): (the attention's ChunkTap, finish), where
+        (core.loss.indexer_kl.csa_indexer_loss_tap): (the attention's ChunkTap, finish), where
         finish(the tap's last carry) is the layer's loss as `local_gradient_loss` gives it. The same
         loss and indexer gradient as the streamed loss's own teacher, which builds the queries and
         the logits a second time."""

@@ -38,7 +38,7 @@ for any run of rows, so the chunked path builds the [B, C, H, D] queries of one 
 and the [B, T, H, D] queries never exist whole. The output projection runs per chunk as well
 (`out_fn`). A `ChunkTap` takes each chunk's indexer-loss teacher rows, read off its block logits
 (`merged_softmax`'s `teacher`), and carries what it makes of them through the chunks (the dense
-streamed loss: core/loss/indexer_kl_streamed.py `csa_indexer_loss_tap`). Work is O(T (S + k) H D)
+streamed loss: core/loss/indexer_kl.py `csa_indexer_loss_tap`). Work is O(T (S + k) H D)
 with top-k, O(T (S + W) H D) over every block; without a banded window (fewer than two runs in a
 chunk) the window's S becomes C + S.
 """
@@ -53,7 +53,6 @@ import jax
 import jax.numpy as jnp
 
 from core.ops.placement import backward_after_cotangent
-
 
 # ----------------------------------------------------------------------------- visibility
 

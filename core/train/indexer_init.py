@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core.loss.indexer_kl_rows import Spec, kl_rows, teacher_rows
+from core.loss.indexer_kl import Spec, kl_rows, teacher_rows
 from core.model.attention import collect
 from core.model.indexer_init import LayerStats, TeacherWeights, teacher_indexer
 from core.model.layers import apply_rope

@@ -207,7 +207,7 @@ def test_every_core_module_has_a_component_or_is_named_glue():
     twice = sorted(m for m in modules if sum(m in t for t in tables) > 1)
     stale = sorted(set().union(*tables) - modules)
     assert not missing and not twice and not stale, f"unlisted {missing}, listed twice {twice}, gone {stale}"
-    assert components.component_of_files([str(components.CORE / "loss" / "indexer_kl_rows.py")]) == "indexer"
+    assert components.component_of_files([str(components.CORE / "loss" / "indexer_kl.py")]) == "indexer"
     assert components.component_of_files([str(components.CORE / "ops" / "rope.py"),
                                            str(components.CORE / "model" / "attention.py")]) == "attention"
 

@@ -135,7 +135,7 @@ def test_kl_is_nonnegative_and_zero_without_visible_blocks():
 def test_mean_kl_is_the_dense_indexer_loss(x64, seed):
     """Mean row KL over valid rows = core.loss.indexer_kl.csa_indexer_loss(allowed=visible, scale=1)."""
     from core.loss.indexer_kl import csa_indexer_loss
-    from core.loss.indexer_kl_rows import WholeTeacher
+    from core.loss.indexer_kl import WholeTeacher
 
     (q, kv, scores, vis, _), _ = _packed_case(seed)
     q, kv, scores, vis = map(jnp.asarray, (q, kv, scores, vis))

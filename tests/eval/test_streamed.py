@@ -22,7 +22,7 @@ import numpy as np
 
 from core.eval import evaluate as ev, metrics
 from core.eval.rows import EVAL_KEYS, row_keys
-from core.loss.indexer_kl_rows import Teacher
+from core.loss.indexer_kl import Teacher
 from core.ops.chunked_attention import Packing, RowQueries
 from core.ops.topk import IndexerInputs, indexer_scores
 from core.spec.resolve import resolve

@@ -18,9 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.test_util import check_grads
 
-from core.loss.indexer_kl import csa_indexer_loss
-from core.loss.indexer_kl_rows import Teacher, WholeTeacher
-from core.loss.indexer_kl_streamed import csa_indexer_loss_streamed
+from core.loss.indexer_kl import Teacher, WholeTeacher, csa_indexer_loss, csa_indexer_loss_streamed
 from core.ops.chunked_attention import Packing, RowQueries, csa_visible, sliding_window_mask
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, selection_mask
 

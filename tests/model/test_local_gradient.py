@@ -6,7 +6,7 @@ carries no weights.
   rounding, since the indexer scores in float32 whatever the dtype (core/ops/topk.py), and the two
   sum its gradient in different orders.
 - One CSA layer in float64, the dense warm-up's chunked attention feeding the loss its teacher (one
-  loss block per chunk, core/loss/indexer_kl_streamed.py `csa_indexer_loss_tap`): the loss and the
+  loss block per chunk, core/loss/indexer_kl.py `csa_indexer_loss_tap`): the loss and the
   indexer's gradient equal the streamed loss's own teacher's and autodiff's, the layer's output is
   unchanged, nothing outside the indexer gets a gradient, and the step's jaxpr lacks exactly the
   teacher's second query projection and logits.
@@ -22,18 +22,18 @@ carries no weights.
 from __future__ import annotations
 
 import functools
+import pytest
+from tests.conftest import init_model
+from tests.model.test_attention import ROWS, T, make_layer, packed, spec
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from core.config.schema import load_config
 from core.model.attention import Attention
 from core.spec.resolve import resolve
-from tests.conftest import init_model
-from tests.model.test_attention import ROWS, T, make_layer, packed, spec
 
 
 @pytest.mark.parametrize("teacher,dense", [("compressed", True), ("compressed", False), ("joint", True)])
