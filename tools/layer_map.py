@@ -32,18 +32,18 @@ def main() -> None:
     from flax import nnx
 
     from core.config.schema import load_config
-    from core.model import transformer
+    from core.model import block as layer
     from core.parallel.mesh import make_mesh, mesh_platform
     from core.spec.resolve import resolve
 
-    root = str(Path(transformer.__file__).resolve().parents[2]) + "/"  # the checkout whose core/ is imported
+    root = str(Path(layer.__file__).resolve().parents[2]) + "/"  # the checkout whose core/ is imported
     keys = ["compress_ratios=[0,4]", "base_num_decoder_layers=2", "first_num_hash_layers=1", "max_target_length=64",
             "dataset_type=synthetic", *args.overrides]
     asked = load_config("deepseek4-tiny", keys, stage="sparse")
     mesh = make_mesh(asked)
     specs = resolve(asked, mesh_platform(mesh), mesh.shape)
     cfg, spec = specs.cfg, specs.model.blocks[args.layer]
-    block = transformer.Block(spec, rngs=nnx.Rngs(0))
+    block = layer.Block(spec, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(0), (1, cfg.max_target_length, cfg.mhc_expansion_rate, cfg.emb))
     tokens = jnp.zeros(x.shape[:2], jnp.int32)
     positions, segments = jnp.arange(x.shape[1])[None], jnp.ones(x.shape[:2], jnp.int32)

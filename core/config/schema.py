@@ -117,8 +117,8 @@ class Config:
     mhc_expansion_rate: int
     hc_sinkhorn_iters: int
     hc_eps: float
-    hc_mix_form: str                  # einsum | slices (core/model/mhc.py)
-    hc_mixes_backward: str            # auto | autodiff | closed (core/model/mhc.py)
+    hc_mix_form: str                  # einsum | slices (core/model/block.py)
+    hc_mixes_backward: str            # auto | autodiff | closed (core/model/block.py)
     # training
     steps: int
     per_device_batch_size: int        # sequences

@@ -72,11 +72,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from core.model.attention import Attention, AttentionSpec
 from core.model.layers import RMSNorm, dense_init, hold_frozen, param
 from core.loss.lm import head_logits
-from core.model.mhc import HeadCollapse, HyperConnection, expand
-from core.model.moe import MoE, MoESpec, hash_table, update_router_bias
+from core.model.block import Block, BlockSpec, HeadCollapse, expand
+from core.model.moe import hash_table, update_router_bias
 from core.model.params import mask_matcher
 from core.model import quant
 from core.ops.placement import backward_after_cotangent, mesh_platform_of
@@ -122,24 +121,6 @@ def remat_policy(name: str, platform: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSpec:
-    """Static description of one decoder layer; equal specs = stackable layers.
-
-    The hash-table seed is per layer data, not structure, so it is not part of the spec.
-    """
-
-    attn: AttentionSpec
-    emb: int
-    eps: float
-    hc_n: int
-    hc_iters: int
-    hc_eps: float
-    moe: MoESpec
-    hc_form: str
-    hc_mixes_backward: str
-
-
-@dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """Everything the decoder is built from, resolved for a platform (core.spec.resolve builds it
     from a config): its layers' specs, its widths, dtypes and masks, and the stage-table row
@@ -178,35 +159,6 @@ class ModelSpec:
 def hash_seed(init_seed: int, layer: int) -> int:
     """Seed of layer `layer`'s fixed token -> experts table (distinct per layer and init seed)."""
     return init_seed * 1000 + layer
-
-
-class Block(nnx.Module):
-    """One decoder layer: mHC(attention) then mHC(MoE), each sublayer behind its RMSNorm."""
-
-    def __init__(self, spec: BlockSpec, *, seed_for_hash_table: int = 0, rngs: nnx.Rngs,
-                 param_dtype=jnp.float32, dtype=jnp.float32):
-        kw = dict(rngs=rngs, param_dtype=param_dtype)
-        self.attn_norm = RMSNorm(spec.emb, spec.eps, **kw)
-        self.attn = Attention(spec.attn, dtype=dtype, **kw)
-        self.ffn_norm = RMSNorm(spec.emb, spec.eps, **kw)
-        self.ffn = MoE(spec.moe, seed_for_hash_table=seed_for_hash_table, dtype=dtype, **kw)
-        hc = dict(form=spec.hc_form, mixes_backward=spec.hc_mixes_backward, **kw)
-        self.hc_attn = HyperConnection(spec.emb, spec.hc_n, spec.hc_iters, spec.hc_eps, spec.eps, **hc)
-        self.hc_ffn = HyperConnection(spec.emb, spec.hc_n, spec.hc_iters, spec.hc_eps, spec.eps, **hc)
-
-    def __call__(self, x_btnm, tokens_bt, positions_bt, segment_ids_bt, *, dense: bool,
-                 indexer_loss: bool, probe=None):
-        """[B, T, n, M] -> ([B, T, n, M], aux: lb_loss, load [E], dropped and the attention's aux)."""
-        y_btm, post_btn, comb_btnn = self.hc_attn.pre(x_btnm)
-        out_btm, aux = self.attn(self.attn_norm(y_btm), positions_bt, segment_ids_bt, dense=dense,
-                                 indexer_loss=indexer_loss, probe=probe)
-        out_btm = checkpoint_name(out_btm, "attn_sublayer_out")  # post's backward reads it
-        x_btnm = HyperConnection.post(out_btm, x_btnm, post_btn, comb_btnn, self.hc_attn.form)
-        y_btm, post_btn, comb_btnn = self.hc_ffn.pre(x_btnm)
-        out_btm, moe_aux = self.ffn(self.ffn_norm(y_btm), tokens_bt, segment_ids_bt > 0)
-        out_btm = checkpoint_name(out_btm, "moe_sublayer_out")
-        x_btnm = HyperConnection.post(out_btm, x_btnm, post_btn, comb_btnn, self.hc_ffn.form)
-        return x_btnm, {**aux, "lb_loss": moe_aux["lb_loss"], "load": moe_aux["load"], "dropped": moe_aux["dropped"]}
 
 
 class BlockGroup(nnx.Module):

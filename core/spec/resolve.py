@@ -26,7 +26,8 @@ from core.config.stages import Stage, stage_of
 from core.model.attention import AttentionImpl, AttentionSpec
 from core.model.layers import RopeSpec
 from core.model.moe import MoESpec
-from core.model.transformer import BlockSpec, ModelSpec
+from core.model.block import BlockSpec
+from core.model.transformer import ModelSpec
 from core.ops.placement import platform_name
 from core.spec.platform import resolve_config
 

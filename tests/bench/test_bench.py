@@ -185,7 +185,7 @@ def test_hlo_stack_frames_name_the_component():
 
     from core.bench import hlo_owners
     from core.bench import trace as bench_time
-    from core.model import mhc
+    from core.model import block as mhc
     from core.model import moe
 
     def f(x):

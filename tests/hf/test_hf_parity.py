@@ -35,7 +35,7 @@ from flax import nnx
 from core.config.schema import load_config
 from core.hf.names import block_slot, dims_of, hf_to_dsv4, set_params
 from core.model.attention import collect
-from core.model.mhc import HyperConnection, expand
+from core.model.block import HyperConnection, expand
 from core.model.transformer import Transformer
 from core.model.moe import combine_weights, route, router_scores
 from core.spec.resolve import resolve

@@ -1,4 +1,4 @@
-"""core.model.mhc against the float64 loop references in tests/reference_moe.py, plus properties."""
+"""core.model.block against the float64 loop references in tests/reference_moe.py, plus properties."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.test_util import check_grads
 
-from core.model import mhc
+from core.model import block as mhc
 from tests import reference_moe as ref
 
 N, M, ITERS, EPS, NORM_EPS = 4, 8, 20, 1e-6, 1e-6

@@ -10,7 +10,7 @@ banded, its loss fed the attention's teacher), for every row of the stage table,
 differences of the implementation (`_implementation_extras`): the loss's teacher builds its queries
 and its logits a second time (the attention's q and q·k), the MoE's load statistics are
 contractions that are not the model's, and with `hc_mixes_backward: closed` the mHC mixing
-projections' input gradient runs as products of slices added (core/model/mhc.py `hc_mixes`), not as
+projections' input gradient runs as products of slices added (core/model/block.py `hc_mixes`), not as
 a dot_general. A dropped or wrong term, a wrong pass count, a wrong attribution or dead work counted
 (the warm-up's last experts) fails (2).
 """
