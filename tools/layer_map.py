@@ -8,7 +8,7 @@ resolved for this machine's platform as a run resolves it, and calls it once in 
 enters, first entry first (the order a reader following the forward opens them), and every core
 type met: the class of each method's `self` (dataclasses' and named tuples' generated constructors
 included), the dataclasses those objects hold (and those hold), and the layer's nnx graph nodes (a module whose
-weights are read without a call, such as the router's), plus the layer's spec, which its
+weights are read without a call, such as the router bias), plus the layer's spec, which its
 constructor takes. docs/development.md#one-sparse-layers-forward lists them.
 """
 
