@@ -15,10 +15,11 @@ Deviation from MaxText: the chunk is a size in tokens (`lm_loss_chunk_size`), no
 tiles, so it need not divide B * T (the positions are zero-padded to a multiple of the chunk's; the
 padding carries weight 0) and the live memory does not grow with B or T.
 
-Under a mesh the batch rows are split over the batch axes (core/ops/placement.py `token_shards`), so each scan step takes C / (rows per device) positions of every row: each device
-runs the chunks of its own rows, C tokens a step. Chunking the flattened B * T tokens instead would
-scan over chunks that are split across devices, and XLA would run every device through every chunk
-of the global batch (the logits summed over the head's sharded `embed`, an all-reduce per chunk).
+Under a mesh the batch rows are split over the batch axes (core/ops/placement.py `token_shards`), so
+each scan step takes C / (rows per device) positions of every row: each device runs the chunks of
+its own rows, C tokens a step. Chunking the flattened B * T tokens instead would scan over chunks
+that are split across devices, and XLA would run every device through every chunk of the global
+batch (the logits summed over the head's sharded `embed`, an all-reduce per chunk).
 """
 
 from __future__ import annotations
