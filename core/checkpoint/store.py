@@ -317,31 +317,28 @@ def restore_model_state(path: str | Path, target: Any, step: int | None = None) 
     return restore(checkpoint, model=target)["model"], checkpoint.step
 
 
-def restore_model(path: str | Path, step: int | None = None, cfg=None, *, mesh=None):
-    """(model, cfg, metadata): a `core.model.transformer.Transformer` with a checkpoint's variables.
+def restore_model(path: str | Path, step: int | None = None, spec=None, *, mesh=None):
+    """(model, the checkpoint's config, metadata): a `core.model.transformer.Transformer` with a
+    checkpoint's variables.
 
     Args:
-      cfg: the Config to build (default: the checkpoint's own); its shapes must match.
+      spec: the model's `ModelSpec`, of a config resolved where the caller starts (core.spec.resolve:
+        for `mesh`, or for where the model is placed); its parameters must match the checkpoint's.
+        None: the checkpoint's own config's parameters (`core.spec.resolve.parameter_spec`, laid out as
+        a CPU runs them), to read or export the weights.
       mesh: restore each variable straight into its rule sharding on this mesh
         (`core.parallel.sharding.abstract_state`: no device ever holds the whole model); None: as
         Orbax places it.
     """
     from flax import nnx
 
-    import jax
-
     from core.model import transformer
-    from core.parallel.mesh import mesh_platform
     from core.parallel.sharding import abstract_state
-    from core.spec.resolve import resolve
+    from core.spec.resolve import parameter_spec
 
     checkpoint = read_checkpoint(path, step)
-    if cfg is None:
-        cfg = saved_config(checkpoint.metadata)
-    # the model as it runs on `mesh`, or on the devices Orbax places it on
-    spec = resolve(cfg, jax.default_backend() if mesh is None else mesh_platform(mesh),
-                   None if mesh is None else mesh.shape).model
-    graphdef, state = nnx.split(transformer.abstract(spec))
+    cfg = saved_config(checkpoint.metadata)
+    graphdef, state = nnx.split(transformer.abstract(parameter_spec(cfg) if spec is None else spec))
     target = state if mesh is None else abstract_state(state, mesh)
     nnx.replace_by_pure_dict(state, restore(checkpoint, model=nnx.to_pure_dict(target))["model"])
     return nnx.merge(graphdef, state), cfg, dict(checkpoint.metadata)

@@ -199,7 +199,7 @@ def test_warmup_on_held_weights_equals_its_float32_dequantisation_bitwise(held_t
 
     def run(model):
         graphdef, state = nnx.split((model, nnx.Optimizer(model, program.make_optimizer(cfg), wrt=nnx.Param)))
-        real_step, out = train_step.step_fn(cfg, graphdef), []
+        real_step, out = train_step.step_fn(resolve(cfg, "cpu"), graphdef), []
 
         # one program per model (each compile counts): the real step, and the indexer gradients at its input
         @functools.partial(jax.jit, compiler_options=PRODUCT_FUSION)

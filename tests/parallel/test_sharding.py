@@ -459,9 +459,8 @@ def _worker_meshes(root: str) -> dict:
 def _at_risk(trainer) -> int:
     """At-risk (loop, collective) pairs of the trainer's compiled step (core/parallel/collective_order.py)."""
     from core.parallel.collective_order import at_risk_pairs
-    from core.train import program
 
-    compiled = program.cached_compiled(program.step_key(trainer.cfg, trainer.graphdef, trainer.setup.mesh))
+    compiled = getattr(trainer._step_fn, "compiled", None)  # the executable compiled ahead (compile_ahead)
     return len(at_risk_pairs(compiled.as_text())[2]) if compiled is not None else -1
 
 

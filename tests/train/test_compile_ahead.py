@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tests.conftest import tiny_config
+from tests.conftest import resolved, tiny_config
 from core.train import program
 from core.train import step as ts
 from core.data.batches import train_batches
@@ -27,10 +27,11 @@ STEPS = 2
 
 def _jitted_rows(cfg) -> list[dict[str, float]]:
     """Metrics of STEPS steps of the plain jitted step on a fresh build (the reference path)."""
-    setup = build(cfg)
+    specs, mesh = resolved(cfg)
+    setup = build(specs, mesh)
     graphdef, state = nnx.split((setup.model, setup.optimizer))
-    # make_train_step's jit before its cache, as a new function: its own compile
-    step = program.jit_step(ts.step_fn(cfg, graphdef, "cpu"), cfg, setup.mesh, state_shardings(state, setup.mesh))
+    # StepProgram.jit's jit outside its memo, as a new function: its own compile
+    step = program.jit_step(ts.step_fn(specs, graphdef), specs.cfg, mesh, state_shardings(state, mesh))
     data, rows = train_batches(cfg, setup.batch_size), []
     for _ in range(STEPS):
         state, metrics = step(state, shard_batch(next(data), setup.mesh))
