@@ -56,7 +56,7 @@ def main() -> None:
     from core.train.flops import model_flops_per_step
     from core.parallel.chips import peak_flops, utilization
     from core.parallel.mesh import make_mesh
-    from core.train.program import remat_that_fits
+    from core.train.remat import remat_that_fits
 
     for n, variant in enumerate(args.variants):
         overrides = [] if variant == "-" else variant.split()

@@ -55,7 +55,7 @@ from core.parallel.mesh import make_mesh
 from core.parallel.sharding import shard_batch
 from core.process import tune_garbage_collector
 from core.spec.resolve import Resolved, resolve
-from core.train import program
+from core.train import program, remat
 from core.train.flops import model_flops_per_step
 from core.train.materialise import build
 from core.train.step import step_fn
@@ -265,10 +265,10 @@ def sweep_config(stage: str, seq: int, batch: int, overrides: Sequence[str] = ()
 
 def sweep_point(cfg) -> tuple[Resolved, Any]:
     """The benchmark's entry point, in the process that runs the point: `cfg` resolved for the run's mesh
-    (core.spec.resolve) and through the run's remat phase (core/train/program.py `remat_that_fits`),
+    (core.spec.resolve) and through the run's remat phase (core/train/remat.py `remat_that_fits`),
     with that mesh."""
     mesh = make_mesh(cfg)
-    return program.remat_that_fits(cfg.remat_policy, resolve(cfg, jax.default_backend(), mesh.shape), mesh), mesh
+    return remat.remat_that_fits(cfg.remat_policy, resolve(cfg, jax.default_backend(), mesh.shape), mesh), mesh
 
 
 def run_train_sweep(stages: Sequence[str], seqs: Sequence[int], batches: Sequence[int], *, steps: int = 3,

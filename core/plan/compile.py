@@ -258,7 +258,7 @@ def read_buffer_assignment(dump: str | None, module: str = "jit_step") -> str:
 def _child(args: dict[str, Any]) -> dict[str, Any]:
     from core.errors import DsvError
     from core.plan.report import usable_memory
-    from core.train.program import remat_candidates
+    from core.train.remat import remat_candidates
 
     try:
         target = tg.parse_target(args["target"])
@@ -269,7 +269,7 @@ def _child(args: dict[str, Any]) -> dict[str, Any]:
                   batch_rows=args.get("batch_rows"))
         trials = () if args["stage"] == EVAL else remat_candidates(cfg.remat_policy, specs, dict(mesh.shape),
                                                                    usable_memory(target)[0])
-        for policy in trials:  # the run's choice, as the run makes it (core/train/program.py `remat_that_fits`)
+        for policy in trials:  # the run's choice, as the run makes it (core/train/remat.py `remat_that_fits`)
             light = compile_plan(specs.replace(remat_policy=policy), target, **kw)
             if light["fits"]:
                 return light

@@ -14,7 +14,7 @@ In order, each stopping the run in one line before the long phases start:
 5. the parameters and AdamW's moments against one device's memory (core/train/memory.py);
 6. the masks against the stage table (core/train/step.py `check_masks`).
 The run's next phase, `fit_remat`, then takes on a TPU with `remat_policy=auto` the step without layer
-remat, then with `projections`, compiled, the first that fits the chip (core/train/program.py
+remat, then with `projections`, compiled, the first that fits the chip (core/train/remat.py
 `remat_that_fits`; the run then finds it compiled).
 The notices (what a resume changes, a dropped metrics line, a fresh indexer) and the warnings
 (top-k that never binds) travel in the record.
@@ -41,7 +41,7 @@ from core.model.transformer import Transformer
 from core.spec.resolve import Resolved, resolve
 from core.parallel.mesh import describe_mesh, make_mesh, mesh_platform
 from core.parallel.sharding import abstract_state, local_batch_slice
-from core.train import memory, program, resume_checks
+from core.train import memory, program, remat, resume_checks
 from core.train.handoff import CSA_RATIO, lacks_indexer, topk_never_binds, without_indexer
 from core.train.step import check_masks, config_matcher
 
@@ -121,9 +121,9 @@ def preflight(cfg: Config, stage: str, run_dir: Path, init_from: str | Path | No
 def fit_remat(asked: str, plan: Preflight) -> Preflight:
     """Phase, once every cheap check passed: on a TPU where `asked` (the remat_policy of the command's
     config, before `resolve`) is `auto`, the step without layer remat, then with `projections`, compiled and the
-    first that fits the chip taken, with a notice (core/train/program.py `remat_that_fits`: the run then
+    first that fits the chip taken, with a notice (core/train/remat.py `remat_that_fits`: the run then
     finds it compiled); `plan` itself elsewhere."""
-    fitted = program.remat_that_fits(asked, plan.specs, plan.mesh)
+    fitted = remat.remat_that_fits(asked, plan.specs, plan.mesh)
     if fitted is plan.specs:
         return plan
     notice = (f"remat_policy=auto: {fitted.cfg.remat_policy} (the first of none, projections whose step fits the "

@@ -1,4 +1,4 @@
-"""remat_policy=auto (core/train/program.py `remat_that_fits` and its screen): `full` by the platform rule;
+"""remat_policy=auto (core/train/remat.py `remat_that_fits` and its screen): `full` by the platform rule;
 on a TPU mesh, `none` where the step without layer remat compiles within the device's memory, its executable kept
 for the run, else `projections` where that step does; `full` where the screen rules them out, the compiler
 refuses them or their memory analysis exceeds the device. The TPU's branches run here on a CPU mesh with the
@@ -14,7 +14,7 @@ import pytest
 from core.config.schema import load_config
 from core.spec.platform import resolve_config
 from core.spec.resolve import resolve
-from core.train import memory, program
+from core.train import memory, program, remat
 
 # two CSA layers of 64 tokens, scanned: every part of the sparse step, a compile of seconds, and residuals
 # across layers that outweigh the rest of the step's memory (with one layer, none's step is XLA:CPU's smallest)
@@ -38,7 +38,7 @@ def residuals_traced_once_per_config():
     """`kept_bytes_per_row` traces the step's backward; its answer depends on the config alone, and the
     screen asks it again for each call of `remat_that_fits`: this file traces each config once."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(program, "kept_bytes_per_row", functools.cache(program.kept_bytes_per_row))
+        patch.setattr(remat, "kept_bytes_per_row", functools.cache(remat.kept_bytes_per_row))
         yield
 
 
@@ -51,12 +51,12 @@ def test_auto_is_full_until_a_compile_says_otherwise():
     for platform in ("cpu", "gpu", "tpu"):
         assert resolve_config(load_config("deepseek4-tiny", ["remat_policy=auto"]), platform).remat_policy == "full"
     asked, cfg, mesh = _configs("remat_policy=auto", platform="cpu")
-    assert program.remat_that_fits(asked, cfg, mesh, HUGE) is cfg  # the CPU's specs: nothing compiled
+    assert remat.remat_that_fits(asked, cfg, mesh, HUGE) is cfg  # the CPU's specs: nothing compiled
 
 
 def test_no_remat_where_it_fits_and_its_compile_is_kept_for_the_run():
     asked, cfg, mesh = _configs("remat_policy=auto")
-    light = program.remat_that_fits(asked, cfg, mesh, HUGE)
+    light = remat.remat_that_fits(asked, cfg, mesh, HUGE)
     assert light.cfg.remat_policy == "none" and light.replace(remat_policy="full") == cfg
     assert program.abstract_program(light, mesh)[0].compiled() is not None
     assert program.has_config(light.cfg)  # the run's compile_ahead starts no second compile
@@ -73,12 +73,12 @@ def test_auto_takes_none_then_projections_then_full_as_the_device_shrinks(monkey
     (none, none_step), (kept, kept_step) = (_compiled_total(cfg.replace(remat_policy=p), mesh)
                                             for p in ("none", "projections"))
     assert none > kept, (none, kept)
-    monkeypatch.setattr(program, "remat_worth_compiling", lambda *a: True)  # past the screen, the compile decides
-    assert program.remat_that_fits(asked, cfg, mesh, none).cfg.remat_policy == "none"  # exactly the device: fits
-    assert program.remat_that_fits(asked, cfg, mesh, none - 1).cfg.remat_policy == "projections"
+    monkeypatch.setattr(remat, "remat_worth_compiling", lambda *a: True)  # past the screen, the compile decides
+    assert remat.remat_that_fits(asked, cfg, mesh, none).cfg.remat_policy == "none"  # exactly the device: fits
+    assert remat.remat_that_fits(asked, cfg, mesh, none - 1).cfg.remat_policy == "projections"
     assert none_step.compiled() is None  # the executable that does not fit is not kept
-    assert program.remat_that_fits(asked, cfg, mesh, kept).cfg.remat_policy == "projections"
-    assert program.remat_that_fits(asked, cfg, mesh, kept - 1) is cfg  # full: compiled by the run itself
+    assert remat.remat_that_fits(asked, cfg, mesh, kept).cfg.remat_policy == "projections"
+    assert remat.remat_that_fits(asked, cfg, mesh, kept - 1) is cfg  # full: compiled by the run itself
     assert kept_step.compiled() is None
 
 
@@ -86,11 +86,11 @@ def test_the_screen_passes_over_a_policy_alone(monkeypatch):
     """A policy the screen rules out is not compiled; the next one is."""
     asked, cfg, mesh = _configs("remat_policy=auto")
     on_cpu = _configs("remat_policy=auto", platform="cpu")[1]
-    monkeypatch.setattr(program, "remat_worth_compiling", lambda c, *a: c.cfg.remat_policy == "projections")
-    assert program.remat_candidates(asked, cfg, dict(mesh.shape), HUGE) == ("projections",)
-    assert program.remat_candidates(asked, on_cpu, dict(mesh.shape), HUGE) == ()
-    assert program.remat_candidates(asked, cfg, dict(mesh.shape), None) == ()
-    assert program.remat_that_fits(asked, cfg, mesh, HUGE).cfg.remat_policy == "projections"
+    monkeypatch.setattr(remat, "remat_worth_compiling", lambda c, *a: c.cfg.remat_policy == "projections")
+    assert remat.remat_candidates(asked, cfg, dict(mesh.shape), HUGE) == ("projections",)
+    assert remat.remat_candidates(asked, on_cpu, dict(mesh.shape), HUGE) == ()
+    assert remat.remat_candidates(asked, cfg, dict(mesh.shape), None) == ()
+    assert remat.remat_that_fits(asked, cfg, mesh, HUGE).cfg.remat_policy == "projections"
 
 
 def test_full_where_the_screen_rules_it_out_or_the_compiler_refuses(monkeypatch):
@@ -98,41 +98,41 @@ def test_full_where_the_screen_rules_it_out_or_the_compiler_refuses(monkeypatch)
     calls = []
     real = program.StepProgram.compile
     _no_compile(monkeypatch, lambda *a, **k: calls.append(1) or real(*a, **k))
-    assert program.remat_that_fits(asked, cfg, mesh, 1 << 20) is cfg and not calls  # the state alone is larger
+    assert remat.remat_that_fits(asked, cfg, mesh, 1 << 20) is cfg and not calls  # the state alone is larger
 
     def refuse(*args, **kwargs):
         raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 20.77G of 15.75G hbm.")
 
     _no_compile(monkeypatch, refuse)
-    assert program.remat_that_fits(asked, cfg, mesh, HUGE) is cfg
+    assert remat.remat_that_fits(asked, cfg, mesh, HUGE) is cfg
 
     def broken(*args, **kwargs):
         raise RuntimeError("INTERNAL: a compiler bug")
 
     _no_compile(monkeypatch, broken)
     with pytest.raises(RuntimeError, match="compiler bug"):  # only a refusal for memory is a verdict
-        program.remat_that_fits(asked, cfg, mesh, HUGE)
+        remat.remat_that_fits(asked, cfg, mesh, HUGE)
 
 
 def test_the_warm_up_keeps_full_without_compiling(monkeypatch):
     """Its backward keeps nothing across layers under any policy: no remat to save, no compile to spend."""
     asked, cfg, mesh = _configs("remat_policy=auto", stage="warmup")
     _no_compile(monkeypatch)
-    assert program.remat_that_fits(asked, cfg, mesh, HUGE) is cfg and cfg.cfg.remat_policy == "full"
+    assert remat.remat_that_fits(asked, cfg, mesh, HUGE) is cfg and cfg.cfg.remat_policy == "full"
 
 
 @pytest.mark.parametrize("policy", ["none", "minimal", "projections", "full"])
 def test_an_explicit_policy_is_kept(monkeypatch, policy):
     asked, cfg, mesh = _configs(f"remat_policy={policy}")
     _no_compile(monkeypatch)
-    assert program.remat_that_fits(asked, cfg, mesh, HUGE) is cfg and cfg.cfg.remat_policy == policy
+    assert remat.remat_that_fits(asked, cfg, mesh, HUGE) is cfg and cfg.cfg.remat_policy == policy
 
 
 def test_what_the_backward_keeps_per_row():
     """More without remat than with either policy; none at all in the warm-up, whose indexer takes its gradient
     within each layer (core/model/transformer.py: no gradient crosses a layer, under any policy)."""
     def kept(policy, stage):
-        return program.kept_bytes_per_row(resolve(load_config("deepseek4-tiny", [*SMALL, f"remat_policy={policy}"],
+        return remat.kept_bytes_per_row(resolve(load_config("deepseek4-tiny", [*SMALL, f"remat_policy={policy}"],
                                                       stage=stage), "tpu"))
 
     sparse = {p: kept(p, "sparse") for p in ("none", "minimal", "projections", "full")}
