@@ -165,7 +165,7 @@ class Trainer:
             self.run_dir, config_text=dump(plan.cfg), kept_metrics=plan.kept_metrics, start_step=made.start_step,
             state_bytes=tree_bytes(made.state), max_checkpoints=plan.cfg.max_checkpoints,
             async_save=plan.cfg.async_checkpointing, tensorboard=plan.cfg.enable_tensorboard)
-        self.cfg, self.data, self.setup = plan.cfg, plan.data, made.setup
+        self.specs, self.cfg, self.data, self.setup = plan.specs, plan.cfg, plan.data, made.setup
         self.graphdef, self.state, self.start_step = made.graphdef, made.state, made.start_step
         self.last_saved = made.start_step - 1 if made.start_step else None  # the checkpoint resumed from
         self._step_fn = ready(ahead, plan.specs, made.graphdef, made.state, plan.mesh,

@@ -459,8 +459,10 @@ def _worker_meshes(root: str) -> dict:
 def _at_risk(trainer) -> int:
     """At-risk (loop, collective) pairs of the trainer's compiled step (core/parallel/collective_order.py)."""
     from core.parallel.collective_order import at_risk_pairs
+    from core.train import program
 
-    compiled = getattr(trainer._step_fn, "compiled", None)  # the executable compiled ahead (compile_ahead)
+    step = program.StepProgram.of(trainer.specs, trainer.graphdef, trainer.state, trainer.setup.mesh)
+    compiled = step.compiled()  # the executable compiled ahead (compile_ahead)
     return len(at_risk_pairs(compiled.as_text())[2]) if compiled is not None else -1
 
 
