@@ -26,8 +26,8 @@ from core.model.params import count_parameters
 from core.model.transformer import Transformer
 from core.parallel.sharding import create_sharded, shard_state
 from core.spec.resolve import Resolved
-from core.train import program
 from core.train.indexer_init import calibration_batches, teacher_init
+from core.train.optimizer import make_optimizer
 from core.train.step import check_masks
 
 
@@ -83,7 +83,7 @@ def build(specs: Resolved, mesh, *, labels: Mapping[str, bool] | None = None, ob
 def new_optimizer(cfg, model: Transformer, mesh) -> nnx.Optimizer:
     """The optimizer of `model` (its concrete, placed parameters) with fresh state, its moments sharded
     as their parameters."""
-    optimizer = create_sharded(lambda m: nnx.Optimizer(m, program.make_optimizer(cfg), wrt=nnx.Param), mesh, model)
+    optimizer = create_sharded(lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param), mesh, model)
     # on one CPU process, onto the rule shardings, which the compiled-ahead step (core/train/program.py)
     # expects: the jit's own output shardings are only equivalent to them
     return shard_state(optimizer, mesh) if _one_cpu_process() else optimizer

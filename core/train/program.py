@@ -16,9 +16,8 @@ shardings and the mesh, with `jit`, `lower` and `compile`. `lowered_step` is the
   `state_shardings` (an evaluation's, which returns metrics alone) donates nothing.
 - `StepProgram`: the train step (core/train/step.py's `step_fn` through `jit_step`); equal programs
   (compile-relevant config, graphdef, mesh) share one jit and one executable in a process, so a
-  resumed or repeated run does not compile again; `make_optimizer` keeps one optax transformation
-  (core/train/optimizer.py's `from_config`) per config for the same reason (it is part of the
-  optimizer's graphdef: equal configs give equal graphdefs). All three live in one memo (`StepMemo`,
+  resumed or repeated run does not compile again (core/train/optimizer.py's `make_optimizer` keeps
+  one optax transformation per config for the same reason). Both live in one memo (`StepMemo`,
   `MEMO`).
 - `compile_ahead(specs, mesh, objects)`: the step compiled from abstract state while the model
   builds (`StepPrecompile`). On a CPU the first step of a run is mostly two serial waits: building
@@ -48,15 +47,15 @@ from core.parallel.mesh import mesh_platform
 from core.parallel.xla_flags import collective_options
 from core.spec.resolve import Resolved
 from core.train import optimizer
-from core.train.step import step_fn
+from core.train.step import compile_key, step_fn
 
 AUTO_CPU_LEVEL = 1  # xla_backend_optimization_level -1 on CPU (step_compiler_options)
 
 
 class StepMemo:
-    """The process's one memo of what a step costs to make, per kind and key: "optimizer" (the optax
-    transformation, by compile-relevant config), "jitted" (the jitted step) and "compiled" (the step
-    compiled ahead of time), both by `StepProgram`. The compile thread fills it too, hence the lock."""
+    """The process's one memo of what a step costs to make, per kind and key: "jitted" (the jitted step)
+    and "compiled" (the step compiled ahead of time), both by `StepProgram`. The compile thread fills
+    it too, hence the lock."""
 
     def __init__(self):
         self._items: dict[tuple[str, Any], Any] = {}
@@ -83,10 +82,10 @@ class StepMemo:
         with self._lock:
             self._items.pop((kind, key), None)
 
-    def holds_config(self, compile_key: tuple) -> bool:
+    def holds_config(self, config_key: tuple) -> bool:
         """Whether a jitted or compiled step of this compile-relevant config is kept (any graphdef, mesh)."""
         with self._lock:
-            return any(kind != "optimizer" and key.memo_key[0] == compile_key for kind, key in self._items)
+            return any(key.memo_key[0] == config_key for _, key in self._items)
 
 
 MEMO = StepMemo()
@@ -103,23 +102,9 @@ class StepInputs(NamedTuple):
 # ----------------------------------------------------------------------------- the memo
 
 
-def _compile_key(cfg) -> tuple:
-    # steps only shapes the step through the schedule's length, unless learning_rate_schedule_steps fixes it
-    # the schema marks the keys a step does not depend on (core.config.schema.run_only)
-    skip = {"steps"} if cfg.learning_rate_schedule_steps > 0 else set()
-    return tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
-                 if not f.metadata.get("run_only") and f.name not in skip)
-
-
 def has_config(cfg) -> bool:
     """Whether the memo holds a jitted or compiled step of `cfg`'s compile-relevant config (any graphdef, mesh)."""
-    return MEMO.holds_config(_compile_key(cfg))
-
-
-def make_optimizer(cfg):
-    """core/train/optimizer.py's `from_config` (clip -> AdamW(schedule) for trainable leaves,
-    set_to_zero for frozen ones), one object per compile-relevant config."""
-    return MEMO.get_or_make("optimizer", _compile_key(cfg), lambda: optimizer.from_config(cfg))
+    return MEMO.holds_config(compile_key(cfg))
 
 
 # ----------------------------------------------------------------------------- the program
@@ -150,7 +135,7 @@ class StepProgram:
 
     @functools.cached_property
     def memo_key(self) -> tuple:
-        return (_compile_key(self.specs.cfg), self.graphdef, self.mesh)
+        return (compile_key(self.specs.cfg), self.graphdef, self.mesh)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, StepProgram) and self.memo_key == other.memo_key
@@ -203,7 +188,7 @@ def abstract_model_and_optimizer(specs: Resolved):
     nothing allocated (the objects of `abstract_inputs` for the train step, and the restore targets of
     a run); the model is `transformer.abstract`'s, traced once per spec."""
     model = transformer.abstract(specs.model)
-    return model, nnx.eval_shape(lambda m: nnx.Optimizer(m, make_optimizer(specs.cfg), wrt=nnx.Param), model)
+    return model, nnx.eval_shape(lambda m: nnx.Optimizer(m, optimizer.make_optimizer(specs.cfg), wrt=nnx.Param), model)
 
 
 def abstract_inputs(cfg, objects: Any, mesh) -> StepInputs:

@@ -31,6 +31,7 @@ so step 0 already trains.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -81,6 +82,15 @@ def schedule_steps(cfg_or_dict: Any) -> int:
     get = cfg_or_dict.get if isinstance(cfg_or_dict, Mapping) else lambda k, d=None: getattr(cfg_or_dict, k, d)
     n = get("learning_rate_schedule_steps", -1)
     return int(n) if n is not None and n > 0 else int(get("steps"))
+
+
+def compile_key(cfg) -> tuple:
+    """The config's compile-relevant (key, value) pairs: configs with equal keys compile one step."""
+    # steps only shapes the step through the schedule's length, unless learning_rate_schedule_steps fixes it
+    # the schema marks the keys a step does not depend on (core.config.schema.run_only)
+    skip = {"steps"} if cfg.learning_rate_schedule_steps > 0 else set()
+    return tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                 if not f.metadata.get("run_only") and f.name not in skip)
 
 
 # ----------------------------------------------------------------------------- trainable mask

@@ -71,7 +71,7 @@ def test_build_makes_the_optimizer_state_of_eager_init_in_one_program():
     was compiled for)."""
     from core.parallel.sharding import shard_state
     from core.train.materialise import build
-    from core.train.program import make_optimizer
+    from core.train.optimizer import make_optimizer
 
     cfg = tiny_config("sparse")
     setup = build(*resolved(cfg))

@@ -18,6 +18,7 @@ from core.train import step as ts
 from core.data.batches import train_batches
 from core.parallel.sharding import shard_batch, state_shardings
 from core.train.materialise import build
+from core.train.optimizer import make_optimizer
 from core.train.run import Trainer
 
 # a learning rate no other test uses: this file's step is its own compile
@@ -64,3 +65,15 @@ def test_ahead_step_falls_back_on_other_inputs():
     assert step.compiled is not None
     np.testing.assert_array_equal(step(jnp.ones(3), jnp.ones(3)), [3, 3, 3])  # another shape: the jitted step
     assert step.compiled is None
+
+
+def test_one_optimizer_per_compile_relevant_config():
+    """`make_optimizer`: configs of equal compile-relevant keys share one optax object (part of the optimizer's
+    graphdef, so of the program's memo key); run-only keys, and `steps` under a fixed schedule length, do not
+    split it; a learning rate, or `steps` when it sets the schedule's length, does."""
+    fixed = ("learning_rate_schedule_steps=50",)
+    a = tiny_config(None, *fixed, steps=3)
+    assert make_optimizer(a) is make_optimizer(tiny_config(None, *fixed, "checkpoint_period=2", "compile_ahead=false",
+                                                           steps=7))
+    assert make_optimizer(a) is not make_optimizer(tiny_config(None, *fixed, "learning_rate=3e-3", steps=3))
+    assert make_optimizer(tiny_config(None, steps=3)) is not make_optimizer(tiny_config(None, steps=7))
