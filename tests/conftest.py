@@ -116,6 +116,15 @@ def tiny_config(stage: str | None = None, *overrides: str, **options):
     return load_config("deepseek4-tiny", [*TINY_OVERRIDES, *overrides], stage=stage, options=options or None)
 
 
+def resolved(cfg, mesh=None):
+    """(`cfg` resolved for `mesh` as an entry point resolves it: core.spec.resolve, `mesh`); `mesh`
+    by default the run's own (`make_mesh(cfg)`)."""
+    from core.parallel.mesh import make_mesh, mesh_platform
+
+    mesh = make_mesh(cfg) if mesh is None else mesh
+    return resolve(cfg, mesh_platform(mesh), mesh.shape), mesh
+
+
 def init_model(cfg, seed: int):
     """`Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(seed))`, drawn as the training commands' `build` draws it:
     inside `bucketed_draws()` (core/model/init_draws.py) a few shared random programs serve every

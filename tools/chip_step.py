@@ -56,17 +56,18 @@ def main() -> None:
     from core.train.flops import model_flops_per_step
     from core.parallel.chips import peak_flops, utilization
     from core.parallel.mesh import make_mesh
-    from core.train.program import remat_that_fits
+    from core.train.remat import remat_that_fits
 
     for n, variant in enumerate(args.variants):
         overrides = [] if variant == "-" else variant.split()
         cfg = load_config(args.model, ["dataset_type=synthetic", "enable_tensorboard=false", *overrides], stage=args.stage)
         mesh, start = make_mesh(cfg), time.perf_counter()
-        cfg = remat_that_fits(cfg, resolve(cfg, jax.default_backend(), mesh.shape).cfg, mesh)
+        specs = remat_that_fits(cfg.remat_policy, resolve(cfg, jax.default_backend(), mesh.shape), mesh)
+        cfg = specs.cfg
         chosen_s = time.perf_counter() - start  # with remat_policy=auto on a TPU: the compile without remat
         row = {"variant": variant, "stage": args.stage, "model": args.model, "remat_policy": cfg.remat_policy}
         try:
-            run = compiled_shape(cfg, 2 + args.steps + args.trace)
+            run = compiled_shape(specs, mesh, 2 + args.steps + args.trace)
         except Exception as exc:  # noqa: BLE001 - report the variant's failure, go on with the next
             print(json.dumps({**row, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}), flush=True)
             continue

@@ -15,12 +15,13 @@ from core.checkpoint import store as ckpt
 from core.config.schema import load_config
 from core.data.batches import train_batches, eval_batches
 from core.model.attention import collect
+from core.spec.resolve import resolve
 from tests.dense_eval import dense_teacher, row_kl  # the dense reference of core/eval/metrics.py
 
 path = sys.argv[1]
 cfg = load_config("deepseek4-tiny", sys.argv[2:], stage="warmup", options={"steps": 100})
 _, d, step = ckpt.resolve_checkpoint(path)
-model, cfg, meta = ckpt.restore_model(d, step, cfg)
+model, _, meta = ckpt.restore_model(d, step, resolve(cfg, jax.default_backend()).model)
 batch = next(iter(eval_batches(cfg, 4, 1)))
 arr = [jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids")]
 

@@ -46,9 +46,13 @@ def main() -> None:
     from core.parallel.sharding import state_shardings
     from core.train.materialise import build
     from core.train.step import step_fn
+    from core.parallel.mesh import make_mesh
+    from core.spec.resolve import resolve
 
     cfg = load_config("deepseek4-tiny", [*SHAPE, *args.overrides], stage=args.stage)
-    setup = build(cfg)
+    mesh = make_mesh(cfg)
+    specs = resolve(cfg, "cpu", mesh.shape)
+    setup = build(specs, mesh)
     graphdef, state = nnx.split((setup.model, setup.optimizer))
     batch = shard_batch(next(train_batches(cfg, setup.batch_size)), setup.mesh)
     tied = order.tied
@@ -56,7 +60,7 @@ def main() -> None:
     try:
         for name, untie in (("tied", False), ("untied", True)):
             order.tied = (lambda on: tied(False)) if untie else tied  # with_mesh enters order.tied(...)
-            step = program.jit_step(step_fn(cfg, graphdef, "cpu"), cfg, setup.mesh, state_shardings(state, setup.mesh))
+            step = program.jit_step(step_fn(specs, graphdef), cfg, setup.mesh, state_shardings(state, setup.mesh))
             compiled = step.lower(state, batch).compile()
             loops, outside, pairs = at_risk_pairs(compiled.as_text())
             s = jax.tree.map(lambda x: x.copy(), state)

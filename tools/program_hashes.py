@@ -51,7 +51,7 @@ def _lowered(cfg, platform: str, mesh):
     from core.spec.resolve import resolve
     from core.train.program import lowered_step
 
-    return lowered_step(resolve(cfg, platform, mesh.shape).cfg, mesh)[0]
+    return lowered_step(resolve(cfg, platform, mesh.shape), mesh)[0]
 
 
 def tiny_hashes() -> dict[str, str]:
@@ -70,10 +70,13 @@ def tiny_eval_hashes() -> dict[str, str]:
     """deepseek4-tiny's two evaluation programs lowered on the CPU."""
     from core.eval.evaluate import lowered_eval
     from core.eval.rows import EvalSet
+    from core.parallel.mesh import make_mesh
     from core.plan.compile import load
+    from core.spec.resolve import resolve
 
     cfg = load("deepseek4-tiny", "eval", ["dataset_type=synthetic", "jax_cache_dir="])
-    lowered, _ = lowered_eval(cfg, (cfg.indexer_topk,), eval_set=EvalSet(batch_rows=1))
+    mesh = make_mesh(cfg)
+    lowered, _ = lowered_eval(resolve(cfg, "cpu", mesh.shape), (cfg.indexer_topk,), mesh, EvalSet(batch_rows=1))
     return {f"tiny-eval-{part}": _digest(program, f"tiny-eval-{part}") for part, program in lowered.items()}
 
 

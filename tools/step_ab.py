@@ -37,12 +37,12 @@ def main() -> None:
 
     import jax
 
-    from core.bench.train import compiled_shape, sweep_config
+    from core.bench.train import compiled_shape, sweep_config, sweep_point
 
     runs = []
     for variant in args.variants:
         overrides = [] if variant == "-" else variant.split()
-        run = compiled_shape(sweep_config(args.stage, args.seq, args.batch, overrides), 1)
+        run = compiled_shape(*sweep_point(sweep_config(args.stage, args.seq, args.batch, overrides)), 1)
         run["state"], metrics = run["step"](run["state"], run["batches"][0])  # the untimed first step
         jax.block_until_ready(metrics)
         runs.append({**run, "name": variant if overrides else "(unchanged)", "times": []})

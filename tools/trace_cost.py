@@ -29,11 +29,14 @@ def _child(model: str, stage: str, overrides: list[str], tuned: bool) -> dict:
 
         tune_garbage_collector()
     from core.config.schema import load_config
+    from core.parallel.mesh import make_mesh, mesh_platform
+    from core.spec.resolve import resolve
     from core.train.program import lowered_step
 
     cfg = load_config(model, [*overrides, "jax_cache_dir="], stage=stage)
     start = time.process_time()
-    lowered_step(cfg)
+    mesh = make_mesh(cfg)
+    lowered_step(resolve(cfg, mesh_platform(mesh), mesh.shape), mesh)
     return {"tuned": tuned, "threshold": gc.get_threshold(), "lower_cpu_s": time.process_time() - start}
 
 

@@ -26,17 +26,20 @@ from core.eval.evaluate import evaluate_indexer
 from core.loss.indexer_kl import EPS
 from core.model.attention import collect
 from core.model.indexer_init import principal_maps
+from core.spec.resolve import resolve
 from core.train.indexer_init import calibration_batches, layer_stats, teacher_init
 
 src, overrides = sys.argv[1], sys.argv[2:]
 model_name = ckpt.config_of(*ckpt.resolve_checkpoint(src)[1:]).model_name
 cfg = load_config(model_name, overrides, stage="warmup")
-model, cfg, _ = ckpt.restore_model(src, None, cfg)
+specs = resolve(cfg, jax.default_backend())
+model, _, _ = ckpt.restore_model(src, None, specs.model)
+cfg = specs.cfg
 calibration = calibration_batches(train_batches(cfg, cfg.per_device_batch_size * jax.device_count()), cfg.indexer_init_batches)
 
 
 def held_out(label):
-    r = evaluate_indexer(model, cfg, eval_batches(cfg, cfg.per_device_batch_size, 4)).overall["by_k"][0]
+    r = evaluate_indexer(model, specs, eval_batches(cfg, cfg.per_device_batch_size, 4)).overall["by_k"][0]
     print(f"{label:8s} held-out kl_captured {r['all']['kl_captured']:.4f}  gain@{cfg.indexer_topk} "
           f"{r['informative']['gain']:.4f}", flush=True)
 

@@ -28,6 +28,9 @@ import time
 from collections import defaultdict
 from typing import Any, Sequence
 
+import jax
+from jax.profiler import ProfileData
+
 from core.bench import hlo_owners
 from core.bench.components import COMPONENTS
 
@@ -152,9 +155,6 @@ def trace_step(step_fn, state, batches: Sequence[Any], top: int = 12) -> tuple[A
       (new state, `profile_times`' dict plus "wall_step_s": host wall seconds per traced step and
        "traced_step_s": the trace's step time ("Steps" on a TPU), else the wall time per step).
     """
-    import jax
-    from jax.profiler import ProfileData
-
     with tempfile.TemporaryDirectory(prefix="dsv4-trace-") as tmp:
         jax.profiler.start_trace(tmp)
         start = time.perf_counter()

@@ -1,9 +1,10 @@
 """The training step's speed and memory over shapes, and its FLOPs per component (`dsv4 bench --train`).
 
-Tools on the training commands' own step program: core/train/program.py's `make_train_step` (its jit)
-on the real build or on program.py's `abstract_inputs`.
+Tools on the training commands' own step program: core/train/program.py's `StepProgram` on the real
+build or on program.py's abstract inputs, of specs resolved where the benchmark starts (`sweep_point`:
+core.spec.resolve, then the run's remat phase).
 
-- `compile_train_step(cfg)`: the step compiled ahead of time from abstract inputs (nothing is
+- `compile_train_step(specs, mesh)`: the step compiled ahead of time from abstract inputs (nothing is
   allocated), as the training commands compile it: compile seconds, XLA's compiled memory
   analysis (temp bytes) and cost analysis.
 - `run_train_sweep(stages, seqs, batches)`: for each (stage, T, B) one fresh subprocess builds
@@ -12,7 +13,7 @@ on the real build or on program.py's `abstract_inputs`.
   subprocess, so each shape's peak is its own, not the running maximum of one process), and the
   model TFLOP/s per device and MFU (core/train/flops.py's model FLOPs over the device's peak,
   core/parallel/chips.py).
-- `component_flops(cfg)`: FLOPs of one step attributed to attention, compressor, indexer, MoE,
+- `component_flops(specs, mesh)`: FLOPs of one step attributed to attention, compressor, indexer, MoE,
   mHC, head, optimizer and the rest, counted from the live equations of the jaxpr of `step_fn` (dead
   code eliminated, as XLA prunes it) on the abstract inputs (traced outside the mesh's abstract
   mesh: the model's maths on the global batch, without expert parallelism's per-device exchange,
@@ -39,24 +40,39 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+import jax
+import numpy as np
+from flax import nnx
+from jax._src.interpreters import partial_eval as pe
+from jax.extend import core as jcore
+
 from core.bench.components import COMPONENTS, component_of_files
+from core.bench.trace import trace_step
+from core.config.schema import load_config
+from core.data.batches import train_batches
+from core.parallel.chips import matmul_ceiling, peak_flops, utilization
+from core.parallel.mesh import make_mesh
+from core.parallel.sharding import shard_batch
 from core.process import tune_garbage_collector
+from core.spec.resolve import Resolved, resolve
+from core.train import program, remat
+from core.train.flops import model_flops_per_step
+from core.train.materialise import build
+from core.train.step import step_fn
 
 _SIZES = "__SIZES__"  # marker of the subprocess's one JSON line
 
 
-def compile_train_step(cfg, mesh=None) -> dict[str, Any]:
-    """The step of `cfg` lowered from abstract inputs and compiled, as a training command compiles it
-    ahead of its build (core/train/program.py's `lowered_step`), on `mesh` (default the run's own).
+def compile_train_step(specs: Resolved, mesh) -> dict[str, Any]:
+    """The step of `specs` (resolved for `mesh`) lowered from abstract inputs and compiled, as a training
+    command compiles it ahead of its build (core/train/program.py's `lowered_step`), on `mesh`.
 
     Returns:
       {"compile_s" (abstract inputs, lower and compile), "temp_bytes" (XLA temporaries), "argument_bytes",
        "output_bytes", "xla_flops" (XLA cost analysis of the whole program; -1 if unavailable)}.
     """
-    from core.train.program import lowered_step
-
     start = time.perf_counter()
-    compiled = lowered_step(cfg, mesh)[0].compile()
+    compiled = program.lowered_step(specs, mesh)[0].compile()
     compile_s = time.perf_counter() - start
     mem = compiled.memory_analysis()
     return {"compile_s": compile_s, "temp_bytes": int(mem.temp_size_in_bytes),
@@ -108,8 +124,6 @@ def _eqn_flops(eqn) -> tuple[float, float]:
 
 
 def _walk(jaxpr, mult: float, totals: dict[str, list[float]]) -> None:
-    from jax.extend import core as jcore
-
     for eqn in jaxpr.eqns:
         subs = []
         for value in eqn.params.values():
@@ -142,9 +156,6 @@ def live_jaxpr(closed):
     """The closed jaxpr less the equations none of its outputs needs, inside loops and calls too
     (`pe.dce_jaxpr`): what XLA runs of it, the dead work pruned (in the warm-up, the last layer's
     experts: nothing reads them)."""
-    from jax._src.interpreters import partial_eval as pe
-    from jax.extend import core as jcore
-
     jaxpr = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)[0]
     return jcore.ClosedJaxpr(jaxpr, closed.consts)
 
@@ -156,27 +167,18 @@ def jaxpr_flops(closed) -> dict[str, dict[str, float]]:
     return {c: {"matmul_flops": mm, "other_flops": other} for c, (mm, other) in totals.items()}
 
 
-def component_flops(cfg, mesh=None, *, compile: bool = True) -> dict[str, Any]:
-    """FLOPs of one train step of `cfg` per component (module docstring), from its jaxpr.
+def component_flops(specs: Resolved, mesh, *, compile: bool = True) -> dict[str, Any]:
+    """FLOPs of one train step of `specs` per component (module docstring), from its jaxpr.
 
     Args:
-      mesh: the step's mesh (default the run's own, `make_mesh(cfg)`); the batch is its global one.
+      specs, mesh: the step's resolved specs and its mesh (they were resolved for); the batch is its global one.
     Returns:
       {"components": {name: {"matmul_flops", "other_flops"}}, "total_flops", "tokens_per_step",
        "xla_flops", "temp_bytes"} (the last two from compiling the step; None without `compile`).
     """
-    import jax
-
-    from core.parallel.mesh import make_mesh, mesh_platform
-    from core.spec.resolve import resolve
-    from core.train import program
-    from core.train.step import step_fn
-
-    mesh = make_mesh(cfg) if mesh is None else mesh
-    cfg = resolve(cfg, mesh_platform(mesh), mesh.shape).cfg  # the benchmark's own when it resolved `cfg`
-    graphdef, state, batch, mesh = program.abstract_inputs(cfg, program.abstract_model_and_optimizer(cfg), mesh)
-    components = jaxpr_flops(live_jaxpr(jax.make_jaxpr(step_fn(cfg, graphdef, mesh_platform(mesh)))(state, batch)))
-    compiled = compile_train_step(cfg, mesh) if compile else {"xla_flops": None, "temp_bytes": None}
+    _, (graphdef, state, batch, _) = program.abstract_program(specs, mesh)
+    components = jaxpr_flops(live_jaxpr(jax.make_jaxpr(step_fn(specs, graphdef))(state, batch)))
+    compiled = compile_train_step(specs, mesh) if compile else {"xla_flops": None, "temp_bytes": None}
     tokens = batch["tokens"].shape[0] * batch["tokens"].shape[1]
     return {"components": components, "total_flops": sum(sum(c.values()) for c in components.values()),
             "xla_flops": compiled["xla_flops"], "temp_bytes": compiled["temp_bytes"], "tokens_per_step": tokens}
@@ -185,36 +187,31 @@ def component_flops(cfg, mesh=None, *, compile: bool = True) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- speed over shapes
 
 
-def compiled_shape(cfg, batches: int) -> dict[str, Any]:
-    """Build `cfg`'s model and optimizer, draw `batches` sharded batches and compile the train step
-    for them, in this process (what `measure_shape` and tools/step_ab.py time).
+def compiled_shape(specs: Resolved, mesh, batches: int) -> dict[str, Any]:
+    """Build the model and optimizer of `specs` on `mesh`, draw `batches` sharded batches and compile the
+    train step for them, in this process (what `measure_shape` and tools/step_ab.py time).
 
     Returns:
-      {"step" (jax.stages.Compiled, `make_train_step`'s), "state", "batches", "tokens_per_step",
+      {"step" (jax.stages.Compiled, the `StepProgram`'s), "state", "batches", "tokens_per_step",
        "batch_rows" (the global batch), "devices" (the mesh's), "compile_s" (lower + compile),
        "temp_bytes" (XLA's memory analysis)}.
     """
-    from flax import nnx
-
-    from core.data.batches import train_batches
-    from core.parallel.sharding import shard_batch
-    from core.train.materialise import build
-    from core.train.program import cached_compiled, make_train_step, step_key
-
-    setup = build(cfg)
+    cfg = specs.cfg
+    setup = build(specs, mesh)
     graphdef, state = nnx.split((setup.model, setup.optimizer))
     data = train_batches(cfg, setup.batch_size)
     drawn = [shard_batch(next(data), setup.mesh) for _ in range(batches)]
     start = time.perf_counter()
-    step = (cached_compiled(step_key(cfg, graphdef, setup.mesh))  # remat_that_fits compiled it
-            or make_train_step(cfg, graphdef, state, setup.mesh).lower(state, drawn[0]).compile())
+    step_program = program.StepProgram.of(specs, graphdef, state, setup.mesh)
+    step = step_program.compiled() or step_program.lower(state, drawn[0]).compile()  # remat_that_fits compiled it
     return {"step": step, "state": state, "batches": drawn, "tokens_per_step": setup.batch_size * cfg.max_target_length,
             "batch_rows": setup.batch_size, "devices": setup.mesh.size, "compile_s": time.perf_counter() - start,
             "temp_bytes": int(step.memory_analysis().temp_size_in_bytes)}
 
 
-def measure_shape(cfg, steps: int, trace_steps: int = 0) -> dict[str, Any]:
-    """Build, compile (timed, memory analysed) and run `steps` + 1 train steps of `cfg` in this process.
+def measure_shape(specs: Resolved, mesh, steps: int, trace_steps: int = 0) -> dict[str, Any]:
+    """Build, compile (timed, memory analysed) and run `steps` + 1 train steps of `specs` on `mesh` in
+    this process.
 
     With `trace_steps`, that many more steps then run under jax.profiler (core/bench/trace.py).
 
@@ -225,10 +222,7 @@ def measure_shape(cfg, steps: int, trace_steps: int = 0) -> dict[str, Any]:
        device's, core/parallel/chips.py), "tflops_per_device", "mfu", "last": the last step's
        metrics, and with trace_steps "time": core.bench.trace.trace_step's dict}.
     """
-    import jax
-    import numpy as np
-
-    shape = compiled_shape(cfg, steps + 1 + trace_steps)
+    shape = compiled_shape(specs, mesh, steps + 1 + trace_steps)
     step_fn, state = shape["step"], shape["state"]
     batches, traced = shape["batches"][:steps + 1], shape["batches"][steps + 1:]
     times, metrics = [], {}
@@ -241,22 +235,15 @@ def measure_shape(cfg, steps: int, trace_steps: int = 0) -> dict[str, Any]:
     step_time = float(np.median(times[1:])) if steps else times[0]
     extra = {}
     if traced:
-        from core.bench.trace import trace_step
-
         state, extra["time"] = trace_step(step_fn, state, traced)
     return {**extra, "compile_s": shape["compile_s"], "first_step_s": times[0], "step_time_s": step_time,
             "tokens_per_step": tokens, "tokens_per_s": tokens / step_time, "temp_bytes": shape["temp_bytes"],
-            "peak_rss_bytes": peak_rss_bytes(), **_utilization(cfg, shape, step_time),
+            "peak_rss_bytes": peak_rss_bytes(), **_utilization(specs.cfg, shape, step_time),
             "last": {k: float(v) for k, v in metrics.items()}}
 
 
 def _utilization(cfg, shape, step_time: float) -> dict[str, Any]:
     """The step's model FLOPs, a device's peak (measured after the timed steps on a CPU) and both ratios."""
-    import jax
-
-    from core.train.flops import model_flops_per_step
-    from core.parallel.chips import peak_flops, utilization
-
     flops = model_flops_per_step(cfg, shape["batch_rows"])["total"]
     peak, source = peak_flops(jax.local_devices()[0], cfg.dtype)
     return {"devices": shape["devices"], "model_flops": flops, "peak_flops": peak, "peak_source": source,
@@ -269,23 +256,19 @@ def peak_rss_bytes() -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def sweep_config(stage: str, seq: int, batch: int, overrides: Sequence[str] = (), model: str = "deepseek4-tiny",
-                 platform: str | None = None):
-    """The config one sweep point runs: the stage preset, then T, B and synthetic data, then overrides;
-    its `auto` keys resolved for `platform` when one is given (the process that runs the point: a parent
-    that only checks the inputs must not open the accelerator its children need)."""
-    from core.spec.resolve import resolve
-    from core.config.schema import load_config
+def sweep_config(stage: str, seq: int, batch: int, overrides: Sequence[str] = (), model: str = "deepseek4-tiny"):
+    """The config one sweep point runs: the stage preset, then T, B and synthetic data, then overrides
+    (what a parent checks before any child starts: it must not open the accelerator its children need)."""
+    return load_config(model, ["dataset_type=synthetic", f"max_target_length={seq}", f"per_device_batch_size={batch}",
+                               *overrides], stage=stage)
 
-    cfg = load_config(model, ["dataset_type=synthetic", f"max_target_length={seq}", f"per_device_batch_size={batch}",
-                              *overrides], stage=stage)
-    if platform is None:
-        return cfg
-    from core.parallel.mesh import make_mesh
-    from core.train.program import remat_that_fits
 
+def sweep_point(cfg) -> tuple[Resolved, Any]:
+    """The benchmark's entry point, in the process that runs the point: `cfg` resolved for the run's mesh
+    (core.spec.resolve) and through the run's remat phase (core/train/remat.py `remat_that_fits`),
+    with that mesh."""
     mesh = make_mesh(cfg)
-    return remat_that_fits(cfg, resolve(cfg, platform, mesh.shape).cfg, mesh)
+    return remat.remat_that_fits(cfg.remat_policy, resolve(cfg, jax.default_backend(), mesh.shape), mesh), mesh
 
 
 def run_train_sweep(stages: Sequence[str], seqs: Sequence[int], batches: Sequence[int], *, steps: int = 3,
@@ -349,17 +332,12 @@ def profile_here(stage: str = "sparse", seq: int = 256, batch: int = 1, *, steps
       dict, its "time" from core/bench/trace.py), "matmul_gflops" (float32) and "mfu": {"model",
       "compiled" (the jaxpr's matmul FLOPs over the same peak), "peak_flops", "peak_source"}.
     """
-    import jax
-
-    from core.train.flops import model_flops_per_step
-    from core.parallel.chips import matmul_ceiling, utilization
-
-    cfg = sweep_config(stage, seq, batch, overrides, model, jax.default_backend())
-    out = component_flops(cfg)
+    specs, mesh = sweep_point(sweep_config(stage, seq, batch, overrides, model))
+    out = component_flops(specs, mesh)
     out.update(model=model, stage=stage, seq=seq, batch=batch,
-               model_flops=model_flops_per_step(cfg, out["tokens_per_step"] // seq))
+               model_flops=model_flops_per_step(specs.cfg, out["tokens_per_step"] // seq))
     if timed:
-        measured = out["measured"] = measure_shape(cfg, steps, steps)
+        measured = out["measured"] = measure_shape(specs, mesh, steps, steps)
         out["matmul_gflops"] = matmul_ceiling() / 1e9
 
         def mfu(flops: float) -> float:
@@ -373,11 +351,9 @@ def profile_here(stage: str = "sparse", seq: int = 256, batch: int = 1, *, steps
 
 if __name__ == "__main__":  # one point: python -m core.bench.train '[stage, seq, batch, steps, overrides, model, trace, what]'
     tune_garbage_collector()
-    import jax
-
     _stage, _seq, _batch, _steps, _overrides, _model, _trace, _what = json.loads(sys.argv[1])
     if _what == "profile":
         _out = profile_here(_stage, _seq, _batch, steps=_steps, overrides=_overrides, model=_model)
     else:
-        _out = measure_shape(sweep_config(_stage, _seq, _batch, _overrides, _model, jax.default_backend()), _steps, _trace)
+        _out = measure_shape(*sweep_point(sweep_config(_stage, _seq, _batch, _overrides, _model)), _steps, _trace)
     print(_SIZES + json.dumps(_out), flush=True)

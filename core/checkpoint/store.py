@@ -23,12 +23,22 @@ targets from it, checked against the trees read.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Mapping
 
+import orbax.checkpoint as ocp
+from flax import nnx
+from orbax.checkpoint._src import asyncio_utils
+
+from core.checkpoint.host_tree import HostTreeHandler, HostTreeSave
+from core.config.schema import loads
 from core.errors import CheckpointError
+from core.model import transformer
+from core.parallel.sharding import abstract_state
+from core.spec.resolve import parameter_spec
 from core.tree import flatten, shapes
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -129,8 +139,6 @@ def _run_sync_draining(coro):
     as `asyncio.run` cancels them all). They are tracked by the loop's task factory, not
     `asyncio.all_tasks` (a process-wide WeakSet that Orbax avoids iterating from its threads).
     """
-    import asyncio
-
     loop = asyncio.new_event_loop()
     started = []
 
@@ -158,18 +166,12 @@ def _run_sync_draining(coro):
 
 def _drain_orbax_loops() -> None:
     """Run Orbax's per-call event loops with `_run_sync_draining` (idempotent)."""
-    from orbax.checkpoint._src import asyncio_utils
-
     if getattr(asyncio_utils, "_run_sync_via_new_loop", None) not in (None, _run_sync_draining):
         asyncio_utils._run_sync_via_new_loop = _run_sync_draining
 
 
 def _manager(checkpoints_dir: Path, *, max_to_keep: int | None = None, async_save: bool = False,
              host_model: bool = False):
-    import orbax.checkpoint as ocp
-
-    from core.checkpoint.host_tree import HostTreeHandler
-
     _drain_orbax_loops()
     model = HostTreeHandler() if host_model else ocp.StandardCheckpointHandler()
     handlers = {"model": model, "optimizer": ocp.StandardCheckpointHandler(),
@@ -181,8 +183,6 @@ def _manager(checkpoints_dir: Path, *, max_to_keep: int | None = None, async_sav
 
 def _restore(checkpoints_dir: Path, step: int, **args: Any) -> dict[str, Any]:
     """Restore the named items (ocp.args values) of one step, wrapping Orbax errors."""
-    import orbax.checkpoint as ocp
-
     mgr = _manager(checkpoints_dir)
     try:
         out = mgr.restore(step, args=ocp.args.Composite(**args))
@@ -199,8 +199,6 @@ def _restore(checkpoints_dir: Path, step: int, **args: Any) -> dict[str, Any]:
 
 def read_metadata(path: str | Path, step: int | None = None) -> dict[str, Any]:
     """The JSON metadata of a checkpoint (config, stage, step, metrics, model_name, version)."""
-    import orbax.checkpoint as ocp
-
     _, ckpt_dir, step = resolve_checkpoint(path, step)
     return _restore(ckpt_dir, step, metadata=ocp.args.JsonRestore())["metadata"]
 
@@ -265,8 +263,6 @@ def read_checkpoint(path: str | Path, step: int | None = None, items: tuple[str,
       path: run dir, checkpoints/ dir or step dir (`resolve_checkpoint`).
       items: the array items whose trees to read ("model", "optimizer").
     """
-    import orbax.checkpoint as ocp
-
     run_dir, ckpt_dir, step = resolve_checkpoint(path, step)
     json_items = _restore(ckpt_dir, step, metadata=ocp.args.JsonRestore(), data=ocp.args.JsonRestore())
     return Checkpoint(run_dir, ckpt_dir, step, json_items["metadata"], json_items["data"],
@@ -281,8 +277,6 @@ def restore(checkpoint: Checkpoint, **targets: Any) -> dict[str, Any]:
       CheckpointError: naming the first parameter whose shape or presence differs from the tree read
         with the checkpoint ("(optimizer state)" in the message for the optimizer item).
     """
-    import orbax.checkpoint as ocp
-
     where = f"checkpoint {str(checkpoint.dir / str(checkpoint.step))!r}"
     for item, target in targets.items():
         check_compatible(checkpoint.shapes(item), shapes(target), where if item == "model" else f"{where} ({item} state)")
@@ -296,8 +290,6 @@ def config_of(path: str | Path, step: int | None = None):
 
 def saved_config(metadata: Mapping[str, Any]):
     """The Config of a checkpoint's metadata (`read_metadata`, `Checkpoint.metadata`)."""
-    from core.config.schema import loads
-
     return loads(json.dumps(metadata["config"]))
 
 
@@ -317,31 +309,22 @@ def restore_model_state(path: str | Path, target: Any, step: int | None = None) 
     return restore(checkpoint, model=target)["model"], checkpoint.step
 
 
-def restore_model(path: str | Path, step: int | None = None, cfg=None, *, mesh=None):
-    """(model, cfg, metadata): a `core.model.transformer.Transformer` with a checkpoint's variables.
+def restore_model(path: str | Path, step: int | None = None, spec=None, *, mesh=None):
+    """(model, the checkpoint's config, metadata): a `core.model.transformer.Transformer` with a
+    checkpoint's variables.
 
     Args:
-      cfg: the Config to build (default: the checkpoint's own); its shapes must match.
+      spec: the model's `ModelSpec`, of a config resolved where the caller starts (core.spec.resolve:
+        for `mesh`, or for where the model is placed); its parameters must match the checkpoint's.
+        None: the checkpoint's own config's parameters (`core.spec.resolve.parameter_spec`, laid out as
+        a CPU runs them), to read or export the weights.
       mesh: restore each variable straight into its rule sharding on this mesh
         (`core.parallel.sharding.abstract_state`: no device ever holds the whole model); None: as
         Orbax places it.
     """
-    from flax import nnx
-
-    import jax
-
-    from core.model import transformer
-    from core.parallel.mesh import mesh_platform
-    from core.parallel.sharding import abstract_state
-    from core.spec.resolve import resolve
-
     checkpoint = read_checkpoint(path, step)
-    if cfg is None:
-        cfg = saved_config(checkpoint.metadata)
-    # the model as it runs on `mesh`, or on the devices Orbax places it on
-    spec = resolve(cfg, jax.default_backend() if mesh is None else mesh_platform(mesh),
-                   None if mesh is None else mesh.shape).model
-    graphdef, state = nnx.split(transformer.abstract(spec))
+    cfg = saved_config(checkpoint.metadata)
+    graphdef, state = nnx.split(transformer.abstract(parameter_spec(cfg) if spec is None else spec))
     target = state if mesh is None else abstract_state(state, mesh)
     nnx.replace_by_pure_dict(state, restore(checkpoint, model=nnx.to_pure_dict(target))["model"])
     return nnx.merge(graphdef, state), cfg, dict(checkpoint.metadata)
@@ -375,10 +358,6 @@ class RunCheckpointer:
     def save(self, step: int, *, model: Any, optimizer: Any, data: Mapping[str, Any],
              metadata: Mapping[str, Any]) -> None:
         """Start writing step `step` (model/optimizer: plain nested dicts of arrays)."""
-        import orbax.checkpoint as ocp
-
-        from core.checkpoint.host_tree import HostTreeSave
-
         host = self._options["host_model"]
         self._mgr.save(step, args=ocp.args.Composite(
             model=HostTreeSave(model) if host else ocp.args.StandardSave(model), optimizer=ocp.args.StandardSave(optimizer),

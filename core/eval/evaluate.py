@@ -29,10 +29,22 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from core.checkpoint import store as ckpt
+from core.config.schema import canonical_key
+from core.config.values import parse_override
+from core.data.batches import data_fingerprint
+from core.errors import ConfigError, DataError
 from core.eval.metrics import layer_probe
 from core.eval.report import IndexerEval, MetricSums, ratio, topk_warnings
 from core.eval.rows import EVAL_KEYS, EvalSet, batch_rows, eval_config, row_batches, row_keys
+from core.loss.lm import chunked_lm_loss, compute_head
+from core.model.transformer import abstract
+from core.parallel.mesh import make_mesh, mesh_platform
+from core.parallel.sharding import batch_sharding, shard_batch
+from core.spec.resolve import resolve
+from core.train import program
 
 
 # ----------------------------------------------------------------------------- the step
@@ -43,8 +55,6 @@ def parse_ks(text: str | Iterable[int] | None, default: int, num_blocks: int) ->
 
     Raises ConfigError for a non-integer, a k < 1, or a k above the row's num_blocks.
     """
-    from core.errors import ConfigError
-
     if text is None or text == "":
         items: list[Any] = [default]
     elif isinstance(text, str):
@@ -105,8 +115,6 @@ def eval_step(spec: StepSpec, program: str) -> Callable[..., Any]:
     interleaves them), two hold one forward's (docs/evaluation.md#memory). The random baseline
     draws from one key per row, `core.eval.rows.row_keys(spec.seed, batch["rows"])`.
     """
-    from core.loss.lm import chunked_lm_loss, compute_head
-
     if program not in PROGRAMS:
         raise ValueError(f"program={program!r}: use one of {', '.join(PROGRAMS)}")
 
@@ -133,8 +141,6 @@ def state_step(spec: StepSpec, part: str, graphdef) -> Callable[..., Any]:
     `graphdef, state` split the 1-tuple (model,), as the train step's split (model, optimizer).
     Jitted so, the state is an input only (nnx.jit would also return every variable, a second copy
     of the weights). Named step_<part>: its compiled module is jit_step_<part>."""
-    from flax import nnx
-
     step = eval_step(spec, part)
 
     def fn(state, batch):
@@ -149,10 +155,6 @@ def state_step(spec: StepSpec, part: str, graphdef) -> Callable[..., Any]:
 def _jitted(spec: StepSpec, part: str, graphdef, mesh, cfg) -> Callable[..., Any]:
     """The part jitted as `core.train.program.jit_step` jits a step (traced under the mesh, the
     mesh's compiler options, nothing donated); plain `jax.jit` without a mesh."""
-    import jax
-
-    from core.train import program
-
     fn = state_step(spec, part, graphdef)
     return jax.jit(fn) if mesh is None else program.jit_step(fn, cfg, mesh)
 
@@ -164,8 +166,6 @@ def make_eval_step(spec: StepSpec, mesh=None, cfg=None) -> Callable[..., Any]:
     the MoE takes the same path as in training (expert parallelism on an `expert` axis), compiled
     with the run's compiler options. Cached per (spec, the model's graphdef, mesh, cfg), so
     repeated evaluations of same-shaped models reuse the compiled programs."""
-    from flax import nnx
-
     def run(model, batch):
         graphdef, state = nnx.split((model,))
         sums, nll_dense, weight = _jitted(spec, "dense", graphdef, mesh, cfg)(state, batch)
@@ -174,9 +174,10 @@ def make_eval_step(spec: StepSpec, mesh=None, cfg=None) -> Callable[..., Any]:
     return run
 
 
-def lowered_eval(cfg, ks: Sequence[int], mesh=None, eval_set: EvalSet = EvalSet()) -> tuple[dict[str, Any], Any]:
-    """The eval step's programs lowered from `core.train.program.abstract_inputs` on `mesh` (default
-    the run's own), as `make_eval_step` jits them, over a batch of the evaluation's own rows per step
+def lowered_eval(specs, ks: Sequence[int], mesh, eval_set: EvalSet = EvalSet()) -> tuple[dict[str, Any], Any]:
+    """The eval step's programs of `specs` (core.spec.resolve, for `mesh`) lowered from
+    `core.train.program.abstract_inputs` on `mesh`, as `make_eval_step` jits them, over a batch of the
+    evaluation's own rows per step
     (`core.eval.rows.batch_rows(eval_set, mesh)`: `eval_set.batch_rows`, else one per batch shard;
     never the training batch); nothing is allocated. `dsv4 plan --stage eval` compiles these.
 
@@ -184,16 +185,6 @@ def lowered_eval(cfg, ks: Sequence[int], mesh=None, eval_set: EvalSet = EvalSet(
       ({part: jax.stages.Lowered} for PROGRAMS, program.StepInputs with the eval batch: EVAL_KEYS,
       [rows, T] and "rows" [rows], split over the batch axes).
     """
-    import jax
-
-    from core.model.transformer import abstract
-    from core.parallel.mesh import make_mesh, mesh_platform
-    from core.parallel.sharding import batch_sharding
-    from core.spec.resolve import resolve
-    from core.train import program
-
-    mesh = make_mesh(cfg) if mesh is None else mesh
-    specs = resolve(cfg, mesh_platform(mesh), mesh.shape)  # the entry point's own when it resolved `cfg`
     cfg = specs.cfg
     inputs = program.abstract_inputs(cfg, (abstract(specs.model),), mesh)
     rows, sharding = batch_rows(eval_set, inputs.mesh), batch_sharding(inputs.mesh)
@@ -208,28 +199,24 @@ def lowered_eval(cfg, ks: Sequence[int], mesh=None, eval_set: EvalSet = EvalSet(
 def _place(batch: dict[str, Any], mesh) -> dict[str, Any]:
     if mesh is None:
         return {name: jnp.asarray(batch[name]) for name in EVAL_KEYS}
-    from core.parallel.sharding import shard_batch
-
     return shard_batch({name: batch[name] for name in EVAL_KEYS}, mesh)
 
 
 def check_indexer(cfg) -> None:
     """ConfigError unless `cfg`'s model has a lightning indexer to evaluate."""
-    from core.errors import ConfigError
-
     if not cfg.use_indexer or not cfg.csa_layers:
         raise ConfigError("this model has no lightning indexer to evaluate: it needs use_indexer=true "
                           "and at least one CSA layer (compress_ratios entry 4).")
 
 
-def evaluate_indexer(model, cfg, batches: Iterable[tuple[dict[str, Any], int, int]], *,
+def evaluate_indexer(model, specs, batches: Iterable[tuple[dict[str, Any], int, int]], *,
                      ks: Sequence[int] | None = None, seed: int = 0, mesh=None,
                      on_progress: Callable[[int], None] | None = None) -> IndexerEval:
     """Measure a decoder's indexers against their dense teachers over held-out rows.
 
     Args:
-      model: a `core.model.transformer.Transformer` built from `cfg` (with use_indexer and CSA layers).
-      cfg: its Config.
+      model: a `core.model.transformer.Transformer` built from `specs` (with use_indexer and CSA layers).
+      specs: its config resolved (core.spec.resolve) for `mesh`, or without one for where the model is placed.
       batches: (dict of `core.eval.rows.EVAL_KEYS` arrays, index of its first row, real rows in
         it), as `core.eval.rows.row_batches` yields them.
       ks: the k values to sweep (default: cfg.indexer_topk).
@@ -242,13 +229,8 @@ def evaluate_indexer(model, cfg, batches: Iterable[tuple[dict[str, Any], int, in
     Returns:
       IndexerEval (this module's and core/eval/metrics.py's docstrings define every number).
     """
-    from core.parallel.mesh import mesh_platform
-    from core.spec.resolve import resolve
-
+    cfg = specs.cfg
     check_indexer(cfg)
-    # the evaluation's entry point's own config when it resolved it; else for the mesh, or where the model is placed
-    cfg = resolve(cfg, mesh_platform(mesh) if mesh is not None else jax.default_backend(),
-                  None if mesh is None else mesh.shape).cfg
     ks = tuple(ks or (cfg.indexer_topk,))
     step = make_eval_step(StepSpec.of(cfg, ks, seed, progress=on_progress is not None), mesh, None if mesh is None else cfg)
     layers = len(cfg.csa_layers)
@@ -291,9 +273,6 @@ def evaluate_indexer(model, cfg, batches: Iterable[tuple[dict[str, Any], int, in
 def with_overrides(cfg, overrides: Sequence[str]):
     """cfg with "KEY=VALUE" overrides applied (validated; aliases accepted, unknown keys get a
     did-you-mean: `core.config.schema.canonical_key`)."""
-    from core.config.schema import canonical_key
-    from core.config.values import parse_override
-
     changes = {}
     for text in overrides:
         key, value = parse_override(text)
@@ -305,12 +284,13 @@ def with_overrides(cfg, overrides: Sequence[str]):
 class Evaluation:
     """A checkpoint restored and its evaluation planned (`prepare`); `run()` measures it.
 
-    Fields: cfg (the run's config with the evaluation's length, seed and overrides), ks, eval_set,
+    Fields: specs (the run's config with the evaluation's length, seed and overrides, resolved for the
+    mesh: core.spec.resolve), ks, eval_set,
     mesh, batch (rows per step), batches (steps, at most), units (progress units: batches x CSA
     layers), and what `run` needs (model, context).
     """
 
-    cfg: Any
+    specs: Any
     ks: tuple[int, ...]
     eval_set: EvalSet
     mesh: Any
@@ -320,19 +300,20 @@ class Evaluation:
     context: dict[str, Any]
 
     @property
+    def cfg(self):
+        """The resolved Config."""
+        return self.specs.cfg
+
+    @property
     def units(self) -> int:
         return self.batches * len(self.cfg.csa_layers)
 
     def run(self, on_progress: Callable[[int], None] | None = None) -> IndexerEval:
         """`evaluate_indexer` on the evaluation's rows; DataError when there is none."""
-        from core.data.batches import data_fingerprint
-
         data = row_batches(self.cfg, self.eval_set.rows, self.batch)
-        result = evaluate_indexer(self.model, self.cfg, data, ks=self.ks, seed=self.eval_set.seed, mesh=self.mesh,
+        result = evaluate_indexer(self.model, self.specs, data, ks=self.ks, seed=self.eval_set.seed, mesh=self.mesh,
                                   on_progress=on_progress)
         if not result.batches:
-            from core.errors import DataError
-
             raise DataError(f"the evaluation data of {data_fingerprint(self.cfg)['source']!r} is empty: give held-out "
                             "documents (hf_eval_split=..., a larger eval_holdout_fraction, or more data).")
         return dataclasses.replace(result, context={**self.context, "eval_rows": result.rows // self.cfg.max_target_length})
@@ -356,23 +337,19 @@ def prepare(path, *, step: int | None = None, overrides: Sequence[str] = (), eva
       eval_set: rows, length, seed and rows per step (core/eval/rows.py).
       ks: '4,8,16' or a sequence (default: the config's indexer_topk).
     """
-    from core.checkpoint import store as ckpt
-    from core.data.batches import data_fingerprint
-    from core.parallel.mesh import make_mesh, mesh_platform
-    from core.spec.resolve import resolve
-
     _, ckpt_dir, step = ckpt.resolve_checkpoint(path, step)
     cfg = eval_config(with_overrides(ckpt.config_of(ckpt_dir, step), overrides), eval_set)
     check_indexer(cfg)
     ks = parse_ks(ks, cfg.indexer_topk, cfg.max_target_length // 4)
     mesh = make_mesh(cfg)  # a mesh that does not fit these devices: ConfigError naming the ici_* keys
-    cfg = resolve(cfg, mesh_platform(mesh), mesh.shape).cfg
+    specs = resolve(cfg, mesh_platform(mesh), mesh.shape)  # once: the evaluation's entry point
+    cfg = specs.cfg
     batch = batch_rows(eval_set, mesh)
-    model, cfg, meta = ckpt.restore_model(ckpt_dir, step, cfg, mesh=mesh)
+    model, _, meta = ckpt.restore_model(ckpt_dir, step, specs.model, mesh=mesh)
     context = {"checkpoint": str(ckpt_dir / str(step)), "step": step, "stage": meta.get("stage"),
                "model_name": cfg.model_name, "batch_size": batch, "max_target_length": cfg.max_target_length,
                "data": data_fingerprint(cfg)["source"], "frozen_weights": cfg.frozen_weights}
-    return Evaluation(cfg, ks, eval_set, mesh, batch, -(-eval_set.rows // batch), model, context)
+    return Evaluation(specs, ks, eval_set, mesh, batch, -(-eval_set.rows // batch), model, context)
 
 
 def evaluate_checkpoint(path, *, step: int | None = None, overrides: Sequence[str] = (), eval_set: EvalSet = EvalSet(),

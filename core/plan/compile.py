@@ -1,8 +1,8 @@
 """The training step compiled ahead of time for a target, in a child process (DESIGN.md, "Planning").
 
-The program is the training commands' own (`lower_plan`): core/train/program.py's
-`abstract_inputs` on `make_mesh`'s mesh over the target's devices, jitted by core/train/program.py's
-`make_train_step` (program.py's `jit_step`: donated state, the state's rule shardings out, the
+The program is the training commands' own (`lower_plan`): core/train/program.py's `StepProgram` of
+the config resolved for the target (once, in the child) over `abstract_inputs` on `make_mesh`'s mesh
+over the target's devices (program.py's `jit_step`: donated state, the state's rule shardings out, the
 compiler options of the target's platform). Nothing is allocated: the inputs are ShapeDtypeStructs.
 
 Parent side, `plan(...)`: validates the config and the mesh (bad input fails here, exit 2), then
@@ -168,15 +168,16 @@ def device_mesh(cfg, devices: Sequence[Any]):
     return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def lower_plan(cfg, target: tg.Target):
-    """In the child: the train step lowered for `target`'s devices as a training command lowers it
-    (core/train/program.py's `lowered_step`); returns (jax.stages.Lowered, program.StepInputs)."""
+def lower_plan(specs, target: tg.Target):
+    """In the child: the train step of `specs` (core.spec.resolve, for the target) lowered for `target`'s
+    devices as a training command lowers it (core/train/program.py's `lowered_step`); returns
+    (jax.stages.Lowered, program.StepInputs)."""
     from core.train.program import lowered_step
 
-    return lowered_step(cfg, device_mesh(cfg, tg.compile_devices(target)))
+    return lowered_step(specs, device_mesh(specs.cfg, tg.compile_devices(target)))
 
 
-def compile_eval_plan(cfg, target: tg.Target, *, top: int = 10, dump: str | None = None,
+def compile_eval_plan(specs, target: tg.Target, *, top: int = 10, dump: str | None = None,
                       batch_rows: int | None = None) -> dict[str, Any]:
     """In the child: compile the evaluation's two programs (core.eval.evaluate.lowered_eval, at the
     config's indexer_topk, `batch_rows` rows per step as eval-indexer runs them) for `target` and
@@ -186,8 +187,9 @@ def compile_eval_plan(cfg, target: tg.Target, *, top: int = 10, dump: str | None
     from core.eval.rows import EvalSet
     from core.plan import report
 
-    lowered, (_, state, batch, mesh) = lowered_eval(cfg, (cfg.indexer_topk,), device_mesh(cfg, tg.compile_devices(target)),
-                                                    EvalSet(batch_rows=batch_rows))
+    cfg = specs.cfg
+    mesh = device_mesh(cfg, tg.compile_devices(target))
+    lowered, (_, state, batch, mesh) = lowered_eval(specs, (cfg.indexer_topk,), mesh, EvalSet(batch_rows=batch_rows))
     rows = batch["rows"].shape[0]
     state_info = report.state_bytes(cfg, state, batch)
     reports = {}
@@ -208,15 +210,16 @@ def compile_eval_plan(cfg, target: tg.Target, *, top: int = 10, dump: str | None
             "eval_programs": {p: r["per_device"]["temp_bytes"] for p, r in reports.items()}}
 
 
-def compile_plan(cfg, target: tg.Target, *, top: int = 10, analytic: bool = True,
+def compile_plan(specs, target: tg.Target, *, top: int = 10, analytic: bool = True,
                  dump: str | None = None, stage: str | None = None, batch_rows: int | None = None) -> dict[str, Any]:
-    """In the child: compile the step for `target` and build the report (core/plan/report.py);
-    batch_rows: EVAL's rows per step (`compile_eval_plan`)."""
+    """In the child: compile the step of `specs` (core.spec.resolve, for the target) for `target` and
+    build the report (core/plan/report.py); batch_rows: EVAL's rows per step (`compile_eval_plan`)."""
     from core.plan import report
 
     if stage == EVAL:
-        return compile_eval_plan(cfg, target, top=top, dump=dump, batch_rows=batch_rows)
-    lowered, (_, state, batch, mesh) = lower_plan(cfg, target)
+        return compile_eval_plan(specs, target, top=top, dump=dump, batch_rows=batch_rows)
+    cfg = specs.cfg
+    lowered, (_, state, batch, mesh) = lower_plan(specs, target)
     state_info = report.state_bytes(cfg, state, batch)
     try:
         compiled = lowered.compile()
@@ -255,22 +258,22 @@ def read_buffer_assignment(dump: str | None, module: str = "jit_step") -> str:
 def _child(args: dict[str, Any]) -> dict[str, Any]:
     from core.errors import DsvError
     from core.plan.report import usable_memory
-    from core.train.program import remat_candidates
+    from core.train.remat import remat_candidates
 
     try:
         target = tg.parse_target(args["target"])
         cfg = load(args["model"], args["stage"], args["overrides"], args["config_file"])
         mesh = device_mesh(cfg, tg.compile_devices(target))
-        asked, cfg = cfg, resolve(cfg, target.platform, mesh.shape).cfg
+        specs = resolve(cfg, target.platform, mesh.shape)  # once: the plan's entry point
         kw = dict(top=args["top"], analytic=args["analytic"], dump=args.get("dump"), stage=args["stage"],
                   batch_rows=args.get("batch_rows"))
-        trials = () if args["stage"] == EVAL else remat_candidates(asked, cfg, target.platform, dict(mesh.shape),
+        trials = () if args["stage"] == EVAL else remat_candidates(cfg.remat_policy, specs, dict(mesh.shape),
                                                                    usable_memory(target)[0])
-        for policy in trials:  # the run's choice, as the run makes it (core/train/program.py `remat_that_fits`)
-            light = compile_plan(cfg.replace(remat_policy=policy), target, **kw)
+        for policy in trials:  # the run's choice, as the run makes it (core/train/remat.py `remat_that_fits`)
+            light = compile_plan(specs.replace(remat_policy=policy), target, **kw)
             if light["fits"]:
                 return light
-        return compile_plan(cfg, target, **kw)
+        return compile_plan(specs, target, **kw)
     except DsvError as e:
         return {"error": str(e)}
 

@@ -241,8 +241,11 @@ def analytic_flops(cfg, mesh) -> dict[str, float]:
     """core.bench.train's jaxpr FLOP count of the step on `mesh` (its global batch), over its devices:
     {"total", "matmul"} per device."""
     from core.bench.train import component_flops
+    from core.parallel.mesh import mesh_platform
+    from core.spec.resolve import resolve
 
-    counts = component_flops(cfg, mesh, compile=False)
+    # `cfg` is the plan child's, resolved already (core/plan/compile.py): its specs, cached there
+    counts = component_flops(resolve(cfg, mesh_platform(mesh), mesh.shape), mesh, compile=False)
     matmul = sum(c["matmul_flops"] for c in counts["components"].values())
     return {"total": counts["total_flops"] / mesh.size, "matmul": matmul / mesh.size}
 

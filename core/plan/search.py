@@ -154,7 +154,7 @@ def _state_child(args: dict[str, Any]) -> dict[str, Any]:
         cfg = plan_compile.load(args["model"], args["stage"], args["overrides"], args["config_file"])
         platform = args["platform"]
         # the parameters and the optimizer state depend on neither the mesh nor the batch
-        model = program.abstract_model_and_optimizer(resolve(cfg, platform).cfg)
+        model = program.abstract_model_and_optimizer(resolve(cfg, platform))
         out = []
         for fields in args["candidates"]:
             c = Candidate(tuple(fields["ici"]), tuple(fields["dcn"]), fields["per_device_batch_size"])

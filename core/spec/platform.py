@@ -112,7 +112,7 @@ PLATFORM_CHOICES: dict[str, tuple[Any, Any]] = {
     "lm_loss_chunk_size": (AUTO_INT, {"cpu": 256, "gpu": 256, "tpu": 2048}),
     # `full` here; an entry point that compiles the step (the run's preflight, the planner, the
     # benchmarks) takes `none` or else `projections` instead on a TPU where that step compiles within
-    # the chip (core/train/program.py `remat_that_fits`)
+    # the chip (core/train/remat.py `remat_that_fits`)
     "remat_policy": (AUTO, {"cpu": "full", "gpu": "full", "tpu": "full"}),
 }
 

@@ -49,6 +49,12 @@ class Resolved:
     platform: str
     model: ModelSpec
     step: StepSpec
+    axes: tuple | None = None  # the mesh's (axis, size) pairs it was resolved for; None: the config's ici_/dcn_ keys
+
+    def replace(self, **changes) -> "Resolved":
+        """These specs with `changes` to the resolved config (a remat trial's policy, say), the specs
+        rebuilt for the same platform and mesh."""
+        return _resolve(self.cfg.replace(**changes), self.platform, self.axes)
 
 
 def resolve(cfg, platform: str, mesh: Any = None) -> Resolved:
@@ -68,7 +74,8 @@ def resolve(cfg, platform: str, mesh: Any = None) -> Resolved:
 @functools.lru_cache(maxsize=32)
 def _resolve(cfg, platform: str, axes: tuple | None) -> Resolved:
     cfg = resolve_config(cfg, platform, None if axes is None else dict(axes))
-    return Resolved(cfg, platform_name(platform), model_spec(cfg), StepSpec(stage_of(cfg), cfg.lm_loss_chunk_size))
+    return Resolved(cfg, platform_name(platform), model_spec(cfg), StepSpec(stage_of(cfg), cfg.lm_loss_chunk_size),
+                    axes)
 
 
 def parameter_spec(cfg) -> ModelSpec:

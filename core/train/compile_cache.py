@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import jax
+
 DEFAULT = "default"  # the config value that means `default_cache_dir()`
 
 
@@ -51,8 +53,6 @@ def enable_compilation_cache(value: str, *, min_compile_time_s: float = 0.0) -> 
     Returns:
       The directory in use, or None when the cache is off.
     """
-    import jax
-
     path = resolve_cache_dir(value)
     if path is None:
         return None

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from core.loss.indexer_kl import Spec, kl_rows, teacher_rows
 from core.model.attention import collect
@@ -80,8 +81,6 @@ def csa_attentions(model) -> list[tuple[int, Any, int | None]]:
 def _host(a) -> np.ndarray:
     """A device array on the host as float64, also one spread over other processes' devices."""
     if isinstance(a, jax.Array) and not a.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         a = multihost_utils.process_allgather(a, tiled=True)
     return np.asarray(jax.device_get(a), np.float64)
 

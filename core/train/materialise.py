@@ -1,8 +1,8 @@
 """The run's state made real (DESIGN.md, "Training, checkpoints, runs"): model and optimizer built on
 the mesh, then filled from a checkpoint when the run starts from one.
 
-`build` makes a config's model and optimizer with their rule-given shardings (training, and the
-benchmarks' real builds). `materialise` is the run's phase: it builds on the mesh preflight made,
+`build` makes the model and optimizer of resolved specs (core.spec.resolve) with their rule-given
+shardings (training, and the benchmarks' real builds). `materialise` is the run's phase: it builds on the mesh preflight made,
 with the masks preflight checked, and fills the state from the checkpoint preflight read
 (core/train/preflight.py `Source`): a resume restores model, optimizer and data position; an
 --init-from loads the weights (with a fresh optimizer, and the teacher's indexer init once, before
@@ -24,18 +24,18 @@ from core.checkpoint import store
 from core.model.init_draws import bucketed_draws
 from core.model.params import count_parameters
 from core.model.transformer import Transformer
-from core.parallel.mesh import make_mesh, mesh_platform
 from core.parallel.sharding import create_sharded, shard_state
-from core.spec.resolve import resolve
-from core.train import program
+from core.spec.resolve import Resolved
+from core.train.indexer_init import calibration_batches, teacher_init
+from core.train.optimizer import make_optimizer
 from core.train.step import check_masks
 
 
 @dataclasses.dataclass
 class Setup:
-    """A config's model and optimizer on its mesh."""
+    """The model and optimizer of resolved specs on their mesh."""
 
-    cfg: Any
+    specs: Resolved
     mesh: Any
     model: Transformer
     optimizer: nnx.Optimizer
@@ -43,9 +43,14 @@ class Setup:
     params_total: int    # core.model.params.count_parameters: nnx.Params + router biases
     params_trainable: int
 
+    @property
+    def cfg(self):
+        """The resolved Config."""
+        return self.specs.cfg
 
-def build(cfg, *, mesh=None, labels: Mapping[str, bool] | None = None, objects=None) -> Setup:
-    """Model and optimizer on `mesh` (default `make_mesh(cfg)`), with their rule-given shardings.
+
+def build(specs: Resolved, mesh, *, labels: Mapping[str, bool] | None = None, objects=None) -> Setup:
+    """The model and optimizer of `specs` (resolved for `mesh`) on `mesh`, with their rule-given shardings.
 
     On a single CPU process the model is built eagerly and then placed (`shard_state`): the CPU
     compiles a many-layer model's initialiser as one XLA program far more slowly than it creates
@@ -58,8 +63,7 @@ def build(cfg, *, mesh=None, labels: Mapping[str, bool] | None = None, objects=N
       objects: (model, optimizer) from `nnx.eval_shape` (`program.abstract_model_and_optimizer`) to
         hold instead of initialising anything: ShapeDtypeStructs for a checkpoint to fill.
     """
-    mesh = make_mesh(cfg) if mesh is None else mesh
-    spec = resolve(cfg, mesh_platform(mesh), mesh.shape).model  # the run's own when preflight resolved `cfg`
+    cfg, spec = specs.cfg, specs.model
     make_model = lambda: Transformer(spec, rngs=nnx.Rngs(spec.init_seed))  # noqa: E731
     if objects is not None:
         model, optimizer = objects
@@ -72,14 +76,14 @@ def build(cfg, *, mesh=None, labels: Mapping[str, bool] | None = None, objects=N
         optimizer = new_optimizer(cfg, model, mesh)
     labels = check_masks(cfg, model) if labels is None else labels
     counts = count_parameters(tree.shapes(nnx.to_pure_dict(nnx.state(model))), lambda p: labels.get(p, False))
-    return Setup(cfg, mesh, model, optimizer, cfg.per_device_batch_size * mesh.size,
+    return Setup(specs, mesh, model, optimizer, cfg.per_device_batch_size * mesh.size,
                  counts["parameters"], counts["trainable"])
 
 
 def new_optimizer(cfg, model: Transformer, mesh) -> nnx.Optimizer:
     """The optimizer of `model` (its concrete, placed parameters) with fresh state, its moments sharded
     as their parameters."""
-    optimizer = create_sharded(lambda m: nnx.Optimizer(m, program.make_optimizer(cfg), wrt=nnx.Param), mesh, model)
+    optimizer = create_sharded(lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param), mesh, model)
     # on one CPU process, onto the rule shardings, which the compiled-ahead step (core/train/program.py)
     # expects: the jit's own output shardings are only equivalent to them
     return shard_state(optimizer, mesh) if _one_cpu_process() else optimizer
@@ -104,18 +108,19 @@ class Materialised:
     notices: tuple[str, ...]
 
 
-def materialise(cfg, mesh, labels: Mapping[str, bool], abstract, source, data) -> Materialised:
+def materialise(specs: Resolved, mesh, labels: Mapping[str, bool], abstract, source, data) -> Materialised:
     """Phase: the run's model and optimizer, fresh or filled from `source`.
 
     Args:
-      cfg: the run's (resolved) Config.
+      specs: the run's resolved config and specs (preflight's, after the remat phase).
       mesh, labels: preflight's mesh and trainable labels.
       abstract: preflight's (model, optimizer) from `nnx.eval_shape`, copied to hold a checkpoint's values.
       source: preflight's `Source` (core/train/preflight.py), or None for a fresh run.
       data: the run's batches; a resume restores their position.
     """
+    cfg = specs.cfg
     fills = source is not None and not source.fresh_indexer
-    setup = build(cfg, mesh=mesh, labels=labels, objects=nnx.merge(*nnx.split(abstract), copy=True) if fills else None)
+    setup = build(specs, mesh, labels=labels, objects=nnx.merge(*nnx.split(abstract), copy=True) if fills else None)
     start_step, init_step, notices = 0, None, []
     if source is not None and source.resume:
         values = store.restore(source.checkpoint, **source.targets)
@@ -149,7 +154,5 @@ def _teacher_init(cfg, setup: Setup, source, data) -> str:
     if source_stage not in (None, "pretrain"):
         return (f"indexer_init=teacher skipped: {source.path} (stage {source_stage}) holds a trained "
                 "indexer, kept as loaded (docs/indexer-init.md)")
-    from core.train.indexer_init import calibration_batches, teacher_init
-
     batches = calibration_batches(data, cfg.indexer_init_batches, setup.mesh)
     return teacher_init(setup.model, batches, setup.mesh).line()

@@ -13,23 +13,22 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Sequence
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from core.parallel.sharding import shard_bytes
+
 
 def state_bytes_per_device(state) -> int:
     """Bytes of one device's shards of an abstract state (ShapeDtypeStructs with shardings): the
     largest shard of every leaf, so uneven and replicated leaves count in full."""
-    import jax
-
-    from core.parallel.sharding import shard_bytes
-
     return sum(shard_bytes(leaf) for leaf in jax.tree.leaves(state))
 
 
 def state_bytes_needed(state, trainable: Callable[[Sequence[Any]], bool], mu_dtype: str, nu_dtype: str) -> int:
     """Per-device bytes of the variables of `state` (an nnx State of ShapeDtypeStructs with the run's
     shardings) plus AdamW's moments of its trainable parameters, in `mu_dtype` and `nu_dtype`."""
-    import jax.numpy as jnp
-    from flax import nnx
-
     moments = jnp.dtype(mu_dtype).itemsize + jnp.dtype(nu_dtype).itemsize
     need = 0
     for path, leaf in nnx.to_flat_state(state):
@@ -44,8 +43,6 @@ def state_bytes_needed(state, trainable: Callable[[Sequence[Any]], bool], mu_dty
 def device_memory_bytes(device) -> tuple[int | None, str]:
     """(usable bytes of one device, where the figure comes from): the allocator's bytes_limit on an
     accelerator; on the CPU this host's RAM over its local devices; None when unknown."""
-    import jax
-
     if device.platform != "cpu":
         limit = (device.memory_stats() or {}).get("bytes_limit")
         return (int(limit), "the device's allocator limit") if limit else (None, "")

@@ -14,13 +14,14 @@ schedule's), so checkpoints written before these keys restore unchanged.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from core.train.step import config_matcher, learning_rate_schedule
+from core.train.step import compile_key, config_matcher, learning_rate_schedule
 
 
 def scale_by_adam(b1: float, b2: float, eps: float, mu_dtype, nu_dtype) -> optax.GradientTransformation:
@@ -60,8 +61,23 @@ def adamw_spec(cfg) -> AdamW:
 def from_config(cfg) -> optax.GradientTransformation:
     """The run's optimizer: `adamw` with the config's settings, its learning-rate schedule and its
     trainable mask (core/train/step.py). A new object each call: a run takes it through
-    core/train/program.py's `make_optimizer`, one per compiled step."""
+    `make_optimizer`, one per compiled step."""
     return adamw(adamw_spec(cfg), learning_rate_schedule(cfg), config_matcher(cfg))
+
+
+_MADE: dict[tuple, optax.GradientTransformation] = {}
+_MADE_LOCK = threading.Lock()  # the compile thread (core/train/program.py's compile_ahead) makes one too
+
+
+def make_optimizer(cfg) -> optax.GradientTransformation:
+    """`from_config`, one object per compile-relevant config (core/train/step.py's `compile_key`) in a
+    process: the transformation is part of the optimizer's graphdef, so equal configs give equal
+    graphdefs and share one compiled step (core/train/program.py's `StepProgram`)."""
+    key = compile_key(cfg)
+    with _MADE_LOCK:
+        if key not in _MADE:
+            _MADE[key] = from_config(cfg)
+        return _MADE[key]
 
 
 def adamw(spec: AdamW, schedule: Callable[[Any], Any], trainable: Callable[[Sequence[Any]], bool]

@@ -12,10 +12,10 @@ In order, each stopping the run in one line before the long phases start:
    released on one side only are bridged (core/model/quant.py), a resume's optimizer state must
    have this config's structure (core/train/resume_checks.py);
 5. the parameters and AdamW's moments against one device's memory (core/train/memory.py);
-6. the masks against the stage table (core/train/step.py `check_masks`);
-7. last, on a TPU with `remat_policy=auto`: the step without layer remat, then with `projections`,
-   compiled, and the first that fits the chip taken (core/train/program.py `remat_that_fits`; the run
-   then finds it compiled).
+6. the masks against the stage table (core/train/step.py `check_masks`).
+The run's next phase, `fit_remat`, then takes on a TPU with `remat_policy=auto` the step without layer
+remat, then with `projections`, compiled, the first that fits the chip (core/train/remat.py
+`remat_that_fits`; the run then finds it compiled).
 The notices (what a resume changes, a dropped metrics line, a fresh indexer) and the warnings
 (top-k that never binds) travel in the record.
 """
@@ -35,12 +35,13 @@ from core.checkpoint import run_files, store
 from core.config.schema import Config
 from core.data.batches import SyntheticBatches, TrainBatches, train_batches
 from core.errors import CheckpointError, ConfigError
+from core.model import quant
 from core.model.params import mask_matcher
 from core.model.transformer import Transformer
 from core.spec.resolve import Resolved, resolve
 from core.parallel.mesh import describe_mesh, make_mesh, mesh_platform
 from core.parallel.sharding import abstract_state, local_batch_slice
-from core.train import memory, program, resume_checks
+from core.train import memory, program, remat, resume_checks
 from core.train.handoff import CSA_RATIO, lacks_indexer, topk_never_binds, without_indexer
 from core.train.step import check_masks, config_matcher
 
@@ -88,7 +89,7 @@ def preflight(cfg: Config, stage: str, run_dir: Path, init_from: str | Path | No
     """
     mesh = make_mesh(cfg)
     specs = resolve(cfg, mesh_platform(mesh), mesh.shape)
-    asked, cfg = cfg, specs.cfg
+    cfg = specs.cfg
     notices: list[str] = []
     resumed = _resumed(run_dir, stage)
     kept = ()
@@ -99,7 +100,7 @@ def preflight(cfg: Config, stage: str, run_dir: Path, init_from: str | Path | No
     data = train_batches(cfg, rows, range(local.start, local.stop))
     if resumed is not None:  # changed data stops a resume before the model is built
         notices += data.check(dict(resumed.data))
-    abstract = program.abstract_model_and_optimizer(cfg)
+    abstract = program.abstract_model_and_optimizer(specs)
     if resumed is not None:
         source = _resume_source(cfg, mesh, abstract, resumed, run_dir)
         saved = resumed.metadata.get("config")
@@ -114,15 +115,21 @@ def preflight(cfg: Config, stage: str, run_dir: Path, init_from: str | Path | No
     check_fits(cfg, stage, mesh, abstract[0])  # a model that cannot fit stops here, in one line
     labels = check_masks(cfg, abstract[0])
     warnings = tuple(w for w in (topk_warning(cfg),) if w)
-    # last, once every cheap check passed: on a TPU, remat_policy=auto compiles the step without remat,
-    # then with `projections`, and keeps the first that fits (the run then finds it compiled)
-    fitted = program.remat_that_fits(asked, cfg, mesh)
-    if fitted is not cfg:
-        specs = resolve(fitted, specs.platform, mesh.shape)
-        abstract = program.abstract_model_and_optimizer(specs.cfg)
-        notices.append(f"remat_policy=auto: {fitted.remat_policy} (the first of none, projections whose step fits "
-                       "the chip, compiled; remat_policy=full keeps the whole layer remat)")
     return Preflight(specs, mesh, abstract, labels, data, source, kept, tuple(notices), warnings)
+
+
+def fit_remat(asked: str, plan: Preflight) -> Preflight:
+    """Phase, once every cheap check passed: on a TPU where `asked` (the remat_policy of the command's
+    config, before `resolve`) is `auto`, the step without layer remat, then with `projections`, compiled and the
+    first that fits the chip taken, with a notice (core/train/remat.py `remat_that_fits`: the run then
+    finds it compiled); `plan` itself elsewhere."""
+    fitted = remat.remat_that_fits(asked, plan.specs, plan.mesh)
+    if fitted is plan.specs:
+        return plan
+    notice = (f"remat_policy=auto: {fitted.cfg.remat_policy} (the first of none, projections whose step fits the "
+              "chip, compiled; remat_policy=full keeps the whole layer remat)")
+    return dataclasses.replace(plan, specs=fitted, abstract=program.abstract_model_and_optimizer(fitted),
+                               notices=(*plan.notices, notice))
 
 
 def _resumed(run_dir: Path, stage: str) -> store.Checkpoint | None:
@@ -161,8 +168,6 @@ def _init_source(cfg, stage: str, mesh, model, path: Path) -> Source:
     fresh = lacks_indexer(checkpoint.trees["model"], tree.flatten(target))
     if fresh:
         target = without_indexer(target)
-    from core.model import quant
-
     trainable = mask_matcher(cfg.trainable_parameters_mask, cfg.frozen_parameters_mask)
     read, convert = quant.restore_target(target, checkpoint.trees["model"], trainable, stage)
     store.check_compatible(checkpoint.shapes("model"), tree.shapes(read),

@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+import jax.numpy as jnp
+
 from core.errors import CheckpointError
 from core.train.step import schedule_steps
 
@@ -62,7 +64,6 @@ def dtype_notice(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str | 
     changed = [(k, saved[k], current[k]) for k in STORAGE_DTYPE_KEYS if k in saved and saved[k] != current[k]]
     if not changed:
         return None
-    import jax.numpy as jnp
 
     each = ", ".join(f"{k} {old} -> {new} ({'rounded' if jnp.dtype(new).itemsize < jnp.dtype(old).itemsize else 'exact'})"
                      for k, old, new in changed)

@@ -5,14 +5,17 @@ computing its part once (docs/development.md#a-run-in-phases):
 1. `claim` (core/train/run_lock.py): process 0 locks the run directory, one process at a time;
 2. `preflight` (core/train/preflight.py): every check that needs no array, from one mesh, one
    abstract model and one read of the checkpoint the run starts from; one frozen record with the
-   resolved config and the notices;
-3. `compile_ahead` (core/train/program.py): the step compiled from shapes, beside the build;
-4. `materialise` (core/train/materialise.py): model and optimizer, fresh, resumed (model,
+   resolved config and its specs (core.spec.resolve) and the notices;
+3. `fit_remat` (core/train/preflight.py): on a TPU, `remat_policy=auto`'s compiles, the first step
+   that fits taken;
+4. `compile_ahead` (core/train/program.py): the step compiled from shapes, beside the build;
+5. `materialise` (core/train/materialise.py): model and optimizer, fresh, resumed (model,
    optimizer, data position) or initialised from another run (with a fresh indexer when that run
    has none, core/train/handoff.py, and the teacher's indexer init);
-5. `open_outputs` (core/train/outputs.py): the checkpointer, config.yml and metrics.jsonl (process
+6. `open_outputs` (core/train/outputs.py): the checkpointer, config.yml and metrics.jsonl (process
    0 alone), TensorBoard, the write guard;
-6. `ready`: the step function, and every process at step 0 together.
+7. `ready`: the step program (core/train/program.py `StepProgram`) for the built state, and every
+   process at step 0 together.
 `run()` then drives the step of core/train/step.py (its docstring holds the maths).
 
 Run safety: a step whose total loss, gradient norm or updated parameters are non-finite stops the
@@ -31,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -46,12 +50,13 @@ from core.parallel import peers
 from core.parallel.chips import peak_flops, utilization
 from core.parallel.mesh import describe_mesh, exchange, first_line, wait_for_peers
 from core.parallel.sharding import shard_batch
+from core.spec.resolve import Resolved
 from core.train import program, step_guard
 from core.train.flops import model_flops_per_step
 from core.train.materialise import Materialised, materialise
 from core.train.memory import step_memory_note
 from core.train.outputs import open_outputs
-from core.train.preflight import Preflight, preflight
+from core.train.preflight import Preflight, fit_remat, preflight
 from core.train.run_lock import claim, releases_lock_on_error
 from core.train.step import METRIC_KEYS
 from core.train.stop import StopRequest
@@ -60,8 +65,6 @@ from core.train.write_errors import quiet_write_errors, tree_bytes
 
 def dsv4_version() -> str:
     try:
-        from importlib.metadata import version
-
         return version("dsv4")
     except Exception:  # not installed (running from a source tree)
         return "unknown"
@@ -70,15 +73,18 @@ def dsv4_version() -> str:
 # ----------------------------------------------------------------------------- the phases after materialise
 
 
-def ready(ahead: program.StepPrecompile | None, cfg, graphdef, state, mesh, progress: Callable[[], str]) -> Callable:
-    """Phase: the step for the built `state` (compiled ahead, or jitted), the progress a lost-process
-    line names, and every process at step 0 together (processes compile and restore at their own pace).
+def ready(ahead: program.StepPrecompile | None, specs: Resolved, graphdef, state, mesh,
+          progress: Callable[[], str]) -> Callable:
+    """Phase: the step for the built `state` (the program compiled ahead, once `ahead` is done, or
+    jitted), the progress a lost-process line names, and every process at step 0 together (processes
+    compile and restore at their own pace).
 
     Returns:
       `(state, batch) -> (state, metrics)`.
     """
-    step = (ahead.step(graphdef, state, mesh) if ahead is not None
-            else program.ahead_or_jitted_step(cfg, graphdef, state, mesh))
+    if ahead is not None:
+        ahead.join()
+    step = program.StepProgram.of(specs, graphdef, state, mesh).step()
     peers.set_progress(progress)
     wait_for_peers("dsv4-step-compiled")
     return step
@@ -152,17 +158,18 @@ class Trainer:
     def __init__(self, cfg, *, stage: str, run_dir: str | Path, init_from: str | Path | None = None):
         self.stage, self.run_dir = stage, Path(run_dir)
         self.lock = claim(self.run_dir, f"dsv4 {stage}")
-        plan = preflight(cfg, stage, self.run_dir, init_from)
-        ahead = program.compile_ahead(plan.cfg, plan.mesh, plan.abstract)  # compiles while the model builds
-        made = materialise(plan.cfg, plan.mesh, plan.labels, plan.abstract, plan.source, plan.data)
+        plan = fit_remat(cfg.remat_policy, preflight(cfg, stage, self.run_dir, init_from))
+        ahead = program.compile_ahead(plan.specs, plan.mesh, plan.abstract)  # compiles while the model builds
+        made = materialise(plan.specs, plan.mesh, plan.labels, plan.abstract, plan.source, plan.data)
         self.outputs = open_outputs(
             self.run_dir, config_text=dump(plan.cfg), kept_metrics=plan.kept_metrics, start_step=made.start_step,
             state_bytes=tree_bytes(made.state), max_checkpoints=plan.cfg.max_checkpoints,
             async_save=plan.cfg.async_checkpointing, tensorboard=plan.cfg.enable_tensorboard)
-        self.cfg, self.data, self.setup = plan.cfg, plan.data, made.setup
+        self.specs, self.cfg, self.data, self.setup = plan.specs, plan.cfg, plan.data, made.setup
         self.graphdef, self.state, self.start_step = made.graphdef, made.state, made.start_step
         self.last_saved = made.start_step - 1 if made.start_step else None  # the checkpoint resumed from
-        self._step_fn = ready(ahead, plan.cfg, made.graphdef, made.state, plan.mesh, lambda: peers.kept(self.last_saved))
+        self._step_fn = ready(ahead, plan.specs, made.graphdef, made.state, plan.mesh,
+                              lambda: peers.kept(self.last_saved))
         self.info = describe(plan, made, stage, self.run_dir, init_from, self._step_fn)
 
     def _save(self, step: int, row: dict[str, Any], data: dict[str, Any]) -> None:

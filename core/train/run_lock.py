@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
+
 from core.errors import CheckpointError
 
 LOCK_FILE = ".lock"
@@ -70,8 +72,6 @@ class RunLock:
 def claim(run_dir: str | Path, command: str) -> RunLock:
     """Phase: the run directory's lock, held by process 0 alone (the one writer of the run's plain
     files, core/train/outputs.py); the other processes hold an unacquired lock, whose release does nothing."""
-    import jax
-
     lock = RunLock(run_dir, command)
     return lock.acquire() if jax.process_index() == 0 else lock
 

@@ -31,6 +31,7 @@ so step 0 already trains.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -44,7 +45,7 @@ from core.errors import ConfigError
 from core.loss.lm import lm_loss_from_hidden
 from core.model.moe import RouterBias
 from core.model.params import mask_matcher
-from core.spec.resolve import StepSpec, resolve
+from core.spec.resolve import Resolved, StepSpec
 from core.train import step_guard
 from core.train.handoff import is_indexer
 
@@ -81,6 +82,15 @@ def schedule_steps(cfg_or_dict: Any) -> int:
     get = cfg_or_dict.get if isinstance(cfg_or_dict, Mapping) else lambda k, d=None: getattr(cfg_or_dict, k, d)
     n = get("learning_rate_schedule_steps", -1)
     return int(n) if n is not None and n > 0 else int(get("steps"))
+
+
+def compile_key(cfg) -> tuple:
+    """The config's compile-relevant (key, value) pairs: configs with equal keys compile one step."""
+    # steps only shapes the step through the schedule's length, unless learning_rate_schedule_steps fixes it
+    # the schema marks the keys a step does not depend on (core.config.schema.run_only)
+    skip = {"steps"} if cfg.learning_rate_schedule_steps > 0 else set()
+    return tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                 if not f.metadata.get("run_only") and f.name not in skip)
 
 
 # ----------------------------------------------------------------------------- trainable mask
@@ -133,12 +143,11 @@ def training_loss(spec: StepSpec, model, batch):
     return lm + aux["indexer_loss"] + aux["moe_lb_loss"], (lm, aux)
 
 
-def step_fn(cfg, graphdef, platform: str | None = None):
-    """The train step `(state, batch) -> (state, metrics)` (module docstring), traced for `platform`'s
-    compiler (the mesh's devices; default `jax.default_backend()`), which picks how the non-finite
-    guard keeps the state (core/train/step_guard.py `apply_if_ok`)."""
-    resolved = resolve(cfg, platform or jax.default_backend())  # the entry point's own when it resolved `cfg`
-    cfg, spec = resolved.cfg, resolved.step
+def step_fn(specs: Resolved, graphdef):
+    """The train step `(state, batch) -> (state, metrics)` (module docstring) of `specs` (core.spec.resolve),
+    traced for their platform's compiler (the mesh's devices), which picks how the non-finite guard keeps
+    the state (core/train/step_guard.py `apply_if_ok`)."""
+    cfg, spec, backend = specs.cfg, specs.step, specs.platform
     trainable = config_matcher(cfg)
     grad_filter = nnx.All(nnx.Param, lambda path, _: trainable(path))
     frozen_filter = nnx.All(nnx.Param, nnx.Not(grad_filter))
@@ -176,7 +185,6 @@ def step_fn(cfg, graphdef, platform: str | None = None):
         # from what it wrote. The host sees the same metrics and stops before saving either.
         flags = dict(abort_on_nan=cfg.abort_on_nan_loss, abort_on_inf=cfg.abort_on_inf_loss)
         ok = step_guard.loss_ok(total, metrics["grad_norm"], **flags)
-        backend = platform or jax.default_backend()
 
         def written_ok(state):  # the trained parameters (and on a TPU their moments) of a state the step returns
             new_model, new_optimizer = nnx.merge(graphdef, state)

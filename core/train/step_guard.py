@@ -17,12 +17,13 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping
 
+import jax
+import jax.numpy as jnp
+
 from core.errors import DivergenceError
 
 
 def _not_bad(x, abort_on_nan: bool, abort_on_inf: bool):
-    import jax.numpy as jnp
-
     if abort_on_nan and abort_on_inf:  # one reduction per array instead of two: a kernel less each to compile
         return jnp.all(jnp.isfinite(x))
     bad = jnp.zeros((), bool)
@@ -36,8 +37,6 @@ def _not_bad(x, abort_on_nan: bool, abort_on_inf: bool):
 def loss_ok(total, grad_norm, *, abort_on_nan: bool, abort_on_inf: bool):
     """Jit-safe: False when an enabled check finds the total loss or the gradient norm NaN / infinite.
     Known before the update, so `apply_if_ok` can keep the state without a second copy of it."""
-    import jax.numpy as jnp
-
     pair = jnp.stack([jnp.asarray(total, jnp.float32), jnp.asarray(grad_norm, jnp.float32)])
     return _not_bad(pair, abort_on_nan=abort_on_nan, abort_on_inf=abort_on_inf)
 
@@ -51,9 +50,6 @@ def params_ok(params, trained: Callable[[tuple], bool], opt_state=None, *, abort
     XLA:TPU writes each array's update and its tests in one pass, where a test of the parameters
     alone splits off a second pass writing the moments. The step passes them on a TPU only (on a CPU
     the `lax.cond` form would read them once more; docs/run-safety.md#divergence)."""
-    import jax
-    import jax.numpy as jnp
-
     ok = jnp.array(True)
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         if trained(path):  # core.train.step.config_matcher: it names jax key paths as `tree.join` does
@@ -79,9 +75,6 @@ def apply_if_ok(ok, apply: Callable[[Any], Any], state, platform: str, written_o
       (temporaries as without the guard; the `lax.cond` form makes XLA:GPU copy the state into the
       conditional). Where not applied, the result is the kept state, whose parameters are finite.
     """
-    import jax
-    import jax.numpy as jnp
-
     if platform == "cpu":
         def applied(state):
             new = apply(state)

@@ -23,6 +23,7 @@ import threading
 from typing import Iterator
 
 import jax
+from jax.experimental import multihost_utils
 
 from core.parallel.mesh import exchange
 
@@ -72,7 +73,6 @@ class StopRequest:
         step on every process (multi-process: it meets the others only on check steps)."""
         if jax.process_count() == 1:
             return (self.reason, self.message) if self.reason else None
-        from jax.experimental import multihost_utils
 
         if multihost_utils.reached_preemption_sync_point(step):
             self.request("preempted")  # the same step on every process, by the service's design; the

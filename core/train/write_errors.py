@@ -28,6 +28,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import jax
+
 from core.errors import DEVICE_MEMORY_FIX, DsvError, RunWriteError, is_device_memory, resource_exhausted
 
 MIB = 2**20
@@ -178,6 +180,4 @@ def quiet_write_errors() -> Iterator[None]:
 
 def tree_bytes(tree: Any) -> int:
     """Total bytes of the arrays in a pytree."""
-    import jax
-
     return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))

@@ -51,7 +51,7 @@ def abstract_expectations(run: Path) -> dict:
     from core import tree
     from core.model.transformer import Transformer
     from core.model.moe import RouterBias
-    from core.train.program import make_optimizer
+    from core.train.optimizer import make_optimizer
 
     cfg = ckpt.config_of(run)
     model = nnx.eval_shape(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0)))

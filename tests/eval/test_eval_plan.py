@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from tests.conftest import resolved
 from tests.plan import invoke_plan
 from tests.plan.test_plan_accelerators import SMALL
 
@@ -33,7 +34,8 @@ def test_cpu1_reports_the_eval_programs_with_the_plan_fields(cpu1):
     from core.plan.compile import compile_plan, load
     from core.plan.targets import parse_target
 
-    train = compile_plan(load("deepseek4-tiny", "warmup", SMALL), parse_target("cpu:1"), top=0, analytic=False)
+    train = compile_plan(resolved(load("deepseek4-tiny", "warmup", SMALL))[0], parse_target("cpu:1"), top=0,
+                         analytic=False)
     assert set(train) - {"flops_rule", *TRAINING_ONLY} <= set(cpu1)  # the training plan's fields, and more
     assert train["global_batch"] != ROWS == cpu1["global_batch"] == cpu1["per_device_batch_size"]
     assert cpu1["per_device"]["batch_bytes"] == ROWS * 4 * (5 * cpu1["max_target_length"] + 1)  # EVAL_KEYS, int32
@@ -51,7 +53,8 @@ def test_cpu1_temporaries_are_the_in_process_programs(cpu1):
     from core.plan.compile import load
 
     cfg = load("deepseek4-tiny", "eval", EVAL_SMALL)
-    lowered, _ = lowered_eval(cfg, (cfg.indexer_topk,), eval_set=EvalSet(batch_rows=ROWS))
+    specs, mesh = resolved(cfg)
+    lowered, _ = lowered_eval(specs, (cfg.indexer_topk,), mesh, EvalSet(batch_rows=ROWS))
     temps = {part: program.compile().memory_analysis().temp_size_in_bytes for part, program in lowered.items()}
     assert temps == cpu1["eval_programs"]
 

@@ -408,10 +408,11 @@ def _forward_dropped(cfg, run_dir, batch):
     from core.checkpoint.store import restore_model
     from core.parallel.mesh import make_mesh
     from core.parallel.sharding import shard_batch
+    from core.spec.resolve import resolve
     from core.train.program import with_mesh
 
     mesh = make_mesh(cfg)
-    model, _, _ = restore_model(Path(run_dir) / "checkpoints", 0, cfg, mesh=mesh)
+    model, _, _ = restore_model(Path(run_dir) / "checkpoints", 0, resolve(cfg, "cpu", mesh.shape).model, mesh=mesh)
     graphdef, state = nnx.split(model)
     b = shard_batch({k: batch[k] for k in ("tokens", "positions", "segment_ids")}, mesh)
     forward = with_mesh(mesh, lambda s, t, p, g: nnx.merge(graphdef, s).hidden(t, p, g, mode="train")[1]["moe_dropped"])

@@ -12,7 +12,7 @@ from core.model import init_draws
 from core.model.init_draws import MIN_BUCKET, FanInTruncatedNormal, bucket, bucketed_draws
 from core.model.transformer import Transformer
 from core.spec.resolve import resolve
-from tests.conftest import tiny_config
+from tests.conftest import resolved, tiny_config
 
 
 def _weights(cfg) -> dict[str, np.ndarray]:
@@ -71,10 +71,10 @@ def test_build_makes_the_optimizer_state_of_eager_init_in_one_program():
     was compiled for)."""
     from core.parallel.sharding import shard_state
     from core.train.materialise import build
-    from core.train.program import make_optimizer
+    from core.train.optimizer import make_optimizer
 
     cfg = tiny_config("sparse")
-    setup = build(cfg)
+    setup = build(*resolved(cfg))
     eager = shard_state(nnx.Optimizer(setup.model, make_optimizer(cfg), wrt=nnx.Param), setup.mesh)
     got, want = nnx.state(setup.optimizer), nnx.state(eager)
     assert jax.tree.structure(got) == jax.tree.structure(want)

@@ -153,10 +153,12 @@ def test_compiled_warmup_keeps_no_stacked_weights_nor_layer_inputs():
     (nnx.scan returned every variable) and two 20 MiB stacks of the segment's layer inputs (the
     backward through the stack); now 15.4 MiB. Either regression alone passes the bound."""
     from core.model.transformer import layer_plan
+    from core.parallel.mesh import make_mesh
     from core.train.program import lowered_step
 
     cfg = load_config("deepseek4-tiny", [], stage="warmup")
-    compiled = lowered_step(cfg)[0].compile()
+    mesh = make_mesh(cfg)
+    compiled = lowered_step(resolve(cfg, "cpu", mesh.shape), mesh)[0].compile()
     reps = max(r for _, _, r in layer_plan(resolve(cfg, "cpu").model.blocks, True))
     b, t, n, m = cfg.per_device_batch_size, cfg.max_target_length, cfg.mhc_expansion_rate, cfg.emb
     stacked_inputs = reps * b * t * n * m * 4                             # 20 MiB

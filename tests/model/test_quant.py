@@ -179,7 +179,7 @@ def test_bad_frozen_weights_values_are_one_line_config_errors():
 def test_warmup_on_held_weights_equals_its_float32_dequantisation_bitwise(held_tiny):
     """5 warm-up steps of the real step: losses and indexer gradients bitwise equal (DESIGN.md)."""
     from core.data.batches import train_batches
-    from core.train import program
+    from core.train.optimizer import make_optimizer
     from core.train import step as train_step
 
     cfg, held = held_tiny
@@ -198,8 +198,8 @@ def test_warmup_on_held_weights_equals_its_float32_dequantisation_bitwise(held_t
         return nnx.grad(loss, argnums=nnx.DiffState(0, grad_filter))(model)
 
     def run(model):
-        graphdef, state = nnx.split((model, nnx.Optimizer(model, program.make_optimizer(cfg), wrt=nnx.Param)))
-        real_step, out = train_step.step_fn(cfg, graphdef), []
+        graphdef, state = nnx.split((model, nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)))
+        real_step, out = train_step.step_fn(resolve(cfg, "cpu"), graphdef), []
 
         # one program per model (each compile counts): the real step, and the indexer gradients at its input
         @functools.partial(jax.jit, compiler_options=PRODUCT_FUSION)

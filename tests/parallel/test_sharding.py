@@ -461,7 +461,8 @@ def _at_risk(trainer) -> int:
     from core.parallel.collective_order import at_risk_pairs
     from core.train import program
 
-    compiled = program.cached_compiled(program.step_key(trainer.cfg, trainer.graphdef, trainer.setup.mesh))
+    step = program.StepProgram.of(trainer.specs, trainer.graphdef, trainer.state, trainer.setup.mesh)
+    compiled = step.compiled()  # the executable compiled ahead (compile_ahead)
     return len(at_risk_pairs(compiled.as_text())[2]) if compiled is not None else -1
 
 

@@ -1,6 +1,6 @@
 """One program: `dsv4 plan` and `dsv4 bench --train` lower the very step a training command runs
-(core/train/program.py's `abstract_inputs` and `jit_step`, through core/train/step.py's
-`make_train_step`). The lowered StableHLO carries the shapes, dtypes, shardings, donation and
+(core/train/program.py's `StepProgram`: `abstract_inputs` and `jit_step` over core/train/step.py's
+`step_fn`). The lowered StableHLO carries the shapes, dtypes, shardings, donation and
 mesh-dependent paths; the compile options travel beside it. Lowering only: no compile."""
 
 from __future__ import annotations
@@ -26,20 +26,22 @@ def test_bench_and_plan_lower_the_training_commands_step(monkeypatch):
     from core.plan.compile import lower_plan
     from core.plan.targets import parse_target
     from core.train.materialise import build
-    from core.train.program import lowered_step, make_train_step
+    from core.train.program import StepProgram, lowered_step
+    from tests.conftest import resolved
 
     monkeypatch.setenv("XLA_FLAGS", "")  # the suite's level (tests/conftest.py) would drop the options to compare
     cfg = load_config("deepseek4-tiny", list(TWO_LAYERS), stage="sparse")
     # a training command's step on its built state and a drawn batch (the Trainer's jitted path)
-    setup = build(cfg)
+    specs, mesh = resolved(cfg)
+    setup = build(specs, mesh)
     graphdef, state = nnx.split((setup.model, setup.optimizer))
     batch = shard_batch(next(train_batches(cfg, setup.batch_size)), setup.mesh)
-    train = _program(make_train_step(cfg, graphdef, state, setup.mesh).lower(state, batch))
+    train = _program(StepProgram.of(specs, graphdef, state, mesh).lower(state, batch))
     assert train[1] == (("xla_backend_optimization_level", 2),) and train[2], train[1:]
     assert "sdy.sharding" in train[0] and "tf.aliasing_output" in train[0]  # shardings and donation are in the text
     # what bench --train compiles (core/bench/train.py: compile_train_step), also the ahead-of-time compile
-    bench, _ = lowered_step(cfg)
+    bench, _ = lowered_step(specs, mesh)
     assert _program(bench) == train
     # what dsv4 plan --target cpu:1 compiles, in its child
-    plan, _ = lower_plan(cfg, parse_target("cpu:1"))
+    plan, _ = lower_plan(resolved(cfg)[0], parse_target("cpu:1"))
     assert _program(plan) == train

@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import CHAIN_STEPS, TINY_OVERRIDES
+from tests.conftest import CHAIN_STEPS, TINY_OVERRIDES, resolved
 from tests.plan import invoke_plan
 
 # The stage chain's warm-up (tests/train/test_stages.py, which pytest-xdist runs before this file on the same
@@ -70,7 +70,7 @@ def ahead_temp_bytes(cfg) -> int:
     """
     from core.train.program import lowered_step
 
-    compiled = lowered_step(cfg)[0].compile()
+    compiled = lowered_step(*resolved(cfg))[0].compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
@@ -172,7 +172,7 @@ def test_cpu1_state_bytes_and_temp_equal_the_training_commands_own(cpu1_plan):
     assert set(FIELDS) <= set(result["per_device"]), sorted(result["per_device"])
     assert {"target", "devices", "mesh", "fits", "flops_per_step", "estimated_step_s", "estimated_tokens_per_s",
             "top_temporaries"} <= set(result)
-    setup = build(cfg)
+    setup = build(*resolved(cfg))
     d = result["per_device"]
     state = d["parameter_bytes"] + d["optimizer_bytes"]
     assert state == real_state_bytes(setup), (state, real_state_bytes(setup))
@@ -199,11 +199,11 @@ from core.plan.compile import compile_plan
 from core.plan.targets import parse_target
 from core.train.materialise import build
 from tests.plan.test_plan import ahead_temp_bytes, real_state_bytes
-from tests.conftest import TINY_OVERRIDES
+from tests.conftest import TINY_OVERRIDES, resolved
 
 cfg = load_config("deepseek4-tiny", [*TINY_OVERRIDES, "ici_data_parallelism=2", "ici_fsdp_parallelism=4"], stage="warmup")
-r = compile_plan(cfg, parse_target("cpu:8"), top=0, analytic=False)
-setup = build(cfg)
+r = compile_plan(resolved(cfg)[0], parse_target("cpu:8"), top=0, analytic=False)
+setup = build(*resolved(cfg))
 print("__OUT__" + json.dumps({"plan": r["per_device"], "mesh": r["mesh"], "state": real_state_bytes(setup),
                               "temp": ahead_temp_bytes(cfg)}))
 """

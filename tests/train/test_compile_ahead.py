@@ -12,12 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tests.conftest import tiny_config
+from tests.conftest import resolved, tiny_config
 from core.train import program
 from core.train import step as ts
 from core.data.batches import train_batches
 from core.parallel.sharding import shard_batch, state_shardings
 from core.train.materialise import build
+from core.train.optimizer import make_optimizer
 from core.train.run import Trainer
 
 # a learning rate no other test uses: this file's step is its own compile
@@ -27,10 +28,11 @@ STEPS = 2
 
 def _jitted_rows(cfg) -> list[dict[str, float]]:
     """Metrics of STEPS steps of the plain jitted step on a fresh build (the reference path)."""
-    setup = build(cfg)
+    specs, mesh = resolved(cfg)
+    setup = build(specs, mesh)
     graphdef, state = nnx.split((setup.model, setup.optimizer))
-    # make_train_step's jit before its cache, as a new function: its own compile
-    step = program.jit_step(ts.step_fn(cfg, graphdef, "cpu"), cfg, setup.mesh, state_shardings(state, setup.mesh))
+    # StepProgram.jit's jit outside its memo, as a new function: its own compile
+    step = program.jit_step(ts.step_fn(specs, graphdef), specs.cfg, mesh, state_shardings(state, mesh))
     data, rows = train_batches(cfg, setup.batch_size), []
     for _ in range(STEPS):
         state, metrics = step(state, shard_batch(next(data), setup.mesh))
@@ -63,3 +65,15 @@ def test_ahead_step_falls_back_on_other_inputs():
     assert step.compiled is not None
     np.testing.assert_array_equal(step(jnp.ones(3), jnp.ones(3)), [3, 3, 3])  # another shape: the jitted step
     assert step.compiled is None
+
+
+def test_one_optimizer_per_compile_relevant_config():
+    """`make_optimizer`: configs of equal compile-relevant keys share one optax object (part of the optimizer's
+    graphdef, so of the program's memo key); run-only keys, and `steps` under a fixed schedule length, do not
+    split it; a learning rate, or `steps` when it sets the schedule's length, does."""
+    fixed = ("learning_rate_schedule_steps=50",)
+    a = tiny_config(None, *fixed, steps=3)
+    assert make_optimizer(a) is make_optimizer(tiny_config(None, *fixed, "checkpoint_period=2", "compile_ahead=false",
+                                                           steps=7))
+    assert make_optimizer(a) is not make_optimizer(tiny_config(None, *fixed, "learning_rate=3e-3", steps=3))
+    assert make_optimizer(tiny_config(None, steps=3)) is not make_optimizer(tiny_config(None, steps=7))

@@ -27,6 +27,7 @@ from core.config.stages import stage_of
 from core.ops.chunked_attention import band_run, compressed_visibility, num_chunks, sliding_window_mask
 from core.spec.platform import resolve_config
 from core.train.flops import Area, COMPONENTS, causal_area, live_parts, model_flops_per_step, step_matmuls
+from tests.conftest import resolved
 
 # Every layer kind (hash-routed CSA, HCA, SWA), the dense reference paths, no remat.
 TINY = ["base_num_decoder_layers=3", "compress_ratios=[4,128,0]", "first_num_hash_layers=1", "vocab_size=256",
@@ -142,7 +143,7 @@ def _implementation_extras(cfg, rows: int) -> dict[str, float]:
 ])
 def test_step_matmuls_equal_the_steps_own_live_jaxpr(stage, overrides):
     cfg = sweep_config(stage, SEQ, ROWS, [*TINY, *overrides])
-    counted = component_flops(cfg, compile=False)["components"]
+    counted = component_flops(*resolved(cfg), compile=False)["components"]
     expected = _implementation_extras(cfg, ROWS)
     for mm in step_matmuls(cfg, ROWS, area=_chunked_area if cfg.attention == "chunked" else _full_area):
         assert mm.component in COMPONENTS and mm.flops > 0 and 1 <= mm.passes <= 3, mm

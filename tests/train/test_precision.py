@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 from typer.testing import CliRunner
 
-from tests.conftest import tiny_config
+from tests.conftest import resolved, tiny_config
 from core import tree
 from core.checkpoint import run_files
 from core.checkpoint import store as ckpt
@@ -158,7 +158,7 @@ def _stored(model) -> dict[str, np.ndarray]:
 def _loaded(warm, run_dir):
     """A sparse-stage model at the full-size keys with `warm`'s weights loaded (--init-from's phases)."""
     plan = preflight(tiny_config("sparse", *ONE_LAYER, *SMALL_LR, *FULL_SIZE), "sparse", run_dir, init_from=warm)
-    return materialise(plan.cfg, plan.mesh, plan.labels, plan.abstract, plan.source, plan.data).setup.model
+    return materialise(plan.specs, plan.mesh, plan.labels, plan.abstract, plan.source, plan.data).setup.model
 
 
 def _moved(start, end) -> np.ndarray:
@@ -171,7 +171,7 @@ def chain(tmp_path_factory):
     here), then MOVE_STEPS sparse steps --init-from it at those keys, and the same with float32 moments."""
     root = tmp_path_factory.mktemp("precision")
     warm, sparse, reference = root / "warm", root / "sparse", root / "reference"
-    setup = build(tiny_config("warmup", *ONE_LAYER, *SMALL_LR, *FULL_SIZE))
+    setup = build(*resolved(tiny_config("warmup", *ONE_LAYER, *SMALL_LR, *FULL_SIZE)))
     saver = ckpt.RunCheckpointer(warm, max_to_keep=1, async_save=False)
     saver.save(0, model=nnx.to_pure_dict(nnx.state(setup.model)), optimizer=nnx.to_pure_dict(nnx.state(setup.optimizer)),
                data={}, metadata={"config": setup.cfg.to_dict(), "stage": "warmup", "step": 0})

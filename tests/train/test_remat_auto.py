@@ -1,4 +1,4 @@
-"""remat_policy=auto (core/train/program.py `remat_that_fits` and its screen): `full` by the platform rule;
+"""remat_policy=auto (core/train/remat.py `remat_that_fits` and its screen): `full` by the platform rule;
 on a TPU mesh, `none` where the step without layer remat compiles within the device's memory, its executable kept
 for the run, else `projections` where that step does; `full` where the screen rules them out, the compiler
 refuses them or their memory analysis exceeds the device. The TPU's branches run here on a CPU mesh with the
@@ -11,9 +11,10 @@ import importlib.util
 
 import pytest
 
-from core.spec.platform import resolve_config
 from core.config.schema import load_config
-from core.train import memory, program
+from core.spec.platform import resolve_config
+from core.spec.resolve import resolve
+from core.train import memory, program, remat
 
 # two CSA layers of 64 tokens, scanned: every part of the sparse step, a compile of seconds, and residuals
 # across layers that outweigh the rest of the step's memory (with one layer, none's step is XLA:CPU's smallest)
@@ -22,12 +23,14 @@ SMALL = ("compress_ratios=[4,4]", "base_num_decoder_layers=2", "first_num_hash_l
 HUGE = 1 << 50
 
 
-def _configs(*extra, stage="sparse"):
+def _configs(*extra, stage="sparse", platform="tpu"):
+    """(the remat_policy asked, the config's specs resolved for `platform`'s choices on the run's CPU mesh,
+    the mesh): a TPU's specs take the remat choice's TPU path; their steps compile on the CPU."""
     asked = load_config("deepseek4-tiny", [*SMALL, *extra], stage=stage)
     from core.parallel.mesh import make_mesh
 
     mesh = make_mesh(asked)
-    return asked, resolve_config(asked, "tpu", mesh.shape), mesh
+    return asked.remat_policy, resolve(asked, platform, mesh.shape), mesh
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,107 +38,102 @@ def residuals_traced_once_per_config():
     """`kept_bytes_per_row` traces the step's backward; its answer depends on the config alone, and the
     screen asks it again for each call of `remat_that_fits`: this file traces each config once."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(program, "kept_bytes_per_row", functools.cache(program.kept_bytes_per_row))
+        patch.setattr(remat, "kept_bytes_per_row", functools.cache(remat.kept_bytes_per_row))
         yield
 
 
-@pytest.fixture
-def on_a_tpu(monkeypatch):
-    """`remat_that_fits` sees a TPU mesh (it asks core.parallel.mesh.mesh_platform at call time)."""
-    import core.parallel.mesh as mesh_module
-
-    monkeypatch.setattr(mesh_module, "mesh_platform", lambda mesh: "tpu")
+def _no_compile(monkeypatch, replacement=None) -> None:
+    """StepProgram.compile replaced (by default: the test fails if anything compiles)."""
+    monkeypatch.setattr(program.StepProgram, "compile", replacement or (lambda *a, **k: pytest.fail("compiled")))
 
 
 def test_auto_is_full_until_a_compile_says_otherwise():
     for platform in ("cpu", "gpu", "tpu"):
         assert resolve_config(load_config("deepseek4-tiny", ["remat_policy=auto"]), platform).remat_policy == "full"
+    asked, cfg, mesh = _configs("remat_policy=auto", platform="cpu")
+    assert remat.remat_that_fits(asked, cfg, mesh, HUGE) is cfg  # the CPU's specs: nothing compiled
+
+
+def test_no_remat_where_it_fits_and_its_compile_is_kept_for_the_run():
     asked, cfg, mesh = _configs("remat_policy=auto")
-    assert program.remat_that_fits(asked, cfg, mesh, HUGE) is cfg  # a CPU mesh: nothing compiled
+    light = remat.remat_that_fits(asked, cfg, mesh, HUGE)
+    assert light.cfg.remat_policy == "none" and light.replace(remat_policy="full") == cfg
+    assert program.abstract_program(light, mesh)[0].compiled() is not None
+    assert program.has_config(light.cfg)  # the run's compile_ahead starts no second compile
 
 
-def test_no_remat_where_it_fits_and_its_compile_is_kept_for_the_run(on_a_tpu):
-    asked, cfg, mesh = _configs("remat_policy=auto")
-    light = program.remat_that_fits(asked, cfg, mesh, HUGE)
-    assert light.remat_policy == "none" and light.replace(remat_policy="full") == cfg
-    inputs = program.abstract_inputs(light, program.abstract_model_and_optimizer(light), mesh)
-    assert program.cached_compiled(program.step_key(light, inputs.graphdef, mesh)) is not None
-    assert program.has_config(light)  # the run's compile_ahead starts no second compile
+def _compiled_total(specs, mesh):
+    """The step of `specs` compiled (or found compiled) on `mesh`: its total bytes and its program."""
+    step, inputs = program.abstract_program(specs, mesh)
+    return memory.compiled_memory(step.compile(inputs.state, inputs.batch))["total_bytes"], step
 
 
-def _compiled_total(cfg, mesh):
-    """The step of `cfg` compiled (or found compiled) on `mesh`: its total bytes and its cache key."""
-    inputs = program.abstract_inputs(cfg, program.abstract_model_and_optimizer(cfg), mesh)
-    program.compiled_step(cfg, *inputs)
-    key = program.step_key(cfg, inputs.graphdef, mesh)
-    return memory.compiled_memory(program.cached_compiled(key))["total_bytes"], key
-
-
-def test_auto_takes_none_then_projections_then_full_as_the_device_shrinks(on_a_tpu, monkeypatch):
+def test_auto_takes_none_then_projections_then_full_as_the_device_shrinks(monkeypatch):
     asked, cfg, mesh = _configs("remat_policy=auto")  # the previous test's: its compile of none is cached
-    (none, none_key), (kept, kept_key) = (_compiled_total(cfg.replace(remat_policy=p), mesh)
-                                          for p in ("none", "projections"))
+    (none, none_step), (kept, kept_step) = (_compiled_total(cfg.replace(remat_policy=p), mesh)
+                                            for p in ("none", "projections"))
     assert none > kept, (none, kept)
-    monkeypatch.setattr(program, "remat_worth_compiling", lambda *a: True)  # past the screen, the compile decides
-    assert program.remat_that_fits(asked, cfg, mesh, none).remat_policy == "none"  # exactly the device: fits
-    assert program.remat_that_fits(asked, cfg, mesh, none - 1).remat_policy == "projections"
-    assert program.cached_compiled(none_key) is None  # the executable that does not fit is not kept
-    assert program.remat_that_fits(asked, cfg, mesh, kept).remat_policy == "projections"
-    assert program.remat_that_fits(asked, cfg, mesh, kept - 1) is cfg  # full: compiled by the run itself
-    assert program.cached_compiled(kept_key) is None
+    monkeypatch.setattr(remat, "remat_worth_compiling", lambda *a: True)  # past the screen, the compile decides
+    assert remat.remat_that_fits(asked, cfg, mesh, none).cfg.remat_policy == "none"  # exactly the device: fits
+    assert remat.remat_that_fits(asked, cfg, mesh, none - 1).cfg.remat_policy == "projections"
+    assert none_step.compiled() is None  # the executable that does not fit is not kept
+    assert remat.remat_that_fits(asked, cfg, mesh, kept).cfg.remat_policy == "projections"
+    assert remat.remat_that_fits(asked, cfg, mesh, kept - 1) is cfg  # full: compiled by the run itself
+    assert kept_step.compiled() is None
 
 
-def test_the_screen_passes_over_a_policy_alone(on_a_tpu, monkeypatch):
+def test_the_screen_passes_over_a_policy_alone(monkeypatch):
     """A policy the screen rules out is not compiled; the next one is."""
     asked, cfg, mesh = _configs("remat_policy=auto")
-    monkeypatch.setattr(program, "remat_worth_compiling", lambda c, *a: c.remat_policy == "projections")
-    assert program.remat_candidates(asked, cfg, "tpu", dict(mesh.shape), HUGE) == ("projections",)
-    assert program.remat_candidates(asked, cfg, "cpu", dict(mesh.shape), HUGE) == ()
-    assert program.remat_candidates(asked, cfg, "tpu", dict(mesh.shape), None) == ()
-    assert program.remat_that_fits(asked, cfg, mesh, HUGE).remat_policy == "projections"
+    on_cpu = _configs("remat_policy=auto", platform="cpu")[1]
+    monkeypatch.setattr(remat, "remat_worth_compiling", lambda c, *a: c.cfg.remat_policy == "projections")
+    assert remat.remat_candidates(asked, cfg, dict(mesh.shape), HUGE) == ("projections",)
+    assert remat.remat_candidates(asked, on_cpu, dict(mesh.shape), HUGE) == ()
+    assert remat.remat_candidates(asked, cfg, dict(mesh.shape), None) == ()
+    assert remat.remat_that_fits(asked, cfg, mesh, HUGE).cfg.remat_policy == "projections"
 
 
-def test_full_where_the_screen_rules_it_out_or_the_compiler_refuses(on_a_tpu, monkeypatch):
+def test_full_where_the_screen_rules_it_out_or_the_compiler_refuses(monkeypatch):
     asked, cfg, mesh = _configs("remat_policy=auto", "per_device_batch_size=8")
     calls = []
-    real = program.compiled_step
-    monkeypatch.setattr(program, "compiled_step", lambda *a, **k: calls.append(1) or real(*a, **k))
-    assert program.remat_that_fits(asked, cfg, mesh, 1 << 20) is cfg and not calls  # the state alone is larger
+    real = program.StepProgram.compile
+    _no_compile(monkeypatch, lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert remat.remat_that_fits(asked, cfg, mesh, 1 << 20) is cfg and not calls  # the state alone is larger
 
     def refuse(*args, **kwargs):
         raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 20.77G of 15.75G hbm.")
 
-    monkeypatch.setattr(program, "compiled_step", refuse)
-    assert program.remat_that_fits(asked, cfg, mesh, HUGE) is cfg
+    _no_compile(monkeypatch, refuse)
+    assert remat.remat_that_fits(asked, cfg, mesh, HUGE) is cfg
 
     def broken(*args, **kwargs):
         raise RuntimeError("INTERNAL: a compiler bug")
 
-    monkeypatch.setattr(program, "compiled_step", broken)
+    _no_compile(monkeypatch, broken)
     with pytest.raises(RuntimeError, match="compiler bug"):  # only a refusal for memory is a verdict
-        program.remat_that_fits(asked, cfg, mesh, HUGE)
+        remat.remat_that_fits(asked, cfg, mesh, HUGE)
 
 
-def test_the_warm_up_keeps_full_without_compiling(on_a_tpu, monkeypatch):
+def test_the_warm_up_keeps_full_without_compiling(monkeypatch):
     """Its backward keeps nothing across layers under any policy: no remat to save, no compile to spend."""
     asked, cfg, mesh = _configs("remat_policy=auto", stage="warmup")
-    monkeypatch.setattr(program, "compiled_step", lambda *a, **k: pytest.fail("compiled"))
-    assert program.remat_that_fits(asked, cfg, mesh, HUGE) is cfg and cfg.remat_policy == "full"
+    _no_compile(monkeypatch)
+    assert remat.remat_that_fits(asked, cfg, mesh, HUGE) is cfg and cfg.cfg.remat_policy == "full"
 
 
 @pytest.mark.parametrize("policy", ["none", "minimal", "projections", "full"])
-def test_an_explicit_policy_is_kept(on_a_tpu, monkeypatch, policy):
+def test_an_explicit_policy_is_kept(monkeypatch, policy):
     asked, cfg, mesh = _configs(f"remat_policy={policy}")
-    monkeypatch.setattr(program, "compiled_step", lambda *a, **k: pytest.fail("compiled"))
-    assert program.remat_that_fits(asked, cfg, mesh, HUGE) is cfg and cfg.remat_policy == policy
+    _no_compile(monkeypatch)
+    assert remat.remat_that_fits(asked, cfg, mesh, HUGE) is cfg and cfg.cfg.remat_policy == policy
 
 
 def test_what_the_backward_keeps_per_row():
     """More without remat than with either policy; none at all in the warm-up, whose indexer takes its gradient
     within each layer (core/model/transformer.py: no gradient crosses a layer, under any policy)."""
     def kept(policy, stage):
-        return program.kept_bytes_per_row(resolve_config(load_config("deepseek4-tiny", [*SMALL, f"remat_policy={policy}"],
-                                                             stage=stage), "tpu"))
+        return remat.kept_bytes_per_row(resolve(load_config("deepseek4-tiny", [*SMALL, f"remat_policy={policy}"],
+                                                      stage=stage), "tpu"))
 
     sparse = {p: kept(p, "sparse") for p in ("none", "minimal", "projections", "full")}
     assert sparse["none"] > sparse["minimal"] > sparse["full"] > 0, sparse

@@ -29,7 +29,9 @@ from typer.testing import CliRunner
 from core.checkpoint import store as ckpt
 from core import tree
 from core.checkpoint import run_files
+from core.spec.resolve import resolve
 from dsv4cli.main import app
+from tests.conftest import resolved
 
 runner = CliRunner()
 SMALL = ("compress_ratios=[0,4]", "base_num_decoder_layers=2", "first_num_hash_layers=1", "vocab_size=512",
@@ -126,7 +128,7 @@ def test_the_guard_holds_no_second_copy_of_the_state():
     for guard in ("true", "false"):
         cfg = load_config("deepseek4-tiny", [*shape, f"abort_on_nan_loss={guard}", f"abort_on_inf_loss={guard}"],
                           stage="sparse")
-        lowered, (_, state, batch, _) = lowered_step(cfg)
+        lowered, (_, state, batch, _) = lowered_step(*resolved(cfg))
         compiled = lowered.compile()
         temp[guard] = compiled.memory_analysis().temp_size_in_bytes
     params = state_bytes(cfg, state, batch)["parameter_bytes"]
@@ -153,7 +155,7 @@ def test_both_guard_forms_keep_a_diverged_state_and_apply_a_good_one_alike():
 
     shape = (*ONE_SWA_LAYER, "vocab_size=512")
     cfg = load_config("deepseek4-tiny", [*shape, "learning_rate=1e30", "gradient_clipping_threshold=0"], stage="sparse")
-    setup = build(cfg)
+    setup = build(*resolved(cfg))
     graphdef, state = nnx.split((setup.model, setup.optimizer))
     batch = shard_batch(next(train_batches(cfg, setup.batch_size)), setup.mesh)
     bytes_of = lambda tree: [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]  # noqa: E731
@@ -167,7 +169,8 @@ def test_both_guard_forms_keep_a_diverged_state_and_apply_a_good_one_alike():
     out = {}
     kept = (jax.tree.map(lambda x: x.sharding, state), None)  # as the run pins them: one compile per form
     for platform in ("cpu", "gpu"):
-        step = jax.jit(step_fn(cfg, graphdef, platform), compiler_options=PRODUCT_FUSION, out_shardings=kept)
+        specs = resolve(cfg, platform, setup.mesh.shape)  # the guard's form is the platform's
+        step = jax.jit(step_fn(specs, graphdef), compiler_options=PRODUCT_FUSION, out_shardings=kept)
         first, good = step(state, batch)
         last, bad = step(first, batch)
         flagged, over = step(big, batch)

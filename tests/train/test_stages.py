@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 from typer.testing import CliRunner
 
-from tests.conftest import CHAIN_STEPS, TINY_OVERRIDES, init_model, tiny_config
+from tests.conftest import CHAIN_STEPS, TINY_OVERRIDES, init_model, resolved, tiny_config
 from core.checkpoint import store as ckpt
 from core import tree
 from core.checkpoint import run_files
@@ -184,7 +184,7 @@ def test_interrupted_and_resumed_run_matches_the_straight_one(stage_chain, tmp_p
 
 def _save_without_indexer(run, cfg) -> None:
     """A run directory holding a use_indexer=false model, as a converted checkpoint would be."""
-    setup = build(cfg.replace(use_indexer=False))
+    setup = build(*resolved(cfg.replace(use_indexer=False)))
     saver = ckpt.RunCheckpointer(run, max_to_keep=1, async_save=False)
     saver.save(0, model=nnx.to_pure_dict(nnx.state(setup.model)), optimizer=nnx.to_pure_dict(nnx.state(setup.optimizer)),
                data={}, metadata={"config": setup.cfg.to_dict(), "stage": "pretrain", "step": 0})
@@ -195,10 +195,10 @@ def test_warmup_from_a_model_without_indexer(tmp_path):
     src = tmp_path / "noidx"
     _save_without_indexer(src, tiny_config("pretrain", "init_weights_seed=3"))
     cfg = tiny_config("warmup", "checkpoint_period=4", "indexer_init=random")
-    fresh = _variables(build(cfg).model)
+    fresh = _variables(build(*resolved(cfg)).model)
     plan = preflight(cfg, "warmup", tmp_path / "phases", init_from=src)  # the two phases alone
     assert plan.source.fresh_indexer
-    made = materialise(plan.cfg, plan.mesh, plan.labels, plan.abstract, plan.source, plan.data)
+    made = materialise(plan.specs, plan.mesh, plan.labels, plan.abstract, plan.source, plan.data)
     loaded, source = _variables(made.setup.model), _variables(ckpt.restore_model(src)[0])
     assert [k for k in loaded if is_indexer(k)] and not [k for k in source if is_indexer(k)]
     for k, v in loaded.items():
@@ -272,7 +272,7 @@ def test_teacher_step0_kl_is_below_the_random_start_and_only_the_indexer_changes
 
     cfg = tiny_config("warmup", "indexer_init=teacher", "indexer_init_batches=2")
     mesh = make_mesh(cfg)
-    model, _, _ = ckpt.restore_model(stage_chain["pretrain"][0], None, cfg, mesh=mesh)
+    model, _, _ = ckpt.restore_model(stage_chain["pretrain"][0], None, resolved(cfg, mesh)[0].model, mesh=mesh)
     before = _variables(model)
     assert all(not v.any() for k, v in before.items() if k.endswith("indexer/weights_proj"))  # the random start
     batches = calibration_batches(train_batches(cfg, cfg.per_device_batch_size * jax.device_count()),

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import tiny_config
+from tests.conftest import resolved, tiny_config
 from core.train import program
 from core.errors import ConfigError
 from core.parallel.xla_flags import TPU_COLLECTIVE_OPTIONS
-from core.spec.resolve import resolve
 
 
 def test_options_follow_the_config_and_xla_flags(monkeypatch):
@@ -68,8 +67,9 @@ def test_the_options_reach_the_compile(monkeypatch):
         jax.jit(f, compiler_options={"xla_no_such_option": 1})(x)
 
     # one SWA layer and a level no other test compiles with: this file's own step
-    cfg = resolve(tiny_config("warmup", "xla_backend_optimization_level=2", "compress_ratios=[0]",
-                              "base_num_decoder_layers=1", "first_num_hash_layers=0", "max_target_length=64",
-                              "per_device_batch_size=1"), "cpu").cfg
-    level = _level_of(program.compiled_step(cfg, *program.abstract_inputs(cfg, program.abstract_model_and_optimizer(cfg))))
+    specs, mesh = resolved(tiny_config("warmup", "xla_backend_optimization_level=2", "compress_ratios=[0]",
+                                       "base_num_decoder_layers=1", "first_num_hash_layers=0", "max_target_length=64",
+                                       "per_device_batch_size=1"))
+    step, inputs = program.abstract_program(specs, mesh)
+    level = _level_of(step.compile(inputs.state, inputs.batch))
     assert level == 2, f"the train step was compiled with level {level}, not the config's 2"
