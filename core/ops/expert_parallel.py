@@ -42,6 +42,7 @@ the batch does (core/ops/placement.py's BATCH_AXES, which the sharding rules tak
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax
@@ -49,7 +50,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from core.ops.grouped_matmul import SlotOrder
-from core.ops.placement import BATCH_AXES, EXPERT_AXIS, MLP_AXIS
+from core.ops.placement import BATCH_AXES, EXPERT_AXIS, MLP_AXIS, expert_axis_size, token_shards
 
 
 @dataclasses.dataclass(frozen=True)

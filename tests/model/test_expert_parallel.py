@@ -280,7 +280,7 @@ def _capacity():
     keep = _kept_slots(idx, 8, cap)
     combine = np.einsum("dnk,dnke->dne", weights * keep, np.eye(8)[idx]).reshape(B, T, 8)
     w = [model.experts.w1[...], model.experts.w2[...], model.experts.w3[...]]
-    expected = moe.dense_experts(x, jnp.asarray(combine), *w, model.spec.swiglu_limit) + model.shared_experts(x)
+    expected = moe.dense_experts(x, jnp.asarray(combine), *w, model.spec.swiglu_limit) + moe.swiglu_mlp(x, model.shared_experts, model.spec.swiglu_limit, model.dtype)
     mesh = _mesh(MESHES["expert8"])
     model = sharding.shard_state(model, mesh)
     with jax.set_mesh(mesh):
