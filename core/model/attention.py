@@ -78,7 +78,7 @@ from core.model.layers import RMSNorm, dense_init, param, rms_normalize
 from core.ops.chunked_attention import Keys, RowQueries, chunked_attention, masked_attention
 from core.ops.masks import Packing, compressed_visibility, sliding_window_mask
 from core.ops.order import einsum_after_cotangent
-from core.ops.placement import pin_rows
+from core.ops.placement import gather_weight, pin_rows
 from core.ops.rope import RopeSpec, apply_rope
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked
 
@@ -294,7 +294,7 @@ class Attention(nnx.Module):
         packing = Packing(positions_bt, segment_ids_bt)
         c_q = self.q_norm(jnp.einsum("btm,mr->btr", x_btm, self.wq_a[...].astype(dt)))
         queries = RowQueries(functools.partial(project_queries, eps=s.eps, rope=s.rope, dtype=dt), c_q,
-                             self.wq_b[...])
+                             gather_weight(self.wq_b[...], heads_axis=1))  # read per block: gathered once
         kv = apply_rope(self.kv_norm(jnp.einsum("btm,md->btd", x_btm, self.wkv[...].astype(dt))),
                         positions_bt, s.rope)
         keys = Keys(kv, self.attn_sink[...].astype(jnp.promote_types(dt, jnp.float32)), s.window,

@@ -20,6 +20,7 @@ from core.model.compressor import Compressor
 from core.model.layers import dense_init, param
 from core.ops.rope import RopeSpec, apply_rope
 from core.ops.chunked_attention import RowQueries
+from core.ops.placement import gather_weight
 from core.ops.topk import IndexerInputs
 
 
@@ -120,7 +121,7 @@ class Indexer(nnx.Module):
           3. weights = x W_Iw * HI^-1/2 * DI^-1/2
         """
         queries = RowQueries(functools.partial(indexer_queries, rope=self.rope, dtype=self.dtype),
-                             jax.lax.stop_gradient(c_q_btr), self.wq_b[...])
+                             jax.lax.stop_gradient(c_q_btr), gather_weight(self.wq_b[...], heads_axis=1))
         return IndexerInputs(queries, *self.keys_and_weights(x_btm, positions_bt))
 
     def keys_and_weights(self, x_btm, positions_bt):
