@@ -267,25 +267,14 @@ def _indexer_vjp(q_btid, k_bwd, w_bti, visible_btw, grad_btw, head_chunk: int):
 
 def _stream_block(spec: Spec, t0, inputs, block_masks, with_grad: bool, psum_btw=None):
     """One query block: visibility, scores, selection, teacher rows (unless given: `psum_btw`, the
-    attention's), KL (and its pull-back).
-
-    The gradient w.r.t. the indexer queries comes back as (d inputs of the block, d params), or
-    with detached inputs (`spec.inputs_grad` false) as (None, d params).
+    attention's), KL (and its pull-back to the block's indexer queries, k_I and w_I).
     """
     (queries_i, k_idx, w_idx), (query, kv, raw_kv, sink), positions, segment_ids = inputs
     seg_bw, last_bw = block_masks
     qc = spec.query_chunk
     pos_bt, seg_bt = slice_t(positions, t0, qc), slice_t(segment_ids, t0, qc)
     w_blk = slice_t(w_idx, t0, qc)
-    fn = lambda per_token, params: queries_i.fn(per_token, params, pos_bt)
-    q_args = (slice_t(queries_i.inputs, t0, qc), queries_i.params)
-    if not with_grad:
-        q_blk, q_pull = fn(*q_args), None
-    elif spec.inputs_grad:
-        q_blk, q_pull = jax.vjp(fn, *q_args)
-    else:
-        q_blk, pull_params = jax.vjp(functools.partial(fn, q_args[0]), q_args[1])
-        q_pull = lambda dq: (None, *pull_params(dq))  # noqa: E731
+    q_blk = queries_i.rows(t0, qc, pos_bt)
     visible_btw = visible_rows(pos_bt, seg_bt, seg_bw, last_bw)
     pull = None
     if with_grad and spec.index_chunk == q_blk.shape[2]:  # one group: keep its residuals, no recompute
@@ -309,7 +298,7 @@ def _stream_block(spec: Spec, t0, inputs, block_masks, with_grad: bool, psum_btw
         grads = pull(grad_btw)
     else:
         grads = _indexer_vjp(q_blk, k_idx, w_blk, visible_btw, grad_btw, spec.index_chunk)
-    return kl, n, (q_pull(grads[0]), *grads[1:])
+    return kl, n, grads
 
 
 def _block_masks(positions, segment_ids, num_blocks: int):
@@ -318,15 +307,16 @@ def _block_masks(positions, segment_ids, num_blocks: int):
     return block_segment_ids(segment_ids, ratio), block_last_positions(positions, ratio)
 
 
-def _init(spec: Spec, index, dtype, with_grad: bool):
-    """The pass's carry before the first block: (KL sum, valid rows, gradients or None), the
-    gradients' zeros in (at least) float32 ((d q inputs or None, d q params), d k_idx, d w_idx)."""
+def _init(index, positions, dtype, with_grad: bool):
+    """The pass's carry before the first block: (KL sum, valid rows, gradients or None): zeros of
+    d q_I [B, T, HI, DI] in the queries' dtype (each row written once), d k_idx in (at least)
+    float32 (summed over blocks) and d w_idx."""
     queries_i, k_idx, w_idx = index
     zeros = lambda x: jnp.zeros(x.shape, compute_dtype(x))  # noqa: E731
     grads = None
     if with_grad:
-        dq_in = zeros(queries_i.inputs) if spec.inputs_grad else None
-        grads = ((dq_in, jax.tree.map(zeros, queries_i.params)), zeros(k_idx), zeros(w_idx))
+        q = jax.eval_shape(lambda q, pos: q.of(q.inputs, pos), queries_i, positions)
+        grads = (jnp.zeros(q.shape, q.dtype), zeros(k_idx), zeros(w_idx))
     return jnp.zeros((), dtype), jnp.int32(0), grads
 
 
@@ -336,25 +326,33 @@ def _accumulate(spec: Spec, inputs, block_masks, with_grad: bool, carry, t0, psu
     kl_j, n_j, grads_j = _stream_block(spec, t0, inputs, block_masks, with_grad, psum_btw)
     if with_grad:  # accumulate in (at least) float32 whatever the inputs' dtype
         grads_j = jax.tree.map(lambda g, z: g.astype(z.dtype), grads_j, grads)
-        (dq_in, dq_params), dk, dw = grads
+        dq, dk, dw = grads
         put = lambda acc, g: jax.lax.dynamic_update_slice_in_dim(acc, g, t0, axis=1)  # noqa: E731
-        # per-token inputs get their rows, the parameters a sum over blocks
-        dq = (None if dq_in is None else put(dq_in, grads_j[0][0]), jax.tree.map(jnp.add, dq_params, grads_j[0][1]))
-        grads = (dq, dk + grads_j[1], put(dw, grads_j[2]))
+        grads = (put(dq, grads_j[0]), dk + grads_j[1], put(dw, grads_j[2]))
     return kl + kl_j, n + n_j, grads
 
 
-def _finish(carry, index):
-    """(mean KL over valid rows, its gradients as `IndexerInputs` or None) from the last carry."""
+def _finish(spec: Spec, carry, index, positions):
+    """(mean KL over valid rows, its gradients as `IndexerInputs` or None) from the last carry.
+
+    d q_I's rows reach the queries' params (and, unless `spec.inputs_grad` is false, their
+    per-token inputs) through one pull-back over every row: the params' gradient is one sum over
+    T, not one per block (under a mesh, one reduction over the devices' rows, not one per block)."""
     kl, n, grads = carry
     queries_i, k_idx, w_idx = index
     inv = per_valid_row(n, kl.dtype)
     if grads is None:
         return kl * inv, None
-    detached = grads[0][0] is None
-    primal = ((None if detached else queries_i.inputs, queries_i.params), k_idx, w_idx)
-    (dq_in, dq_params), dk, dw = jax.tree.map(lambda g, x: (g * inv).astype(x.dtype), grads, primal)
-    dq_in = jnp.zeros_like(queries_i.inputs) if detached else dq_in
+    dq_btid, dk, dw = grads
+    fn = lambda per_token, params: queries_i.fn(per_token, params, positions)  # noqa: E731
+    if spec.inputs_grad:
+        dq_in, dq_params = jax.vjp(fn, queries_i.inputs, queries_i.params)[1](dq_btid)
+    else:
+        dq_in = jnp.zeros_like(queries_i.inputs)
+        dq_params = jax.vjp(functools.partial(fn, queries_i.inputs), queries_i.params)[1](dq_btid)[0]
+    primal = ((queries_i.inputs, queries_i.params), k_idx, w_idx)
+    (dq_in, dq_params), dk, dw = jax.tree.map(lambda g, x: (g * inv.astype(compute_dtype(g))).astype(x.dtype),
+                                              ((dq_in, dq_params), dk, dw), primal)
     return kl * inv, IndexerInputs(RowQueries(queries_i.fn, dq_in, dq_params), dk, dw)
 
 
@@ -365,8 +363,8 @@ def _streamed_pass(spec: Spec, inputs, with_grad: bool):
     block_masks = _block_masks(positions, segment_ids, index[1].shape[1])
     qc = spec.query_chunk
     block = lambda carry, t0: _accumulate(spec, inputs, block_masks, with_grad, carry, t0)  # noqa: E731
-    carry = scan_blocks(block, _init(spec, index, teacher[1].dtype, with_grad), t // qc, qc)
-    return _finish(carry, index)
+    carry = scan_blocks(block, _init(index, positions, teacher[1].dtype, with_grad), t // qc, qc)
+    return _finish(spec, carry, index, positions)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -485,11 +483,11 @@ def csa_indexer_loss_tap(index: IndexerInputs, packing: Packing, *, teacher: str
         return _accumulate(spec, inputs, masks, True, carry, t0, psum_btw.astype(dtype))
 
     def finish(carry):
-        loss, grads = _finish(carry, index)
+        loss, grads = _finish(spec, carry, index, positions)
         factor = jnp.asarray(scale, loss.dtype)
         return factor * loss, jax.tree.map(lambda g: (factor * g).astype(g.dtype), grads)
 
-    return ChunkTap(teacher, _init(spec, index, dtype, True), step), finish
+    return ChunkTap(teacher, _init(index, positions, dtype, True), step), finish
 
 
 # ----------------------------------------------------------------------------- the direct loss, on given scores

@@ -76,7 +76,7 @@ from core.loss.indexer_kl import Teacher, csa_indexer_loss, csa_indexer_loss_str
 from core.model.layers import Compressor, RMSNorm, RopeSpec, apply_rope, dense_init, param, rms_normalize
 from core.ops.chunked_attention import (Keys, Packing, RowQueries, chunked_attention, compressed_visibility,
                                         masked_attention, sliding_window_mask)
-from core.ops.placement import einsum_after_cotangent, pin_rows
+from core.ops.placement import einsum_after_cotangent, gather_weight, pin_rows
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked
 
 
@@ -288,7 +288,7 @@ class Attention(nnx.Module):
         packing = Packing(positions_bt, segment_ids_bt)
         c_q = self.q_norm(jnp.einsum("btm,mr->btr", x_btm, self.wq_a[...].astype(dt)))
         queries = RowQueries(functools.partial(project_queries, eps=s.eps, rope=s.rope, dtype=dt), c_q,
-                             self.wq_b[...])
+                             gather_weight(self.wq_b[...], heads_axis=1))  # read per block: gathered once
         kv = apply_rope(self.kv_norm(jnp.einsum("btm,md->btd", x_btm, self.wkv[...].astype(dt))),
                         positions_bt, s.rope)
         keys = Keys(kv, self.attn_sink[...].astype(jnp.promote_types(dt, jnp.float32)), s.window,
@@ -485,7 +485,7 @@ class Indexer(nnx.Module):
           3. weights = x W_Iw * HI^-1/2 * DI^-1/2
         """
         queries = RowQueries(functools.partial(indexer_queries, rope=self.rope, dtype=self.dtype),
-                             jax.lax.stop_gradient(c_q_btr), self.wq_b[...])
+                             jax.lax.stop_gradient(c_q_btr), gather_weight(self.wq_b[...], heads_axis=1))
         return IndexerInputs(queries, *self.keys_and_weights(x_btm, positions_bt))
 
     def keys_and_weights(self, x_btm, positions_bt):

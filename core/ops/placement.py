@@ -4,7 +4,8 @@ The compiler propagates shardings from a step's inputs and weights; an activatio
 sharded one way and rows sharded another can come out replicated, and then every device holds and
 computes the whole batch's. `pin_rows` states the split the rules give an activation of rows:
 core.parallel.sharding's `batch` rule (BATCH_AXES) on its first axis and `heads` (`tensor`) on one
-more, on the abstract mesh a step is traced under (core/train/program.py `with_mesh`).
+more, on the abstract mesh a step is traced under (core/train/program.py `with_mesh`); `gather_weight`
+states that a weight read in a loop is whole (but its heads) before the loop.
 `mesh_platform_of` names the platform that mesh's trace is for (where a Pallas kernel compiles).
 
 The mesh axes named here are the sharding rules' own (core/parallel/sharding.py takes BATCH_AXES from
@@ -93,6 +94,22 @@ def pin_rows(x: jax.Array, heads_axis: int | None = None) -> jax.Array:
     if heads_axis is not None:
         spec[heads_axis] = divisible_prefix(x.shape[heads_axis], (HEADS_AXIS,), mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+
+def gather_weight(w: jax.Array, heads_axis: int | None = None) -> jax.Array:
+    """`w` whole on every device of the trace's abstract mesh, but for `heads_axis` (if given) split
+    over `tensor` where it divides; unchanged without a mesh or on one device.
+
+    For a weight that a loop reads at every step (a query projection in the indexer's top-k chunks
+    and the streamed loss's blocks): gathered once before the loop. Left sharded, XLA gathers it
+    again in each step (an all-reduce of the whole weight per block on a TPU)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or mesh.size == 1:
+        return w
+    spec = [None] * w.ndim
+    if heads_axis is not None:
+        spec[heads_axis] = divisible_prefix(w.shape[heads_axis], (HEADS_AXIS,), mesh)
+    return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, PartitionSpec(*spec)))
 
 
 def mesh_platform_of(mesh) -> str:
