@@ -262,10 +262,10 @@ def dense_experts(x_btm, combine_bte, w1_emf, w2_efm, w3_emf, limit: float):
                       preferred_element_type=_acc(x_btm))
 
 
-def auto_tile(tokens: int, num_experts: int, k: int) -> int:
-    """Rows per tile for the tiled path: half the mean slots per expert, a power of two in [8, 128]."""
+def auto_tile(tokens: int, num_experts: int, k: int, most: int = 128) -> int:
+    """Rows per tile for the tiled path: half the mean slots per expert, a power of two in [8, most]."""
     half_mean = max(tokens * k // (2 * num_experts), 1)
-    return int(min(128, max(8, 1 << (half_mean - 1).bit_length())))
+    return int(min(most, max(8, 1 << (half_mean - 1).bit_length())))
 
 
 def grouped_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: float, matmul):
@@ -349,9 +349,10 @@ def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):
         tiling = Tiling(spec.tile_size or auto_tile(tokens, spec.num_experts, spec.k), spec.tiles_per_step)
         return tiled_experts(x_btm, idx_btk, weights_btk, w1, w2, w3, tiling, hidden=hidden), no_drops
     else:
-        # a destination receives about the device's own n k slots (one per row) over its E_l local experts
+        # a destination receives about the device's own n k slots (one per row) over its E_l local experts;
+        # each tile reads its expert's weights, so tiles of up to 512 rows (docs/planning.md#expert-parallelism)
         local_slots, local_experts = tokens // token_shards(mesh) * spec.k, spec.num_experts // devices
-        tiling = Tiling(spec.tile_size or auto_tile(local_slots, local_experts, 1), spec.tiles_per_step,
+        tiling = Tiling(spec.tile_size or auto_tile(local_slots, local_experts, 1, most=512), spec.tiles_per_step,
                         empty_slots=True)
         local = functools.partial(tiled_experts, tiling=tiling, hidden=hidden)
     exchange = Exchange(mesh, spec.capacity_factor, emulated=mesh_platform_of(mesh) == "cpu")
