@@ -64,15 +64,15 @@ _ACCUMULATOR_ON_CHIP_BYTES = 16 * 2**20
 
 
 def _attention_projections(cfg, platform: str, axes) -> str:
-    """The attention's query and output projections once over the whole sequence on a TPU or a GPU where
-    they train and W_qb's float32 gradient exceeds a TPU core's on-chip scratch (a GPU's L2 holds less):
-    one matmul per weight gradient, where per chunk each would read and write its float32 accumulator
-    in HBM, and, with the weights sharded, XLA:GPU gathers them again for every chunk
-    (docs/planning.md#v4-flash). Per chunk elsewhere, in the warm-up (where they only run forward) and
-    for small projections (deepseek4-tiny's)."""
-    accumulator = 4 * cfg.q_lora_rank * cfg.num_heads * cfg.head_dim
-    trains = platform in ("tpu", "gpu") and stage_of(cfg).trains_rest
-    return "whole" if trains and accumulator > _ACCUMULATOR_ON_CHIP_BYTES else "chunked"
+    """The attention's query and output projections once over the whole sequence on a TPU where they
+    train and W_qb's float32 gradient exceeds the on-chip scratch: one matmul per weight gradient,
+    where per chunk each would read and write its float32 accumulator in HBM. On a GPU wherever they
+    are that large, the warm-up too: with the weights sharded, XLA:GPU gathers them again for every
+    query chunk (docs/planning.md#expert-parallelism). Per chunk elsewhere, in a TPU's warm-up (where
+    they only run forward) and for small projections (deepseek4-tiny's)."""
+    large = 4 * cfg.q_lora_rank * cfg.num_heads * cfg.head_dim > _ACCUMULATOR_ON_CHIP_BYTES
+    trains = platform == "tpu" and stage_of(cfg).trains_rest
+    return "whole" if large and (trains or platform == "gpu") else "chunked"
 
 
 def _attention_chunk(cfg, platform: str, axes) -> int:
