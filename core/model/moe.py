@@ -280,10 +280,10 @@ def dense_experts(x_btm, combine_bte, w1_emf, w2_efm, w3_emf, limit: float):
                       preferred_element_type=_acc(x_btm))
 
 
-def auto_tile(tokens: int, num_experts: int, k: int) -> int:
-    """Rows per tile for the tiled path: half the mean slots per expert, a power of two in [8, 128]."""
+def auto_tile(tokens: int, num_experts: int, k: int, most: int = 128) -> int:
+    """Rows per tile for the tiled path: half the mean slots per expert, a power of two in [8, most]."""
     half_mean = max(tokens * k // (2 * num_experts), 1)
-    return int(min(128, max(8, 1 << (half_mean - 1).bit_length())))
+    return int(min(most, max(8, 1 << (half_mean - 1).bit_length())))
 
 
 def tile_layout(idx_sk, num_experts: int, tile: int):
@@ -480,10 +480,12 @@ def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):
         return tiled_experts(x_btm, idx_btk, weights_btk, w1, w2, w3, tile=tile, per_step=spec.tiles_per_step,
                              hidden=hidden), no_drops
     else:
-        # a destination receives about the device's own n k slots (one per row) over its E_l local experts
+        # a destination receives about the device's own n k slots (one per row) over its E_l local experts;
+        # each tile reads its expert's weights, so tiles of up to 512 rows (docs/planning.md#expert-parallelism)
         local_slots, local_experts = tokens // token_shards(mesh) * spec.k, spec.num_experts // devices
-        local = functools.partial(tiled_experts, tile=spec.tile_size or auto_tile(local_slots, local_experts, 1),
-                                  per_step=spec.tiles_per_step, empty_slots=True, hidden=hidden)
+        tile = spec.tile_size or auto_tile(local_slots, local_experts, 1, most=512)
+        local = functools.partial(tiled_experts, tile=tile, per_step=spec.tiles_per_step, empty_slots=True,
+                                  hidden=hidden)
     exchange = Exchange(mesh, spec.capacity_factor, emulated=mesh_platform_of(mesh) == "cpu")
     return expert_parallel_experts(x_btm, idx_btk, weights_btk, w1, w2, w3, exchange, experts=local)
 

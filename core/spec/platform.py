@@ -40,7 +40,9 @@ def _moe_impl(cfg, platform: str, axes) -> str:
     plain einsums elsewhere (XLA:CPU lowers ragged_dot densely), and on a TPU whose experts are split
     over fsdp or tensor but not over expert: a Mosaic kernel (which XLA cannot partition) would need
     each layer's experts gathered whole on every device (V4-Flash's sparse stage on v5p-128 then
-    exceeds the chip)."""
+    exceeds the chip). On a GPU the tiled einsums everywhere, under expert parallelism too: XLA:GPU
+    expands `lax.ragged_dot` into one dense matmul over every group (each row times all G local experts'
+    weights: G times the FLOPs, the rows copied G times; docs/planning.md#expert-parallelism)."""
     if platform != "tpu":
         return "tiled"
     whole = _split(cfg, axes, ("expert", "fsdp", "tensor")) == 1
@@ -64,11 +66,13 @@ _ACCUMULATOR_ON_CHIP_BYTES = 16 * 2**20
 def _attention_projections(cfg, platform: str, axes) -> str:
     """The attention's query and output projections once over the whole sequence on a TPU where they
     train and W_qb's float32 gradient exceeds the on-chip scratch: one matmul per weight gradient,
-    where per chunk each would read and write its float32 accumulator in HBM. Per chunk elsewhere,
-    in the warm-up (where they only run forward) and for small projections (deepseek4-tiny's)."""
-    accumulator = 4 * cfg.q_lora_rank * cfg.num_heads * cfg.head_dim
+    where per chunk each would read and write its float32 accumulator in HBM. On a GPU wherever they
+    are that large, the warm-up too: with the weights sharded, XLA:GPU gathers them again for every
+    query chunk (docs/planning.md#expert-parallelism). Per chunk elsewhere, in a TPU's warm-up (where
+    they only run forward) and for small projections (deepseek4-tiny's)."""
+    large = 4 * cfg.q_lora_rank * cfg.num_heads * cfg.head_dim > _ACCUMULATOR_ON_CHIP_BYTES
     trains = platform == "tpu" and stage_of(cfg).trains_rest
-    return "whole" if trains and accumulator > _ACCUMULATOR_ON_CHIP_BYTES else "chunked"
+    return "whole" if large and (trains or platform == "gpu") else "chunked"
 
 
 def _attention_chunk(cfg, platform: str, axes) -> int:
@@ -109,7 +113,9 @@ PLATFORM_CHOICES: dict[str, tuple[Any, Any]] = {
     # the mHC mixes' input gradient in closed form on a TPU (no depth-J matmul and relayout there);
     # the transposed einsum elsewhere, the faster on a CPU
     "hc_mixes_backward": (AUTO, {"cpu": "autodiff", "gpu": "autodiff", "tpu": "closed"}),
-    "lm_loss_chunk_size": (AUTO_INT, {"cpu": 256, "gpu": 256, "tpu": 2048}),
+    # 2048 on a TPU and a GPU: the head's float32 weight gradient is accumulated, and under a mesh summed
+    # over the devices, once per chunk (docs/benchmarks.md#why-the-defaults)
+    "lm_loss_chunk_size": (AUTO_INT, {"cpu": 256, "gpu": 2048, "tpu": 2048}),
     # `full` here; an entry point that compiles the step (the run's preflight, the planner, the
     # benchmarks) takes `none` or else `projections` instead on a TPU where that step compiles within
     # the chip (core/train/remat.py `remat_that_fits`)

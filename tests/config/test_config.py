@@ -78,7 +78,10 @@ def test_model_file_stage_section_applies_after_the_preset(tmp_path):
     assert C.load_config(str(path), ["learning_rate=0.5"], stage="sparse").learning_rate == 0.5
     flash = C.load_config("deepseek4-284b", ["max_target_length=4096"], stage="sparse")
     assert (flash.dcn_data_parallelism, flash.dcn_fsdp_parallelism) == (1, -1)
-    assert C.load_config("deepseek4-284b", ["max_target_length=4096"], stage="warmup").dcn_data_parallelism == -1
+    warm = C.load_config("deepseek4-284b", ["max_target_length=4096"], stage="warmup")
+    assert warm.dcn_data_parallelism == -1  # the frozen experts data-parallel across hosts
+    for stage in (warm, flash):  # the experts stay on their devices, each receiving at most its tokens' slots
+        assert (stage.ici_fsdp_parallelism, stage.ici_expert_parallelism, stage.moe_capacity_factor) == (1, -1, 1.0)
     path.write_text("stages:\n  sparce:\n    learning_rate: 0.25\n")
     with pytest.raises(ConfigError, match="unknown stage 'sparce'"):
         C.load_config(str(path), stage="sparse")

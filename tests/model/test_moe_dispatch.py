@@ -73,6 +73,10 @@ def test_tiled_equals_dense_f32_and_unchosen_experts_get_exactly_zero():
 
 def test_auto_tile_and_bad_impl():
     assert [moe.auto_tile(n, 16, 4) for n in (16, 256, 4096)] == [8, 32, 128]
+    # the local experts under expert parallelism: V4-Flash's 24,576 slots a device receives over 32 or 4 of
+    # them (expert 8, expert 64) take tiles of 512 rows; deepseek4-tiny's few keep their small tiles
+    assert [moe.auto_tile(24576, e, 1, most=512) for e in (32, 4)] == [512, 512]
+    assert moe.auto_tile(48, 2, 1, most=512) == 16
     with pytest.raises(ValueError, match="impl"):
         _moe(False, impl="nosuch")
 

@@ -76,3 +76,31 @@ def test_no_cuda_plugin_noise_in_other_commands(tmp_path):
                          capture_output=True, text=True, env=env, cwd=tmp_path)
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), bad.stderr
+
+
+_RAGGED_ON_GPU = """
+import jax, jax.numpy as jnp
+from jax.experimental import topologies
+from core.plan import hlo, targets as tg
+target = tg.parse_target("h200x8")
+device = topologies.get_topology_desc(platform="cuda", topology=target.topology,
+                                      target_config=tg.gpu_spec_text(target.spec_file)).devices[0]
+shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+ragged = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g, preferred_element_type=jnp.bfloat16))
+text = ragged.lower(shape(256, 64), shape(8, 64, 32), shape(8, dtype=jnp.int32)).compile().as_text()
+print(hlo.matmul_flops(hlo.parse(text)))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _CUDA, reason='needs the CUDA plugin: pip install "dsv4[cuda]"')
+def test_xla_gpu_runs_ragged_dot_as_a_dense_matmul_over_every_group():
+    """Why `moe_impl: auto` is tiled on a GPU (core/spec/platform.py `_moe_impl`): XLA:GPU rewrites
+    ragged_dot [S, K] x [G, K, N] as dense matmuls of every row with every group's weights (the rows
+    zeroed outside their group), G times the grouped matmul's 2 S K N FLOPs by the plan's own count.
+    If this fails, XLA:GPU has a grouped matmul of its own and `ragged` deserves a plan beside `tiled`."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", _RAGGED_ON_GPU], capture_output=True, text=True, env=env, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.strip().splitlines()[-1]) == 8 * 2 * 256 * 64 * 32, out.stdout  # G x 2 S K N
