@@ -215,7 +215,7 @@ def test_the_mix_forms_agree_in_value_and_gradient(form, backward):
             new = mhc.HyperConnection.post(out + y, x, post, comb, form)
             return jnp.sum(jnp.sin(head(new))) + jnp.sum(jnp.cos(new))
 
-        return nnx.value_and_grad(f, argnums=(0, 1, 2))(hc, head, x)
+        return nnx.jit(nnx.value_and_grad(f, argnums=(0, 1, 2)))(hc, head, x)  # one program, not one per operation
 
     x, out = _stream(jnp.float32, seed=11, shape=(3, 5)), _normal(12, (3, 5, M))
     (v_e, g_e), (v_s, g_s) = loss("einsum", x, out), loss(form, x, out, backward)

@@ -57,6 +57,16 @@ def _results(case):
     return _results_of(case[0])
 
 
+def _value_and_grads(attend, q, kv, ckv, sink, cot):
+    """(o, (dq, dkv, dckv, dsink)) of `attend` at (q, kv, ckv, sink) for the cotangent `cot`: one jitted
+    program (eagerly, each operation around the kernels would compile on its own)."""
+    def run(q, kv, ckv, sink, cot):
+        o, vjp = jax.vjp(attend, q, kv, ckv, sink)
+        return o, vjp(cot)
+
+    return jax.jit(run)(q, kv, ckv, sink, cot)
+
+
 @functools.cache  # by name: each case runs once for the tests below
 def _results_of(name):
     """(fused, reference), each (o, (dq, dkv, dckv, dsink)), and the inputs."""
@@ -67,10 +77,7 @@ def _results_of(name):
     fused = lambda q, kv, ckv, sink: fused_attention(q, kv, sink, pos, seg, window, ckv, allowed, block_q=block_q,
                                                      interpret=True)
     dense = lambda q, kv, ckv, sink: softmax_attention(q, kv, win, sink, ckv, allowed)
-    out = []
-    for attend in (fused, dense):
-        o, vjp = jax.vjp(attend, q, kv, ckv, sink)
-        out.append((o, vjp(cot)))
+    out = [_value_and_grads(attend, q, kv, ckv, sink, cot) for attend in (fused, dense)]
     return out, (pos, seg, q, kv, ckv, sink, allowed, cot)
 
 
@@ -105,11 +112,11 @@ def test_value_and_gradients_match_the_float64_reference(x64):
                                                      block_q=block_q, interpret=True)
     exact = lambda q, kv, ckv, sink: softmax_attention(q, kv, sliding_window_mask(pos, seg, window), sink,  # noqa: E731
                                                        ckv, allowed)
-    o, vjp = jax.vjp(fused, q, kv, ckv, sink)
-    o_ref, vjp_ref = jax.vjp(exact, *f64)
+    o, grads = _value_and_grads(fused, q, kv, ckv, sink, cot)
+    o_ref, grads_ref = _value_and_grads(exact, *f64, cot.astype(jnp.float64))
     assert o_ref.dtype == jnp.float64
     _close(o, o_ref, "o")
-    for name, g, g_ref in zip(("dq", "dkv", "dckv", "dsink"), vjp(cot), vjp_ref(cot.astype(jnp.float64))):
+    for name, g, g_ref in zip(("dq", "dkv", "dckv", "dsink"), grads, grads_ref):
         _close(g, g_ref, name)
 
 
@@ -150,8 +157,7 @@ def test_each_step_reads_the_entries_up_to_its_reach_only():
     allowed = allowed & (jnp.arange(ckv.shape[1]) < 256)
     fused = lambda q, kv, ckv, sink: fused_attention(q, kv, sink, pos, seg, window, ckv, allowed,  # noqa: E731
                                                      block_q=block_q, interpret=True)
-    o, vjp = jax.vjp(fused, q, kv, ckv, sink)
-    dq, dkv, dckv, dsink = vjp(cot)
+    o, (dq, dkv, dckv, dsink) = _value_and_grads(fused, q, kv, ckv, sink, cot)
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in (o, dq, dkv, dsink, dckv)), "a skipped chunk was read"
 
 
