@@ -125,6 +125,25 @@ def resolved(cfg, mesh=None):
     return resolve(cfg, mesh_platform(mesh), mesh.shape), mesh
 
 
+def device_worker(script, devices: int = 8, timeout: int = 1200) -> dict:
+    """Run `script` (a test file whose __main__ computes on `devices` fake CPU devices) in a child
+    process, as XLA fixes the device count at its start, and return the JSON of its last stdout line."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {os.environ.get('XLA_FLAGS', '')}",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    env.pop("JAX_ENABLE_X64", None)
+    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def init_model(cfg, seed: int):
     """`Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(seed))`, drawn as the training commands' `build` draws it:
     inside `bucketed_draws()` (core/model/init_draws.py) a few shared random programs serve every

@@ -47,7 +47,7 @@ local_gradient_loss: one copy of the indexer's parameters per layer) and the MoE
 (int: chosen experts, slot rows, tile experts). The backward then runs no indexer scoring, top-k,
 indexer loss nor routing sort again, for a few bytes per token and layer. Under `full` the attention
 output [B, T, M] is not kept: keeping it grows the temporaries at long T more than it saves.
-`auto` (core/spec/platform.py, core/train/program.py `remat_that_fits`) is `full`, or on a TPU the
+`auto` (core/spec/platform.py, core/train/remat.py `remat_that_fits`) is `full`, or on a TPU the
 first of `none` and `projections` whose step compiles within the chip.
 In the warm-up nothing but the indexer trains and its gradient is local, so no gradient crosses a
 layer: the backward keeps no layer's input and runs no layer again, under any policy (the step's

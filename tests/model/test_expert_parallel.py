@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -45,13 +42,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def worker():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {os.environ.get('XLA_FLAGS', '')}",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    env.pop("JAX_ENABLE_X64", None)
-    proc = subprocess.run([sys.executable, str(HERE)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from tests.conftest import device_worker  # here: the worker runs this file as __main__, without conftest
+
+    return device_worker(HERE, devices=8, timeout=1200)
 
 
 @pytest.mark.parametrize("mesh, routing, impl", CASES)

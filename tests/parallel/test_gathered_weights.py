@@ -16,8 +16,6 @@ entry point, as tests/model/test_expert_parallel.py does) that prints one JSON o
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,13 +28,9 @@ B, T, BLOCK = 8, 32, 8  # one row per device; four streamed-loss blocks and top-
 
 @pytest.fixture(scope="module")
 def worker():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {os.environ.get('XLA_FLAGS', '')}",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    env.pop("JAX_ENABLE_X64", None)
-    proc = subprocess.run([sys.executable, str(HERE)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from tests.conftest import device_worker  # here: the worker runs this file as __main__, without conftest
+
+    return device_worker(HERE, devices=8, timeout=600)
 
 
 def test_no_loop_step_moves_a_query_up_projection(worker):
