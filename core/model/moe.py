@@ -481,7 +481,7 @@ def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):
                              hidden=hidden), no_drops
     else:
         # a destination receives about the device's own n k slots (one per row) over its E_l local experts;
-        # each tile reads its expert's weights, so tiles of up to 512 rows (docs/planning.md#expert-parallelism)
+        # each tile reads its expert's weights, so tiles of up to 512 rows (docs/scaling.md#expert-parallelism)
         local_slots, local_experts = tokens // token_shards(mesh) * spec.k, spec.num_experts // devices
         tile = spec.tile_size or auto_tile(local_slots, local_experts, 1, most=512)
         local = functools.partial(tiled_experts, tile=tile, per_step=spec.tiles_per_step, empty_slots=True,

@@ -42,7 +42,7 @@ def _moe_impl(cfg, platform: str, axes) -> str:
     each layer's experts gathered whole on every device (V4-Flash's sparse stage on v5p-128 then
     exceeds the chip). On a GPU the tiled einsums everywhere, under expert parallelism too: XLA:GPU
     expands `lax.ragged_dot` into one dense matmul over every group (each row times all G local experts'
-    weights: G times the FLOPs, the rows copied G times; docs/planning.md#expert-parallelism)."""
+    weights: G times the FLOPs, the rows copied G times; docs/scaling.md#expert-parallelism)."""
     if platform != "tpu":
         return "tiled"
     whole = _split(cfg, axes, ("expert", "fsdp", "tensor")) == 1
@@ -68,7 +68,7 @@ def _attention_projections(cfg, platform: str, axes) -> str:
     train and W_qb's float32 gradient exceeds the on-chip scratch: one matmul per weight gradient,
     where per chunk each would read and write its float32 accumulator in HBM. On a GPU wherever they
     are that large, the warm-up too: with the weights sharded, XLA:GPU gathers them again for every
-    query chunk (docs/planning.md#expert-parallelism). Per chunk elsewhere, in a TPU's warm-up (where
+    query chunk (docs/scaling.md#expert-parallelism). Per chunk elsewhere, in a TPU's warm-up (where
     they only run forward) and for small projections (deepseek4-tiny's)."""
     large = 4 * cfg.q_lora_rank * cfg.num_heads * cfg.head_dim > _ACCUMULATOR_ON_CHIP_BYTES
     trains = platform == "tpu" and stage_of(cfg).trains_rest
