@@ -50,6 +50,13 @@ MOVED_OWNERS = {"model/compressor": "compressor", "model/indexer": "indexer", "o
                 "loss/indexer_kl_rows": "indexer", "loss/indexer_kl_streamed": "indexer",
                 "model/mhc": "mHC"}
 MOVED_HELPERS = {"ops/rope", "ops/masks", "ops/order"}
+# functions that own a component inside a module whose other work is another's (issue 60 merged the indexer into
+# model/attention and the compressor into model/layers): module -> (component, exact names, class prefixes), matched
+# on a frame's qualified function name
+FUNCTION_OWNERS = {
+    "model/attention": ("indexer", {"indexer_queries", "local_gradient_loss", "local_gradient_surrogate"}, ("Indexer.",)),
+    "model/layers": ("compressor", {"compress"}, ("Compressor.",)),
+}
 CORE = Path(__file__).resolve().parents[1]
 
 
@@ -67,16 +74,27 @@ def core_module(file_name: str) -> str | None:
     return rel.with_suffix("").as_posix().removesuffix("/__init__")
 
 
-def component_of_files(file_names: Sequence[str]) -> str:
+def _function_owner(module: str, function_name: str | None) -> str | None:
+    owner = FUNCTION_OWNERS.get(module)
+    if owner is None or not function_name:
+        return None
+    component, names, prefixes = owner
+    return component if function_name in names or function_name.startswith(prefixes) else None
+
+
+def component_of_files(file_names: Sequence[str], function_names: Sequence[str] | None = None) -> str:
     """Component of a call stack given as source file names, innermost first.
 
     optax's frames are the optimizer; the first core frame that is an owner decides; helper and glue
     frames pass to the next frame up; a stack with no owner is "other".
     """
-    for name in file_names:
+    for i, name in enumerate(file_names):
         if "/optax/" in name:
             return "optimizer"
         module = core_module(name)
+        owned = _function_owner(module, function_names[i] if function_names else None) if module else None
+        if owned:
+            return owned
         if module is None or module in HELPERS or module in GLUE or module in MOVED_HELPERS:
             continue
         return OWNERS.get(module) or MOVED_OWNERS.get(module, "other")

@@ -198,25 +198,31 @@ class Owners:
     def __init__(self, module: Module):
         self.m = module
         self.files = _project_files(module.tables.get("FileNames", {}))
+        self.functions = {k: v.strip('"') for k, v in module.tables.get("FunctionNames", {}).items()}
         self._frames: dict[int, str] = {}
         self._labels: dict[str, str | None] = {}
 
-    def _stack_files(self, frame_id: int) -> list[str]:
-        """Source files of stack frame `frame_id`'s call stack, innermost first."""
+    def _stack(self, frame_id: int) -> tuple[list[str], list[str]]:
+        """(source files, function names) of stack frame `frame_id`'s call stack, innermost first."""
         frames, locations = self.m.tables.get("StackFrames", {}), self.m.tables.get("FileLocations", {})
-        out, seen = [], set()
+        files, functions, seen = [], [], set()
         while frame_id in frames and frame_id not in seen:
             seen.add(frame_id)
             fields = {k: int(v) for k, v in _FIELD.findall(frames[frame_id])}
             location = {k: int(v) for k, v in _FIELD.findall(locations.get(fields.get("file_location_id", -1), ""))}
-            out.append(self.files.get(location.get("file_name_id", -1), ""))
+            files.append(self.files.get(location.get("file_name_id", -1), ""))
+            functions.append(self.functions.get(location.get("function_name_id", -1), ""))
             frame_id = fields.get("parent_frame_id", 0) - 1  # the text prints the parent's id + 1; 0 = no parent
-        return out
+        return files, functions
+
+    def _stack_files(self, frame_id: int) -> list[str]:
+        """Source files of stack frame `frame_id`'s call stack, innermost first."""
+        return self._stack(frame_id)[0]
 
     def frame_component(self, frame_id: int) -> str:
         """Component of stack frame `frame_id`'s call stack (components.component_of_files)."""
         if frame_id not in self._frames:
-            self._frames[frame_id] = component_of_files(self._stack_files(frame_id))
+            self._frames[frame_id] = component_of_files(*self._stack(frame_id))
         return self._frames[frame_id]
 
     def frame_source(self, frame_id: int) -> str:

@@ -94,7 +94,8 @@ def _xla_flops(compiled) -> float:
 
 def _component(traceback) -> str:
     """Component of an equation: its innermost non-helper project frame (optax's frames: optimizer)."""
-    return component_of_files([f.file_name for f in traceback.frames] if traceback is not None else [])
+    frames = traceback.frames if traceback is not None else []
+    return component_of_files([f.file_name for f in frames], [f.function_name for f in frames])
 
 
 def _eqn_flops(eqn) -> tuple[float, float]:
