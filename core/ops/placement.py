@@ -83,17 +83,24 @@ def divisible_prefix(size: int, names, mesh):
     return None if not kept else kept[0] if len(kept) == 1 else tuple(kept)
 
 
-def pin_rows(x: jax.Array, heads_axis: int | None = None) -> jax.Array:
-    """`x` [B, ...] with B split over the batch's mesh axes and `heads_axis` (if given) over `tensor`,
-    where they divide, on the trace's abstract mesh; unchanged without one or on one device."""
+def _constrain(x: jax.Array, rows: bool, heads_axis: int | None) -> jax.Array:
+    """`x` with its first axis over the batch's mesh axes (if `rows`) and `heads_axis` over `tensor`, where
+    they divide, the rest whole, on the trace's abstract mesh; unchanged without one or on one device."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or mesh.size == 1:
         return x
     spec = [None] * x.ndim
-    spec[0] = divisible_prefix(x.shape[0], BATCH_AXES, mesh)
+    if rows:
+        spec[0] = divisible_prefix(x.shape[0], BATCH_AXES, mesh)
     if heads_axis is not None:
         spec[heads_axis] = divisible_prefix(x.shape[heads_axis], (HEADS_AXIS,), mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+
+def pin_rows(x: jax.Array, heads_axis: int | None = None) -> jax.Array:
+    """`x` [B, ...] with B split over the batch's mesh axes and `heads_axis` (if given) over `tensor`,
+    where they divide, on the trace's abstract mesh; unchanged without one or on one device."""
+    return _constrain(x, True, heads_axis)
 
 
 def gather_weight(w: jax.Array, heads_axis: int | None = None) -> jax.Array:
@@ -103,13 +110,7 @@ def gather_weight(w: jax.Array, heads_axis: int | None = None) -> jax.Array:
     For a weight that a loop reads at every step (a query projection in the indexer's top-k chunks
     and the streamed loss's blocks): gathered once before the loop. Left sharded, XLA gathers it
     again in each step (an all-reduce of the whole weight per block on a TPU)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or mesh.size == 1:
-        return w
-    spec = [None] * w.ndim
-    if heads_axis is not None:
-        spec[heads_axis] = divisible_prefix(w.shape[heads_axis], (HEADS_AXIS,), mesh)
-    return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, PartitionSpec(*spec)))
+    return _constrain(w, False, heads_axis)
 
 
 def mesh_platform_of(mesh) -> str:
