@@ -73,14 +73,14 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from core.loss.indexer_kl import Teacher, csa_indexer_loss, csa_indexer_loss_streamed, csa_indexer_loss_tap
-from core.model.layers import Compressor, RMSNorm, RopeSpec, apply_rope, dense_init, param, rms_normalize
+from core.model.layers import Compressor, RMSNorm, apply_rope, dense_init, param, rms_normalize
 from core.ops.chunked_attention import (Keys, Packing, RowQueries, chunked_attention, compressed_visibility,
                                         masked_attention, sliding_window_mask)
 from core.ops.placement import einsum_after_cotangent, gather_weight, pin_rows
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked
 
 
-def project_queries(c_q_btr, wq_b_rhd, positions_bt, *, eps: float, rope: RopeSpec, dtype):
+def project_queries(c_q_btr, wq_b_rhd, positions_bt, *, eps: float, rope: tuple[float, ...], dtype):
     """q = RoPE(rms(c_q W_qb) * D^-1/2) in `dtype`: [B, T, R] x [R, H, D] -> [B, T, H, D].
 
     The softmax scale D^-1/2 joins the norm's float32 factor (a rotation commutes with it), so
@@ -131,7 +131,7 @@ class AttentionSpec:
     window: int
     ratio: int                 # 0 SWA, 4 CSA, 128 HCA
     eps: float
-    rope: RopeSpec
+    rope: tuple[float, ...]    # RoPE's pair frequencies (core.model.layers.rope_frequencies)
     indexer_heads: int = 0     # 0: no indexer (SWA, HCA, or use_indexer=false)
     indexer_head_dim: int = 0
     indexer_topk: int = 0
@@ -390,7 +390,7 @@ class Attention(nnx.Module):
 
 # ----------------------------------------------------------------------------- the lightning indexer
 
-def indexer_queries(c_q_btr, wq_b_rid, positions_bt, *, rope: RopeSpec, dtype):
+def indexer_queries(c_q_btr, wq_b_rid, positions_bt, *, rope: tuple[float, ...], dtype):
     """q_btid = RoPE(c_q W_Iq) in `dtype`: [B, T, R] x [R, HI, DI] -> [B, T, HI, DI]."""
     q_btid = jnp.einsum("btr,rid->btid", c_q_btr.astype(dtype), wq_b_rid.astype(dtype))
     return apply_rope(q_btid, positions_bt, rope)
@@ -441,7 +441,7 @@ class IndexerSpec:
     q_lora_rank: int    # width of the main attention's c_q, the queries' input
     heads: int          # HI
     head_dim: int       # DI, also the width of the indexer's compressor
-    rope: RopeSpec
+    rope: tuple[float, ...]  # the layer's RoPE frequencies
     eps: float          # the compressor's RMSNorm epsilon
     weights_init: str = "fan_in"  # one of WEIGHTS_INITS
 

@@ -3,7 +3,7 @@ the principal query-key subspace (`indexer_init: teacher`; docs/indexer-init.md)
 
 The teacher's logit of head h for query t and block w is q_h[t] . K[w] (DESIGN.md, "Queries",
 "Compressor"), D features of which the last R rotate (RoPE). The indexer has DI >= R features, of
-which the last R rotate with the same RopeSpec, and HI heads. The initialisation keeps:
+which the last R rotate with the same RoPE frequencies, and HI heads. The initialisation keeps:
 
   rope part (R features)   copied: the teacher compressor's rotating features and the queries'
                            rotating columns, so the positional part of every logit is the teacher's;

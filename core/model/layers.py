@@ -46,7 +46,6 @@ to both indexer queries and keys, which leaves their dot products unchanged).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Callable, Sequence
 
@@ -158,59 +157,41 @@ class RMSNorm(nnx.Module):
 
 # ----------------------------------------------------------------------------- rope
 
-@dataclasses.dataclass(frozen=True)
-class RopeSpec:
-    """Static RoPE settings of one layer (hashable, so it can live on a module).
+def rope_frequencies(rope_dim: int, theta: float, *, yarn_factor: float = 1.0, original_max_positions: int = 0,
+                     beta_fast: float = 32.0, beta_slow: float = 1.0) -> tuple[float, ...]:
+    """A layer's RoPE: the angular frequency of each of its R / 2 rotating pairs (float64 values, a
+    hashable tuple, so it can live on a layer's spec; core.spec.resolve computes it per layer).
 
-    rope_dim: R, the trailing features that rotate (even).
-    theta: base wavelength scale.
-    yarn_factor: YaRN context-extension factor; <= 1 disables YaRN.
-    original_max_positions: YaRN's pre-training context (tokens).
-    beta_fast / beta_slow: YaRN ramp boundaries (rotations over the original context).
-    """
-
-    rope_dim: int
-    theta: float
-    yarn_factor: float = 1.0
-    original_max_positions: int = 0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-
-    @property
-    def uses_yarn(self) -> bool:
-        return self.yarn_factor > 1.0 and self.original_max_positions > 0
-
-
-def rope_frequencies(spec: RopeSpec) -> np.ndarray:
-    """Angular frequency of each rotating pair, float64 [R / 2] (a static constant).
+    rope_dim: R, the trailing features that rotate (even). theta: the base wavelength scale; YaRN
+    (yarn_factor > 1 and original_max_positions > 0): the context-extension factor, the
+    pre-training context (tokens) and the ramp's boundaries (rotations over that context).
 
     Base: freq[i] = theta^(-2i / R). With YaRN, pair i keeps freq[i] below the ramp, becomes
     freq[i] / factor above it, and interpolates linearly inside it; the ramp runs between the
     pair indices where a wavelength fits beta_fast and beta_slow times into the original context.
     """
-    r = spec.rope_dim
-    freqs = spec.theta ** (-np.arange(0, r, 2, dtype=np.float64) / r)
-    if not spec.uses_yarn:
-        return freqs
+    r = rope_dim
+    freqs = theta ** (-np.arange(0, r, 2, dtype=np.float64) / r)
+    if yarn_factor > 1.0 and original_max_positions > 0:
+        def pair_of(rotations: float) -> float:  # the (fractional) dim where `rotations` fit
+            return r * math.log(original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    def pair_of(rotations: float) -> float:  # the (fractional) dim where `rotations` fit
-        return r * math.log(spec.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(spec.theta))
-
-    low = max(math.floor(pair_of(spec.beta_fast)), 0)
-    high = min(math.ceil(pair_of(spec.beta_slow)), r - 1)
-    if low == high:
-        high += 0.001  # the official code's guard against a zero-width ramp
-    ramp = np.clip((np.arange(r // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
-    return freqs / spec.yarn_factor * ramp + freqs * (1.0 - ramp)
+        low = max(math.floor(pair_of(beta_fast)), 0)
+        high = min(math.ceil(pair_of(beta_slow)), r - 1)
+        if low == high:
+            high += 0.001  # the official code's guard against a zero-width ramp
+        ramp = np.clip((np.arange(r // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+        freqs = freqs / yarn_factor * ramp + freqs * (1.0 - ramp)
+    return tuple(float(f) for f in freqs)
 
 
-def apply_rope(x, positions, spec: RopeSpec, *, inverse: bool = False):
+def apply_rope(x, positions, rope: tuple[float, ...], *, inverse: bool = False):
     """Rotate the last R features of `x` as interleaved pairs by position * freq.
 
     Args:
       x: [B, T, ..., F] any float dtype, F >= R; e.g. q_bthd, kv_btd, kv_bwd.
       positions: int [B, T] (one position per leading (B, T) entry, broadcast over the rest).
-      spec: the layer's RoPE settings.
+      rope: the layer's pair frequencies (`rope_frequencies`); R = 2 len(rope), () rotates nothing.
       inverse: rotate by -angle (the conjugate), undoing a forward rotation.
 
     Returns:
@@ -220,11 +201,11 @@ def apply_rope(x, positions, spec: RopeSpec, *, inverse: bool = False):
       1. angle_bt..r = positions * freq_r          (float32, float64 for float64 x)
       2. (x0, x1) pairs of x[..., F-R:]  ->  (x0 cos - x1 sin, x0 sin + x1 cos)
     """
-    r = spec.rope_dim
+    r = 2 * len(rope)
     if r == 0:
         return x
     acc = jnp.promote_types(x.dtype, jnp.float32)  # float32, or float64 in x64 references
-    freq_r = jnp.asarray(rope_frequencies(spec), acc)
+    freq_r = jnp.asarray(np.asarray(rope, np.float64), acc)
     pos = positions.reshape(positions.shape + (1,) * (x.ndim - 1 - positions.ndim))
     angle = pos.astype(acc)[..., None] * freq_r
     cos, sin = jnp.cos(angle), jnp.sin(angle)
@@ -239,7 +220,7 @@ def apply_rope(x, positions, spec: RopeSpec, *, inverse: bool = False):
 
 # ----------------------------------------------------------------------------- compressor
 
-def compress(x_btm, wkv_mf, wgate_mf, ape_rf, norm_d, positions_bt, *, ratio: int, eps: float, rope: RopeSpec):
+def compress(x_btm, wkv_mf, wgate_mf, ape_rf, norm_d, positions_bt, *, ratio: int, eps: float, rope: tuple[float, ...]):
     """Compress `x` into T // ratio entries (overlapping pooling when ratio == 4).
 
     Args:
@@ -250,7 +231,7 @@ def compress(x_btm, wkv_mf, wgate_mf, ape_rf, norm_d, positions_bt, *, ratio: in
       positions_bt: int [B, T], restarting at 0 per document.
       ratio: tokens per block m (static; 4 overlaps).
       eps: RMSNorm epsilon.
-      rope: the layer's RoPE settings (applied at each block's first position).
+      rope: the layer's RoPE frequencies (applied at each block's first position).
 
     Returns:
       [B, T // ratio, d] in x's dtype (pooled in float32, or float64 for float64 inputs).
@@ -294,7 +275,7 @@ def compress(x_btm, wkv_mf, wgate_mf, ape_rf, norm_d, positions_bt, *, ratio: in
 class Compressor(nnx.Module):
     """Parameters of one compressor: wkv, wgate [M, c*d], ape [m, c*d] (init 0), norm [d]."""
 
-    def __init__(self, emb: int, head_dim: int, ratio: int, rope: RopeSpec, eps: float, *,
+    def __init__(self, emb: int, head_dim: int, ratio: int, rope: tuple[float, ...], eps: float, *,
                  rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32):
         self.ratio, self.rope, self.eps, self.dtype = ratio, rope, float(eps), dtype
         width = (2 if ratio == 4 else 1) * head_dim

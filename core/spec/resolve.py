@@ -5,7 +5,7 @@ the model and the step are built from (DESIGN.md, "The model"; the stage table).
     cfg       the Config with every `auto` key set (core/spec/platform.py): what config.yml records
     platform  "cpu" | "gpu" | "tpu"
     model     ModelSpec: widths, dtypes, masks, the stage row, and per layer a BlockSpec:
-                attn  AttentionSpec: what the layer is (RopeSpec; the indexer's IndexerSpec
+                attn  AttentionSpec: what the layer is (its RoPE frequencies; the indexer's IndexerSpec
                       derives from it), and how it runs: AttentionImpl
                 moe   MoESpec
                 the layer's mHC settings
@@ -24,7 +24,7 @@ from typing import Any
 
 from core.config.stages import Stage, stage_of
 from core.model.attention import AttentionImpl, AttentionSpec
-from core.model.layers import RopeSpec
+from core.model.layers import rope_frequencies
 from core.model.moe import MoESpec
 from core.model.block import BlockSpec
 from core.model.transformer import ModelSpec
@@ -104,13 +104,13 @@ def block_spec(cfg, layer: int) -> BlockSpec:
                      cfg.hc_sinkhorn_iters, cfg.hc_eps, moe_spec(cfg, layer), cfg.hc_mix_form, cfg.hc_mixes_backward)
 
 
-def layer_rope(cfg, compress_ratio: int) -> RopeSpec:
-    """The RoPE of a layer with `compress_ratio` (0 = SWA): the SWA theta plainly; the compressed theta,
-    with YaRN when `rope_type: yarn`, in CSA and HCA layers."""
+def layer_rope(cfg, compress_ratio: int) -> tuple[float, ...]:
+    """The RoPE frequencies of a layer with `compress_ratio` (0 = SWA): the SWA theta plainly; the
+    compressed theta, with YaRN when `rope_type: yarn`, in CSA and HCA layers."""
     if compress_ratio == 0:
-        return RopeSpec(cfg.qk_rope_head_dim, float(cfg.rope_max_timescale))
+        return rope_frequencies(cfg.qk_rope_head_dim, float(cfg.rope_max_timescale))
     yarn = cfg.rope_type == "yarn"
-    return RopeSpec(cfg.qk_rope_head_dim, float(cfg.compressed_rope_max_timescale),
+    return rope_frequencies(cfg.qk_rope_head_dim, float(cfg.compressed_rope_max_timescale),
                     yarn_factor=float(cfg.rope_factor) if yarn else 1.0,
                     original_max_positions=int(cfg.original_max_position_embeddings) if yarn else 0,
                     beta_fast=float(cfg.beta_fast), beta_slow=float(cfg.beta_slow))

@@ -181,7 +181,7 @@ def teacher_init(model, batches: list[dict[str, Any]], mesh=None) -> TeacherInit
         teacher = TeacherWeights(_read(attn.wq_b, j), _read(comp.wkv, j), _read(comp.wgate, j), _read(comp.ape, j),
                                  _read(comp.norm.weight, j))
         idx = attn.indexer
-        new = teacher_indexer(teacher, stats, index_heads=idx.heads, index_dim=idx.head_dim, rope_dim=rope.rope_dim)
+        new = teacher_indexer(teacher, stats, index_heads=idx.heads, index_dim=idx.head_dim, rope_dim=2 * len(rope))
         for var, value in ((idx.wq_b, new.wq_b), (idx.weights_proj, new.weights_proj), (idx.compressor.wkv, new.wkv),
                            (idx.compressor.wgate, new.wgate), (idx.compressor.ape, new.ape),
                            (idx.compressor.norm.weight, new.norm)):

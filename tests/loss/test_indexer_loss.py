@@ -340,9 +340,10 @@ def _indexer_pair(seed=3):
     from flax import nnx
 
     from core.model.attention import Indexer, IndexerSpec
-    from core.model.layers import RopeSpec
+    from core.model.layers import rope_frequencies
 
-    make = lambda init: Indexer(IndexerSpec(16, 8, 4, 8, RopeSpec(4, 50.0), 1e-6, weights_init=init),  # noqa: E731
+    rope = rope_frequencies(4, 50.0)
+    make = lambda init: Indexer(IndexerSpec(16, 8, 4, 8, rope, 1e-6, weights_init=init),  # noqa: E731
                                 rngs=nnx.Rngs(seed))
     return make("fan_in"), make("zeros")
 
@@ -387,7 +388,7 @@ def test_unknown_weights_init_raises():
     from flax import nnx
 
     from core.model.attention import Indexer, IndexerSpec
-    from core.model.layers import RopeSpec
+    from core.model.layers import rope_frequencies
 
     with pytest.raises(ValueError, match="weights_init='normal' is unknown"):
-        Indexer(IndexerSpec(16, 8, 4, 8, RopeSpec(4, 50.0), 1e-6, weights_init="normal"), rngs=nnx.Rngs(0))
+        Indexer(IndexerSpec(16, 8, 4, 8, rope_frequencies(4, 50.0), 1e-6, weights_init="normal"), rngs=nnx.Rngs(0))

@@ -18,7 +18,7 @@ from flax import nnx
 from core.model.attention import Attention, AttentionImpl, AttentionSpec, Indexer, IndexerSpec, collect
 from core.ops.chunked_attention import compressed_visibility, softmax_attention
 from core.ops.topk import indexer_scores, select_topk
-from core.model.layers import RopeSpec
+from core.model.layers import rope_frequencies
 from tests import reference as ref
 
 
@@ -81,7 +81,7 @@ def spec(ratio, indexer=True, **kw):
     """A small layer's spec; keywords of `AttentionImpl` (how it runs) go to its `impl`."""
     impl = {k: kw.pop(k) for k in [f.name for f in dataclasses.fields(AttentionImpl)] if k in kw}
     return AttentionSpec(emb=16, heads=4, head_dim=8, q_lora_rank=8, o_groups=2, o_lora_rank=6,
-                         window=5, ratio=ratio, eps=1e-6, rope=RopeSpec(4, 50.0),
+                         window=5, ratio=ratio, eps=1e-6, rope=rope_frequencies(4, 50.0),
                          indexer_heads=2 if indexer and ratio == 4 else 0,
                          indexer_head_dim=8 if indexer and ratio == 4 else 0,
                          indexer_topk=2 if indexer and ratio == 4 else 0, impl=AttentionImpl(**impl), **kw)
@@ -128,7 +128,7 @@ def call(layer, x, pos, seg, **flags):
 def ref_layer(s, params, x, pos, seg, dense=False):
     return ref.attention_layer(params, x, pos, seg, heads=s.heads, head_dim=s.head_dim,
                                o_groups=s.o_groups, window_size=s.window, ratio=s.ratio, eps=s.eps,
-                               freqs=ref.rope_freqs(s.rope.rope_dim, s.rope.theta), topk=s.indexer_topk,
+                               freqs=ref.rope_freqs(4, 50.0), topk=s.indexer_topk,
                                idx_heads=s.indexer_heads, idx_dim=s.indexer_head_dim, dense=dense)
 
 
@@ -176,8 +176,8 @@ def test_multi_chunk_layer_matches_reference(x64, ratio, dense):
 
 def test_indexer_module_scores_and_topk():
     rng = np.random.default_rng(5)
-    idx, _ = random_module(lambda: Indexer(IndexerSpec(16, 8, 2, 8, RopeSpec(4, 50.0), 1e-6), rngs=nnx.Rngs(3)),
-                           jnp.float32, 5)
+    idx, _ = random_module(lambda: Indexer(IndexerSpec(16, 8, 2, 8, rope_frequencies(4, 50.0), 1e-6),
+                                           rngs=nnx.Rngs(3)), jnp.float32, 5)
     pos, seg = packed(ROWS, T)
     x = rng.standard_normal((2, T, 16)).astype(np.float32)
     c_q = rng.standard_normal((2, T, 8)).astype(np.float32)

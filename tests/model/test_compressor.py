@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from core.model.layers import Compressor, RopeSpec, compress as compress_eager
+from core.model.layers import Compressor, compress as compress_eager, rope_frequencies
 from tests import reference as ref
 
 
@@ -46,7 +46,7 @@ def test_compress_matches_reference(x64, ratio, docs, t):
     d, rope_dim = 8, 4
     x, wkv, wg, ape, norm = _inputs(rng, len(docs), t, 6, d, ratio)
     pos = np.stack([_packed(row, t)[0] for row in docs])
-    spec = RopeSpec(rope_dim, 160000.0)
+    spec = rope_frequencies(rope_dim, 160000.0)
     weights = map(jnp.asarray, (wkv, wg, ape, norm))
     got = compress(jnp.asarray(x), *weights, jnp.asarray(pos), ratio=ratio, eps=1e-6, rope=spec)
     want = ref.compress(x, wkv, wg, ape, norm, pos, ratio, 1e-6, ref.rope_freqs(rope_dim, 160000.0))
@@ -62,7 +62,7 @@ def test_packed_documents_equal_each_alone():
     x, wkv, wg, ape, norm = _inputs(rng, 1, 24, 6, d, 4)
     x = x.astype(np.float32)
     f = lambda xx, pp: np.asarray(compress(jnp.asarray(xx), wkv, wg, ape, norm, jnp.asarray(pp),
-                                           ratio=4, eps=1e-6, rope=RopeSpec(4, 1e4)))
+                                           ratio=4, eps=1e-6, rope=rope_frequencies(4, 1e4)))
     pos = _packed([8, 16], 24)[0][None]
     packed = f(x, pos)
     alone_a = f(x[:, :8], pos[:, :8])
@@ -76,7 +76,7 @@ def test_overlap_uses_previous_block():
     rng = np.random.default_rng(4)
     x, wkv, wg, ape, norm = _inputs(rng, 1, 16, 6, 8, 4)
     f = lambda xx, pp: np.asarray(compress(jnp.asarray(xx, jnp.float32), wkv, wg, ape, norm,
-                                           jnp.asarray(pp), ratio=4, eps=1e-6, rope=RopeSpec(4, 1e4)))
+                                           jnp.asarray(pp), ratio=4, eps=1e-6, rope=rope_frequencies(4, 1e4)))
     x2 = x.copy()
     x2[0, 5] += 1.0  # block 1
     one_doc = np.arange(16)[None]
@@ -90,7 +90,7 @@ def test_overlap_uses_previous_block():
 def test_module_matches_pure_function_and_reference_and_trailing_tokens_dropped(x64):
     """The module (random weights, a non-zero ape) = `compress` of its parameters, bitwise, = the
     float64 reference; tokens past the last whole block change nothing."""
-    rope = RopeSpec(4, 1e4)
+    rope = rope_frequencies(4, 1e4)
     comp = Compressor(12, 8, 4, rope, 1e-6, rngs=nnx.Rngs(0), param_dtype=jnp.float64, dtype=jnp.float64)
     assert comp.wkv.shape == (12, 16) and comp.ape.shape == (4, 16) and comp.norm.weight.shape == (8,)
     np.testing.assert_array_equal(np.asarray(comp.ape[...]), 0.0)  # initialised to zero
