@@ -42,7 +42,7 @@ def _inputs(shape, ratio: int, topk: int, seed: int = 0):
     import jax
     import jax.numpy as jnp
 
-    from core.ops.chunked_attention import Packing, compressed_visibility
+    from core.ops.chunked_attention import compressed_visibility
     from core.ops.topk import SelectionMask, topk_mask
 
     b, t, h, d = shape
@@ -52,7 +52,7 @@ def _inputs(shape, ratio: int, topk: int, seed: int = 0):
     ckv = jax.random.normal(ks[2], (b, t // ratio, d)).astype(jnp.bfloat16)
     sink = jax.random.normal(ks[3], (h,), jnp.float32)
     cot = jax.random.normal(ks[4], (b, t, h, d), jnp.float32)
-    packing = Packing(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), jnp.ones((b, t), jnp.int32))
+    packing = (jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), jnp.ones((b, t), jnp.int32))
     visible = compressed_visibility(*packing, ratio)
     selection = None
     if ratio == 4:
@@ -148,7 +148,7 @@ def main() -> None:
 
         def chunked(q, kv, ckv, sink, ratio=ratio, packing=packing, selection=selection):
             keys = Keys(raw_bsd=kv, sink_h=sink, window=window, compressed_bwd=ckv, ratio=ratio)
-            return chunked_attention(RowQueries.given(q), keys, packing, selection, chunk=chunk)
+            return chunked_attention(RowQueries.given(q), keys, *packing, selection, chunk=chunk)
 
         ins = (q, kv, ckv, sink)
         fwd, grad = _loss_fns(chunked, cot)

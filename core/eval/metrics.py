@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from core.loss.indexer_kl import EPS, Spec, compute_dtype, kl_terms, resolve_chunk, scan_blocks, slice_t, teacher_rows
-from core.ops.chunked_attention import Packing, block_keys, visible_rows
+from core.ops.chunked_attention import block_keys, visible_rows
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk
 
 METRICS = ("kl", "recall", "overlap", "recall_oracle", "recall_recent", "recall_random", "kl_uniform")
@@ -129,7 +129,7 @@ def block_sums(psum_btw, scores_btw, visible_btw, random_btw, ks: Sequence[int])
 # ----------------------------------------------------------------------------- per layer
 
 
-def layer_sums(index: IndexerInputs, teacher, packing: Packing, rows: int, *, ks: Sequence[int], keys_b,
+def layer_sums(index: IndexerInputs, teacher, positions, segment_ids, rows: int, *, ks: Sequence[int], keys_b,
                head_chunk: int = 0, tick: Callable[[], None] | None = None) -> dict[str, Any]:
     """Row sums of every metric of one CSA layer, for each k in `ks`, one query block at a time.
 
@@ -139,7 +139,7 @@ def layer_sums(index: IndexerInputs, teacher, packing: Packing, rows: int, *, ks
       index: the indexer's queries (per run of rows), compressed keys [B, W, DI], weights [B, T, HI].
       teacher: `core.loss.indexer_kl.Teacher` (its queries per run of rows and compressed
         keys; the teacher here is always "compressed").
-      packing: positions and segment ids [B, T].
+      positions, segment_ids: int [B, T].
       rows: query rows per block (0: all T at once); divides T.
       ks: static k values. keys_b: one PRNG key per batch row (the random baseline's draws).
       head_chunk: heads per step of the teacher's and the indexer's logits (0: all).
@@ -154,7 +154,6 @@ def layer_sums(index: IndexerInputs, teacher, packing: Packing, rows: int, *, ks
       2. psum_btw = teacher_rows over head groups              [B, qc, hc, W] logits per group
       3. random_btw, then `block_sums`; the sums accumulate over blocks
     """
-    positions, segment_ids = packing
     t, num_blocks = positions.shape[1], index.keys_bwd.shape[1]
     qc = resolve_chunk(rows, t, "rows", "query positions")
     seg_bw, last_bw = block_keys(positions, segment_ids, RATIO)
@@ -189,6 +188,6 @@ def layer_sums(index: IndexerInputs, teacher, packing: Packing, rows: int, *, ks
 def layer_probe(view, **settings) -> dict[str, Any]:
     """The evaluation's probe of a CSA layer (`Attention.__call__`'s `probe`, bound with `layer_sums`'
     keywords): {"observed": `layer_sums` of the indexer's and the teacher's inputs the layer's view
-    gives (core.model.attention.IndexerView), its packing and the streamed loss's rows}."""
+    gives (core.model.attention.IndexerView), its positions and segment ids and the streamed loss's rows}."""
     index, teacher = view.inputs()
-    return {"observed": layer_sums(index, teacher, view.packing, view.rows, **settings)}
+    return {"observed": layer_sums(index, teacher, view.positions_bt, view.segment_ids_bt, view.rows, **settings)}

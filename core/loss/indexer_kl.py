@@ -9,7 +9,7 @@ Two entry points, one maths:
 
 - `csa_indexer_loss(index_scores, teacher, allowed, ...)`: the scores [B,T,W] and the teacher's
   inputs (`WholeTeacher`) are given whole.
-- `csa_indexer_loss_streamed(index, teacher, packing, ...)`:
+- `csa_indexer_loss_streamed(index, teacher, positions, segment_ids, ...)`:
   computed from the indexer's and the teacher's inputs, each query block building its own
   queries, visibility, indexer scores, top-k selection, teacher rows and KL, so neither [B,T,W]
   nor [B,H,T,W] is ever materialised; peak memory grows with the chunk sizes, linearly in T.
@@ -21,7 +21,7 @@ the row machinery, first in this module: per query block of qc rows and head gro
 `kl_terms`) the [B, qc, W] rows of one block; `scan_blocks` runs a block function over the query
 blocks with `lax.scan` (a plain call for a single block). `Teacher` groups the main attention's
 inputs that the streamed loss builds its target from, per run of rows; `WholeTeacher` holds the
-same inputs built whole, as the direct loss takes them, and `Teacher.whole(packing)` builds one
+same inputs built whole, as the direct loss takes them, and `Teacher.whole(positions, segment_ids)` builds one
 from the other. `csa_indexer_loss_tap` is the dense streamed loss run block by block inside the
 chunked attention's scan, its teacher rows read off the attention's own logits, its gradient
 taken in the forward.
@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from core.ops.chunked_attention import (ChunkTap, NEG, Packing, RowQueries, block_last_positions, block_segment_ids,
+from core.ops.chunked_attention import (ChunkTap, NEG, RowQueries, block_last_positions, block_segment_ids,
                                         sliding_window_mask, visible_rows, window_rows)
 from core.ops.topk import IndexerInputs, indexer_scores, topk_mask
 
@@ -84,9 +84,8 @@ class Teacher:
     kind: str = "compressed"
     window: int = 0            # joint: sliding window S (tokens)
 
-    def whole(self, packing: Packing) -> "WholeTeacher":
-        """The same teacher built whole: every row's queries and, joint, the window mask of `packing`."""
-        positions_bt, segment_ids_bt = packing
+    def whole(self, positions_bt, segment_ids_bt) -> "WholeTeacher":
+        """The same teacher built whole: every row's queries and, joint, the window mask of the batch."""
         window_bts = sliding_window_mask(positions_bt, segment_ids_bt, self.window) if self.kind == "joint" else None
         return WholeTeacher(self.queries.whole(positions_bt).inputs, self.compressed_bwd, self.raw_bsd,
                             self.sink_h, self.kind, window_bts)
@@ -392,11 +391,11 @@ def _heads(queries: RowQueries, positions_bt) -> int:
     return jax.eval_shape(lambda q, pos: q.rows(0, 1, pos), queries, positions_bt[:, :1]).shape[2]
 
 
-def csa_indexer_loss_streamed(index: IndexerInputs, teacher: Teacher, packing: Packing, *,
+def csa_indexer_loss_streamed(index: IndexerInputs, teacher: Teacher, positions, segment_ids, *,
                               topk: int | None = None, scale=1.0, head_chunk: int = 0, query_chunk: int = 0):
     """`csa_indexer_loss` computed from the indexer's inputs, one query block at a time.
 
-    Equals `csa_indexer_loss(indexer_scores(q_I, k_I, w_I, visible), teacher.whole(packing), allowed)`
+    Equals `csa_indexer_loss(indexer_scores(q_I, k_I, w_I, visible), teacher.whole(positions, segment_ids), allowed)`
     with visible = csa_visible(positions, segment_ids, T // W) and allowed = visible (dense) or
     visible & top-k selected (sparse), but neither the [B,T,W] scores nor the [B,T,H,W] teacher
     logits ever exist whole.
@@ -407,7 +406,7 @@ def csa_indexer_loss_streamed(index: IndexerInputs, teacher: Teacher, packing: P
         the queries' per-token inputs and params (params summed over blocks).
       teacher: the main attention's queries (`RowQueries`, per block), compressed keys, and for
         the joint teacher the raw window keys, sinks and window (detached here).
-      packing: positions and segment ids [B, T] (DESIGN.md, "Visibility"); the ratio is T // W.
+      positions, segment_ids: int [B, T] (DESIGN.md, "Visibility"); the ratio is T // W.
       topk: None = dense (all visible blocks); k = sparse (the block's own top-k selection).
       scale: indexer_loss_scaling_factor.
       head_chunk: heads per scan step (0 = all; must divide H and HI). With a head chunk the
@@ -424,7 +423,6 @@ def csa_indexer_loss_streamed(index: IndexerInputs, teacher: Teacher, packing: P
       3. psum_btw from the teacher's head groups; KL rows and d KL / d scores       [B, qc, W]
       4. d KL / d (q_I inputs, k_I, w_I[blk]) through indexer_scores and q_I (differentiated calls)
     """
-    positions, segment_ids = packing
     t = positions.shape[1]
     heads_i = _heads(index.queries, positions)
     num_blocks = index.keys_bwd.shape[1]
@@ -444,19 +442,19 @@ def csa_indexer_loss_streamed(index: IndexerInputs, teacher: Teacher, packing: P
     return jnp.asarray(scale, loss.dtype) * loss
 
 
-def csa_indexer_loss_tap(index: IndexerInputs, packing: Packing, *, teacher: str, scale=1.0, head_chunk: int = 0,
-                         query_chunk: int):
+def csa_indexer_loss_tap(index: IndexerInputs, positions, segment_ids, *, teacher: str, scale=1.0,
+                         head_chunk: int = 0, query_chunk: int):
     """The dense streamed loss fed by the attention: its teacher rows read off the attention's own
     block logits, one query block per chunk of `core.ops.chunked_attention.chunked_attention` (its
     `tap`), where `csa_indexer_loss_streamed` builds the teacher's queries and logits a second time.
 
-    The same loss as `csa_indexer_loss_streamed(index, teacher, packing, topk=None, ...)`, its
+    The same loss as `csa_indexer_loss_streamed(index, teacher, positions, segment_ids, topk=None, ...)`, its
     gradient taken in the forward (the closed form of each block, summed over blocks), for
     detached query inputs: the gradient reaches the queries' params, k_I and w_I.
 
     Args:
       index: as `csa_indexer_loss_streamed`'s; its queries' per-token inputs are detached.
-      packing: positions and segment ids [B, T]; the ratio is T // W.
+      positions, segment_ids: int [B, T]; the ratio is T // W.
       teacher: "compressed" | "joint" (the rows the attention reads off its logits).
       scale, head_chunk: as `csa_indexer_loss_streamed`'s (head_chunk must divide HI).
       query_chunk: the attention's chunk C, one loss block each (must divide T).
@@ -465,7 +463,6 @@ def csa_indexer_loss_tap(index: IndexerInputs, packing: Packing, *, teacher: str
       (ChunkTap for `chunked_attention`, finish): finish(the tap's last carry) -> (the scaled loss, a
       float32 scalar; d it / d `index` as IndexerInputs, zero for the queries' per-token inputs).
     """
-    positions, segment_ids = packing
     t, num_blocks = positions.shape[1], index.keys_bwd.shape[1]
     if num_blocks == 0 or t % num_blocks:
         raise ValueError(f"T={t} must be a multiple of the W={num_blocks} compressed blocks")

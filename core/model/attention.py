@@ -74,7 +74,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from core.loss.indexer_kl import Teacher, csa_indexer_loss, csa_indexer_loss_streamed, csa_indexer_loss_tap
 from core.model.layers import Compressor, RMSNorm, apply_rope, dense_init, param, rms_normalize
-from core.ops.chunked_attention import (Keys, Packing, RowQueries, chunked_attention, compressed_visibility,
+from core.ops.chunked_attention import (Keys, RowQueries, chunked_attention, compressed_visibility,
                                         masked_attention, sliding_window_mask)
 from core.ops.placement import einsum_after_cotangent, gather_weight, pin_rows
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked
@@ -147,11 +147,11 @@ class AttentionSpec:
                            weights_init=self.indexer_weights_init)
 
 
-def indexer_inputs(s: AttentionSpec, indexer: Indexer, x_btm, queries: RowQueries, keys: Keys, packing: Packing,
+def indexer_inputs(s: AttentionSpec, indexer: Indexer, x_btm, queries: RowQueries, keys: Keys, positions_bt,
                    whole: bool) -> tuple[IndexerInputs, Teacher]:
     """(the indexer's inputs, the teacher: the main attention's queries and keys, detached) of a CSA
     layer, per run of rows, or with their queries built whole."""
-    sg, joint, pos = jax.lax.stop_gradient, s.teacher == "joint", packing.positions_bt
+    sg, joint, pos = jax.lax.stop_gradient, s.teacher == "joint", positions_bt
     teacher = Teacher(sg(queries), sg(keys.compressed_bwd), sg(keys.raw_bsd) if joint else None,
                       sg(keys.sink_h) if joint else None, kind=s.teacher, window=s.window if joint else 0)
     index = indexer.inputs(x_btm, queries.inputs, pos)
@@ -164,7 +164,7 @@ def indexer_inputs(s: AttentionSpec, indexer: Indexer, x_btm, queries: RowQuerie
 @dataclasses.dataclass(frozen=True)
 class IndexerView:
     """What a CSA layer's call shows a probe (`Attention.__call__`'s `probe`): its spec and indexer,
-    its input x, its queries and keys, the packing, and how its mode runs the indexer (the streamed
+    its input x, its queries and keys, the positions and segment ids, and how its mode runs the indexer (the streamed
     loss's rows per block, 0: none; `whole`: the mode scores [B, T, W] whole)."""
 
     spec: AttentionSpec
@@ -172,14 +172,16 @@ class IndexerView:
     x_btm: jax.Array
     queries: RowQueries
     keys: Keys
-    packing: Packing
+    positions_bt: jax.Array
+    segment_ids_bt: jax.Array
     rows: int
     whole: bool
 
     def inputs(self) -> tuple[IndexerInputs, Teacher]:
         """(the indexer's inputs, the teacher) as the layer's loss takes them: per run of rows, or
         built whole where the mode scores whole."""
-        return indexer_inputs(self.spec, self.indexer, self.x_btm, self.queries, self.keys, self.packing, self.whole)
+        return indexer_inputs(self.spec, self.indexer, self.x_btm, self.queries, self.keys, self.positions_bt,
+                              self.whole)
 
 
 def collect(view: IndexerView) -> dict:
@@ -187,16 +189,16 @@ def collect(view: IndexerView) -> dict:
     whole scores [B, T, W], its top-k selection and the teacher's inputs, detached: index_scores,
     topk_idx, topk_valid, teacher_query, compressed_kv, visible, indexer_x, indexer_c_q (+ raw_kv,
     window, sink for the joint teacher)."""
-    s, sg, packing = view.spec, jax.lax.stop_gradient, view.packing
+    s, sg, pos, seg = view.spec, jax.lax.stop_gradient, view.positions_bt, view.segment_ids_bt
     index, teacher = dataclasses.replace(view, whole=True).inputs()
-    visible = compressed_visibility(*packing, s.ratio)
+    visible = compressed_visibility(pos, seg, s.ratio)
     scores = indexer_scores(index.queries.inputs, *index[1:], visible, head_chunk=s.impl.head_chunk)
     selection = select_topk(scores, visible, s.indexer_topk)
     out = dict(index_scores=sg(scores), topk_idx=selection.idx_btk, topk_valid=selection.valid_btk,
                teacher_query=teacher.queries.inputs, compressed_kv=teacher.compressed_bwd, visible=visible,
                indexer_x=sg(view.x_btm), indexer_c_q=sg(view.queries.inputs))
     if s.teacher == "joint":
-        out.update(raw_kv=teacher.raw_bsd, window=sliding_window_mask(*packing, s.window), sink=teacher.sink_h)
+        out.update(raw_kv=teacher.raw_bsd, window=sliding_window_mask(pos, seg, s.window), sink=teacher.sink_h)
     return out
 
 
@@ -219,7 +221,8 @@ def loss_rows(s: AttentionSpec, t: int) -> int:
 
 
 def attend_of(s: AttentionSpec) -> Callable:
-    """(queries, keys, packing, selection, out_fn) -> the layer output [B, T, M], as `s.impl.attention` runs it."""
+    """(queries, keys, positions, segment ids, selection, out_fn) -> the layer output [B, T, M], as
+    `s.impl.attention` runs it."""
     if s.impl.attention == "masked":
         return masked_attention
     if s.impl.attention == "fused":
@@ -230,7 +233,7 @@ def attend_of(s: AttentionSpec) -> Callable:
 
 
 def select_of(s: AttentionSpec) -> Callable | None:
-    """(IndexerInputs, packing) -> Selection, one query chunk at a time; None (masked): the top-k comes
+    """(IndexerInputs, positions, segment ids) -> Selection, one query chunk at a time; None (masked): the top-k comes
     from whole [B, T, W] scores (`indexer_scores`, `select_topk`)."""
     if s.impl.attention == "masked":
         return None
@@ -285,7 +288,6 @@ class Attention(nnx.Module):
         s, dt = self.spec, self.dtype
         rows, select = loss_rows(s, x_btm.shape[1]), select_of(s)
         x_btm = x_btm.astype(dt)
-        packing = Packing(positions_bt, segment_ids_bt)
         c_q = self.q_norm(jnp.einsum("btm,mr->btr", x_btm, self.wq_a[...].astype(dt)))
         queries = RowQueries(functools.partial(project_queries, eps=s.eps, rope=s.rope, dtype=dt), c_q,
                              gather_weight(self.wq_b[...], heads_axis=1))  # read per block: gathered once
@@ -295,17 +297,19 @@ class Attention(nnx.Module):
                     self.compressor(x_btm, positions_bt) if s.ratio else None, s.ratio)
         selection, aux, tap = None, {}, None
         if s.indexer_heads:
-            selection, aux, tap = self._index(select, rows, x_btm, queries, keys, packing, dense, indexer_loss)
+            selection, aux, tap = self._index(select, rows, x_btm, queries, keys, positions_bt, segment_ids_bt, dense,
+                                              indexer_loss)
             if probe is not None:
-                aux.update(probe(IndexerView(s, self.indexer, x_btm, queries, keys, packing, rows, select is None)))
+                aux.update(probe(IndexerView(s, self.indexer, x_btm, queries, keys, positions_bt, segment_ids_bt, rows,
+                                             select is None)))
         attend = attend_of(s) if tap is None else functools.partial(attend_of(s), tap=tap[0])
         if s.impl.projections == "whole":  # one matmul per projection and weight gradient, [B, T, H, D] whole
             q = RowQueries.given(pin_rows(queries.of(queries.inputs, positions_bt), heads_axis=2))  # split as x is
-            got = attend(q, keys, packing, selection, None)
+            got = attend(q, keys, positions_bt, segment_ids_bt, selection, None)
             o_bthd, carry = got if tap is not None else (got, None)
             out = self._output(pin_rows(o_bthd, heads_axis=2), positions_bt)
         else:
-            got = attend(queries, keys, packing, selection, self._output)
+            got = attend(queries, keys, positions_bt, segment_ids_bt, selection, self._output)
             out, carry = got if tap is not None else (got, None)
         if tap is not None:
             aux["indexer_loss"] = tap[1](carry)
@@ -322,52 +326,52 @@ class Attention(nnx.Module):
                                    "attn_o_lora")
         return jnp.einsum("btr,rm->btm", lat_btgr.reshape(b, t, -1), self.wo_b[...].astype(dt))
 
-    def _index(self, select: Callable | None, rows: int, x_btm, queries: RowQueries, keys: Keys, packing: Packing,
-               dense: bool, indexer_loss: bool):
+    def _index(self, select: Callable | None, rows: int, x_btm, queries: RowQueries, keys: Keys, positions_bt,
+               segment_ids_bt, dense: bool, indexer_loss: bool):
         """The indexer of a CSA layer: (the selection attention uses, None for every visible block; aux;
         None, or the loss's (tap, finish) when the chunked attention feeds it, `_teacher_tap`).
 
         The scores [B, T, W] are built whole in the masked mode and for a loss that cannot stream;
         otherwise the top-k runs per chunk and the loss streams.
         """
-        s, pos = self.spec, packing.positions_bt
+        s, pos, seg = self.spec, positions_bt, segment_ids_bt
         aux = {"indexer_loss": jnp.zeros((), jnp.float32)}
         if dense and not indexer_loss:  # no part
             return None, aux, None
         if dense and s.impl.attention == "chunked" and s.impl.indexer_gradient == "local" and \
                 rows == min(s.impl.attention_chunk, x_btm.shape[1]):  # one loss block per chunk
-            return None, aux, self._teacher_tap(x_btm, queries, packing, rows)
+            return None, aux, self._teacher_tap(x_btm, queries, pos, seg, rows)
         whole = select is None or (indexer_loss and not rows)
-        index, teacher = indexer_inputs(s, self.indexer, x_btm, queries, keys, packing, whole)
+        index, teacher = indexer_inputs(s, self.indexer, x_btm, queries, keys, pos, whole)
         scores = visible = selection = None
         if whole and (not dense or (indexer_loss and not rows)):
-            visible = compressed_visibility(*packing, s.ratio)
+            visible = compressed_visibility(pos, seg, s.ratio)
             scores = indexer_scores(index.queries.inputs, *index[1:], visible, head_chunk=s.impl.head_chunk)
             selection = select_topk(scores, visible, s.indexer_topk)
         elif not dense:
-            selection = select(index, packing)
+            selection = select(index, pos, seg)
         if indexer_loss:
             allowed = None if scores is None else visible if dense else visible & selection.mask(visible.shape[-1])
             topk = None if dense else s.indexer_topk
             if rows and not whole and s.impl.indexer_gradient == "local":  # the streamed loss, differentiated here
                 aux["indexer_loss"] = local_gradient_loss(self.indexer, lambda indexer: self._indexer_loss(
-                    indexer.inputs(x_btm, queries.inputs, pos), teacher, packing, None, topk, rows))
+                    indexer.inputs(x_btm, queries.inputs, pos), teacher, pos, seg, None, topk, rows))
             else:
-                aux["indexer_loss"] = self._indexer_loss(index, teacher, packing, (scores, allowed), topk, rows)
+                aux["indexer_loss"] = self._indexer_loss(index, teacher, pos, seg, (scores, allowed), topk, rows)
         return (None if dense else selection), aux, None
 
-    def _teacher_tap(self, x_btm, queries: RowQueries, packing: Packing, rows: int):
+    def _teacher_tap(self, x_btm, queries: RowQueries, positions_bt, segment_ids_bt, rows: int):
         """The dense streamed loss with its gradient taken here (`indexer_gradient: local`), its teacher
         read off the chunked attention's own block logits, one loss block per chunk of `rows` queries
         (core.loss.indexer_kl.csa_indexer_loss_tap): (the attention's ChunkTap, finish), where
         finish(the tap's last carry) is the layer's loss as `local_gradient_loss` gives it. The same
         loss and indexer gradient as the streamed loss's own teacher, which builds the queries and
         the logits a second time."""
-        s, pos = self.spec, packing.positions_bt
+        s, pos = self.spec, positions_bt
         graphdef, params, rest = nnx.split(self.indexer, nnx.Param, ...)
         index, pull = jax.vjp(lambda p: nnx.merge(graphdef, p, rest).inputs(x_btm, queries.inputs, pos),
                               jax.lax.stop_gradient(params))
-        tap, finish = csa_indexer_loss_tap(index, packing, teacher=s.teacher, scale=s.loss_scale,
+        tap, finish = csa_indexer_loss_tap(index, pos, segment_ids_bt, teacher=s.teacher, scale=s.loss_scale,
                                            head_chunk=s.impl.head_chunk, query_chunk=rows)
 
         def loss(carry):
@@ -376,16 +380,17 @@ class Attention(nnx.Module):
 
         return tap, loss
 
-    def _indexer_loss(self, index: IndexerInputs, teacher: Teacher, packing: Packing, whole, topk, rows: int):
+    def _indexer_loss(self, index: IndexerInputs, teacher: Teacher, positions_bt, segment_ids_bt, whole, topk,
+                      rows: int):
         """The layer's scaled indexer loss: streamed in blocks of `rows` query rows, or with rows 0
         the direct loss on the whole (scores, allowed) (core.loss.indexer_kl)."""
         s = self.spec
         if rows:
-            return csa_indexer_loss_streamed(index, teacher, packing, topk=topk, scale=s.loss_scale,
-                                             head_chunk=s.impl.head_chunk, query_chunk=rows)
+            return csa_indexer_loss_streamed(index, teacher, positions_bt, segment_ids_bt, topk=topk,
+                                             scale=s.loss_scale, head_chunk=s.impl.head_chunk, query_chunk=rows)
         scores_btw, allowed_btw = whole
-        return csa_indexer_loss(scores_btw, teacher.whole(packing), allowed_btw, scale=s.loss_scale,
-                                head_chunk=s.impl.head_chunk)
+        return csa_indexer_loss(scores_btw, teacher.whole(positions_bt, segment_ids_bt), allowed_btw,
+                                scale=s.loss_scale, head_chunk=s.impl.head_chunk)
 
 
 # ----------------------------------------------------------------------------- the lightning indexer

@@ -59,13 +59,6 @@ from core.ops.placement import backward_after_cotangent
 NEG = -1e30  # masked logit: finite, so exp() underflows to 0 instead of producing NaN
 
 
-class Packing(NamedTuple):
-    """Where each token of a packed batch sits: the two arrays every mask derives from."""
-
-    positions_bt: jnp.ndarray    # int [B, T], restarting at 0 at each document start
-    segment_ids_bt: jnp.ndarray  # int [B, T], >= 1 real tokens, 0 padding
-
-
 def block_segment_ids(segment_ids, ratio: int):
     """Segment id of each compressed block, -1 when its `ratio` tokens disagree.
 
@@ -404,13 +397,14 @@ def softmax_attention(q_bthd, kv_bsd, window_bts, sink_h, ckv_bwd=None, allowed_
     return (o_bthd / jnp.transpose(denom_bht, (0, 2, 1))[..., None]).astype(q_bthd.dtype)
 
 
-def masked_attention(queries: RowQueries, keys: Keys, packing: Packing, selection=None, out_fn=None):
+def masked_attention(queries: RowQueries, keys: Keys, positions_bt, segment_ids_bt, selection=None, out_fn=None):
     """The reference: every query at once, with dense [B, T, S] and [B, T, W] masks.
 
     Args:
       queries: the layer's queries (built whole here).
       keys: raw keys, sink, compressed entries and their visibility rules.
-      packing: positions and segment ids [B, T].
+      positions_bt, segment_ids_bt: int [B, T], where each token of the packed batch sits
+        (positions restart at 0 per document; segment ids >= 1 real tokens, 0 padding).
       selection: a `core.ops.topk.Selection` or `SelectionMask` of blocks per query (CSA top-k), or
         None for every visible block.
       out_fn: (o [B, T, H, D], positions [B, T]) -> per-token output; None keeps o.
@@ -418,7 +412,6 @@ def masked_attention(queries: RowQueries, keys: Keys, packing: Packing, selectio
     Returns:
       out_fn(o_bthd, positions): `softmax_attention` with allowed = visible (& selected).
     """
-    positions_bt, segment_ids_bt = packing
     window_bts = sliding_window_mask(positions_bt, segment_ids_bt, keys.window)
     allowed_btw = None
     if keys.compressed_bwd is not None:
@@ -430,12 +423,13 @@ def masked_attention(queries: RowQueries, keys: Keys, packing: Packing, selectio
     return (out_fn or _identity_out)(o_bthd, positions_bt)
 
 
-def chunked_attention(queries: RowQueries, keys: Keys, packing: Packing, selection=None, out_fn=None, *,
+def chunked_attention(queries: RowQueries, keys: Keys, positions_bt, segment_ids_bt, selection=None, out_fn=None, *,
                       chunk: int, tap=None):
     """`masked_attention` one query chunk at a time, without a [T, T] or [T, W] tensor.
 
     Args:
-      queries, keys, packing, selection: as in `masked_attention`; the queries are built per chunk.
+      queries, keys, positions_bt, segment_ids_bt, selection: as in `masked_attention`; the queries
+        are built per chunk.
       out_fn: (o [B, C, H, D] in q's dtype, positions [B, C]) -> per-token output, run per chunk;
         None keeps o.
       chunk: query positions per scan step C (static; T need not be a multiple).
@@ -455,7 +449,6 @@ def chunked_attention(queries: RowQueries, keys: Keys, packing: Packing, selecti
       3. merged softmax with the sink; out_fn(o) -> ys[j]
     """
     out_fn = out_fn or _identity_out
-    positions_bt, segment_ids_bt = packing
     window, ckv_bwd = keys.window, keys.compressed_bwd
     b, t = positions_bt.shape
     c, n = num_chunks(t, chunk)

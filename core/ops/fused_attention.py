@@ -481,14 +481,15 @@ def check_kernel_shapes(heads: int, head_dim: int) -> None:
                           f"heads per device (head_dim={head_dim}, {heads} heads per device): use attention=chunked.")
 
 
-def fused_layer_attention(queries, keys, packing, selection=None, out_fn=None, *, block_q: int = 16):
+def fused_layer_attention(queries, keys, positions_bt, segment_ids_bt, selection=None, out_fn=None, *,
+                          block_q: int = 16):
     """`masked_attention`'s contract (core.ops.chunked_attention) through `fused_attention`: the
     `attention: fused` implementation of a layer.
 
     Args:
       queries: a `RowQueries`, built whole here ([B, T, H, D]; the kernels read them in place).
       keys: the layer's `Keys` (raw keys, sink, compressed entries and their visibility rule).
-      packing: positions and segment ids [B, T].
+      positions_bt, segment_ids_bt: int [B, T].
       selection: CSA's top-k as a `SelectionMask` or `Selection` (its dense mask, [B, T, W]), or
         None for every visible entry.
       out_fn: (o [B, T, H, D], positions [B, T]) -> per-token output, run once; None keeps o.
@@ -504,7 +505,6 @@ def fused_layer_attention(queries, keys, packing, selection=None, out_fn=None, *
     from core.ops.chunked_attention import compressed_visibility
     from core.ops.placement import BATCH_AXES, HEADS_AXIS, divisible_prefix, mesh_platform_of
 
-    positions_bt, segment_ids_bt = packing
     q_bthd = queries.of(queries.inputs, positions_bt)
     ckv, allowed = keys.compressed_bwd, None
     if ckv is not None:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from core.ops.chunked_attention import (NEG, Packing, RowQueries, block_keys, from_chunks, num_chunks, to_chunks,
+from core.ops.chunked_attention import (NEG, RowQueries, block_keys, from_chunks, num_chunks, to_chunks,
                                         visible_rows)
 
 
@@ -154,7 +154,7 @@ def selection_mask(idx_btk, valid_btk, num_blocks: int):
     return rows_btw.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], idx_btk].set(valid_btk)
 
 
-def select_topk_chunked(index: IndexerInputs, packing: Packing, *, ratio: int, k: int, chunk: int,
+def select_topk_chunked(index: IndexerInputs, positions_bt, segment_ids_bt, *, ratio: int, k: int, chunk: int,
                         head_chunk: int = 0, as_mask: bool = False):
     """`select_topk(indexer_scores(...), visible, k)` one query chunk at a time.
 
@@ -166,7 +166,7 @@ def select_topk_chunked(index: IndexerInputs, packing: Packing, *, ratio: int, k
 
     Args:
       index: the indexer's queries (built per chunk), compressed keys and head weights.
-      packing: positions and segment ids [B, T] (DESIGN.md, "Visibility").
+      positions_bt, segment_ids_bt: int [B, T] (DESIGN.md, "Visibility").
       ratio: tokens per block (4; W = T // ratio complete blocks).
       k: blocks to select (static, clipped to W).
       chunk: query positions per scan step C (static; T need not be a multiple).
@@ -184,7 +184,6 @@ def select_topk_chunked(index: IndexerInputs, packing: Packing, *, ratio: int, k
       3. idx_bck, valid_bck = select_topk(scores_bcw, visible_bcw, k)
     """
     queries, k_bwd, weights_bti = jax.lax.stop_gradient(index)
-    positions_bt, segment_ids_bt = packing
     t = positions_bt.shape[1]
     c, n = num_chunks(t, chunk)
     seg_bw, last_bw = block_keys(positions_bt, segment_ids_bt, ratio)

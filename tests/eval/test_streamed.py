@@ -23,7 +23,7 @@ import numpy as np
 from core.eval import evaluate as ev, metrics
 from core.eval.rows import EVAL_KEYS, row_keys
 from core.loss.indexer_kl import Teacher
-from core.ops.chunked_attention import Packing, RowQueries
+from core.ops.chunked_attention import RowQueries
 from core.ops.topk import IndexerInputs, indexer_scores
 from core.spec.resolve import resolve
 
@@ -66,9 +66,8 @@ def test_layer_sums_equal_the_dense_sums_float64(x64):
     keys = row_keys(7, jnp.arange(3, 3 + b))
     index = IndexerInputs(RowQueries.given(jnp.asarray(q_i)), jnp.asarray(k_i), jnp.asarray(w_i))
     teacher = Teacher(RowQueries.given(jnp.asarray(q)), jnp.asarray(kv))
-    packing = Packing(jnp.asarray(pos), jnp.asarray(seg))
-    got = jax.jit(functools.partial(metrics.layer_sums, ks=KS, head_chunk=head_chunk), static_argnums=3)(
-        index, teacher, packing, rows, keys_b=keys)
+    got = jax.jit(functools.partial(metrics.layer_sums, ks=KS, head_chunk=head_chunk), static_argnums=4)(
+        index, teacher, jnp.asarray(pos), jnp.asarray(seg), rows, keys_b=keys)
     vis = ref.visible(pos, seg, 4)
     scores = indexer_scores(jnp.asarray(q_i), jnp.asarray(k_i), jnp.asarray(w_i), jnp.asarray(vis))
     want = dense_eval.layer_sums(jnp.asarray(q), jnp.asarray(kv), scores, jnp.asarray(vis),

@@ -216,7 +216,7 @@ def test_layer_fused_equals_masked(ratio, dense, loss, kw):
 
 SHARDED = """
 import json, jax, jax.numpy as jnp, numpy as np
-from core.ops.chunked_attention import Keys, Packing, RowQueries
+from core.ops.chunked_attention import Keys, RowQueries
 from core.ops.fused_attention import fused_layer_attention
 from core.parallel.mesh import MESH_AXES
 from tests.model.test_attention import packed
@@ -227,7 +227,7 @@ pos, seg = (jnp.asarray(a, jnp.int32) for a in packed([[40, 20], [64]], t))
 q, kv, ckv, sink, cot = arr(2, t, h, d) / 4, arr(2, t, d), arr(2, w, d), arr(h), arr(2, t, h, d)
 
 def loss(q, kv, ckv, sink):
-    o = fused_layer_attention(RowQueries.given(q), Keys(kv, sink, 8, ckv, 4), Packing(pos, seg), block_q=8)
+    o = fused_layer_attention(RowQueries.given(q), Keys(kv, sink, 8, ckv, 4), pos, seg, block_q=8)
     return jnp.sum(o * cot)
 
 one = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, kv, ckv, sink)

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from core.model.attention import Attention, collect
-from core.ops.chunked_attention import (Keys, Packing, RowQueries, band_run, chunked_attention, compressed_visibility,
+from core.ops.chunked_attention import (Keys, RowQueries, band_run, chunked_attention, compressed_visibility,
                                         sliding_window_mask, softmax_attention)
 from core.ops.topk import (IndexerInputs, SelectionMask, indexer_scores, select_topk, select_topk_chunked,
                            selection_mask, topk_mask)
@@ -64,7 +64,7 @@ def _both(case, dtype, seed=0, as_mask=False):
             sel = SelectionMask(allowed) if as_mask else sel
 
     def chunked(q, kv, ckv, sink):
-        o = chunked_attention(RowQueries.given(q), Keys(kv, sink, window, ckv, ratio), Packing(pos, seg), sel,
+        o = chunked_attention(RowQueries.given(q), Keys(kv, sink, window, ckv, ratio), pos, seg, sel,
                               chunk=chunk)
         return jnp.sum(o * cot), o
 
@@ -146,13 +146,13 @@ def test_select_topk_chunked_equals_dense(t, chunk):
     vis = compressed_visibility(pos, seg, 4)
     want_idx, want_valid = select_topk(indexer_scores(q, k, wt, vis), vis, 3)
     chunked = lambda q, k, wt, pos, seg: select_topk_chunked(  # noqa: E731
-        IndexerInputs(RowQueries.given(q), k, wt), Packing(pos, seg), ratio=4, k=3, chunk=chunk, head_chunk=1)
+        IndexerInputs(RowQueries.given(q), k, wt), pos, seg, ratio=4, k=3, chunk=chunk, head_chunk=1)
     got_idx, got_valid = jax.jit(chunked)(q, k, wt, pos, seg)
     np.testing.assert_array_equal(got_valid, want_valid)
     np.testing.assert_array_equal(jnp.where(got_valid, got_idx, -1), jnp.where(want_valid, want_idx, -1))
     np.testing.assert_array_equal(got_idx, want_idx)  # invalid slots agree too (same top_k order)
     as_mask = lambda q, k, wt, pos, seg: select_topk_chunked(  # noqa: E731
-        IndexerInputs(RowQueries.given(q), k, wt), Packing(pos, seg), ratio=4, k=3, chunk=chunk, head_chunk=1,
+        IndexerInputs(RowQueries.given(q), k, wt), pos, seg, ratio=4, k=3, chunk=chunk, head_chunk=1,
         as_mask=True)
     got_mask = jax.jit(as_mask)(q, k, wt, pos, seg)
     assert isinstance(got_mask, SelectionMask)
