@@ -34,8 +34,8 @@ import jax.numpy as jnp
 
 from core.config.schema import load_config
 from core.errors import ConfigError
-from core.loss.indexer_kl import Teacher, WholeTeacher, csa_indexer_loss, csa_indexer_loss_streamed
-from core.ops.chunked_attention import RowQueries, csa_visible
+from core.loss.indexer_kl import WholeTeacher, csa_indexer_loss, csa_indexer_loss_streamed
+from core.ops.chunked_attention import Keys, RowQueries, csa_visible
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, selection_mask
 
 SHAPE_MODELS = {"flash": "deepseek4-284b", "tiny": "deepseek4-tiny"}
@@ -177,8 +177,8 @@ def _loss_fn(shape: LossShape, variant: str, head_chunk: int, query_chunk: int) 
                                                                    head_chunk=hc, query_chunk=qc)
     if variant == "streamed":
         return lambda q_idx, k_idx, w_idx, query, kv, pos, seg: csa_indexer_loss_streamed(
-            IndexerInputs(RowQueries.given(q_idx), k_idx, w_idx), Teacher(RowQueries.given(query), kv),
-            pos, seg, topk=shape.topk, head_chunk=hc, query_chunk=qc)
+            IndexerInputs(RowQueries.given(q_idx), k_idx, w_idx), RowQueries.given(query),
+            Keys(None, None, 0, kv, shape.ratio), pos, seg, topk=shape.topk, head_chunk=hc, query_chunk=qc)
 
     def loss(q_idx, k_idx, w_idx, query, kv, pos, seg):
         visible = csa_visible(pos, seg, shape.ratio)

@@ -129,16 +129,16 @@ def block_sums(psum_btw, scores_btw, visible_btw, random_btw, ks: Sequence[int])
 # ----------------------------------------------------------------------------- per layer
 
 
-def layer_sums(index: IndexerInputs, teacher, positions, segment_ids, rows: int, *, ks: Sequence[int], keys_b,
-               head_chunk: int = 0, tick: Callable[[], None] | None = None) -> dict[str, Any]:
+def layer_sums(index: IndexerInputs, queries, compressed_bwd, positions, segment_ids, rows: int, *,
+               ks: Sequence[int], keys_b, head_chunk: int = 0, tick: Callable[[], None] | None = None) -> dict[str, Any]:
     """Row sums of every metric of one CSA layer, for each k in `ks`, one query block at a time.
 
     Run inside the layer by `layer_probe` with the evaluation's settings (ks, keys_b, head_chunk, tick).
 
     Args:
       index: the indexer's queries (per run of rows), compressed keys [B, W, DI], weights [B, T, HI].
-      teacher: `core.loss.indexer_kl.Teacher` (its queries per run of rows and compressed
-        keys; the teacher here is always "compressed").
+      queries, compressed_bwd: the teacher, the main attention's queries (`RowQueries`, per run of
+        rows) and compressed keys [B, W, D] (the teacher here is always "compressed").
       positions, segment_ids: int [B, T].
       rows: query rows per block (0: all T at once); divides T.
       ks: static k values. keys_b: one PRNG key per batch row (the random baseline's draws).
@@ -157,10 +157,10 @@ def layer_sums(index: IndexerInputs, teacher, positions, segment_ids, rows: int,
     t, num_blocks = positions.shape[1], index.keys_bwd.shape[1]
     qc = resolve_chunk(rows, t, "rows", "query positions")
     seg_bw, last_bw = block_keys(positions, segment_ids, RATIO)
-    kv_bwd = jax.lax.stop_gradient(teacher.compressed_bwd)
+    kv_bwd = jax.lax.stop_gradient(compressed_bwd)
     dtype = compute_dtype(kv_bwd)
     kv_bwd = kv_bwd.astype(dtype)
-    heads = jax.eval_shape(lambda q, pos: q.rows(0, 1, pos), teacher.queries, positions[:, :1]).shape[2]
+    heads = jax.eval_shape(lambda q, pos: q.rows(0, 1, pos), queries, positions[:, :1]).shape[2]
     spec = Spec(head_chunk=resolve_chunk(head_chunk, heads, "head_chunk", "query heads"), query_chunk=qc, joint=False)
     heads_i = index.weights_bti.shape[2]
     index_chunk = resolve_chunk(head_chunk, heads_i, "head_chunk", "indexer heads")
@@ -171,7 +171,7 @@ def layer_sums(index: IndexerInputs, teacher, positions, segment_ids, rows: int,
         q_btid = index.queries.rows(t0, qc, pos_bt)
         scores_btw = indexer_scores(q_btid, index.keys_bwd, slice_t(index.weights_bti, t0, qc), visible_btw,
                                     head_chunk=index_chunk)
-        query_bthd = jax.lax.stop_gradient(teacher.queries.rows(t0, qc, pos_bt)).astype(dtype)
+        query_bthd = jax.lax.stop_gradient(queries.rows(t0, qc, pos_bt)).astype(dtype)
         psum_btw = teacher_rows(spec, query_bthd, kv_bwd, visible_btw)
         sums = block_sums(psum_btw, scores_btw, visible_btw, random_rows(keys_b, t0, qc, num_blocks), ks)
         return jax.tree.map(jnp.add, acc, sums)
@@ -189,5 +189,6 @@ def layer_probe(view, **settings) -> dict[str, Any]:
     """The evaluation's probe of a CSA layer (`Attention.__call__`'s `probe`, bound with `layer_sums`'
     keywords): {"observed": `layer_sums` of the indexer's and the teacher's inputs the layer's view
     gives (core.model.attention.IndexerView), its positions and segment ids and the streamed loss's rows}."""
-    index, teacher = view.inputs()
-    return {"observed": layer_sums(index, teacher, view.positions_bt, view.segment_ids_bt, view.rows, **settings)}
+    index, (queries, keys) = view.inputs()
+    return {"observed": layer_sums(index, queries, keys.compressed_bwd, view.positions_bt, view.segment_ids_bt,
+                                   view.rows, **settings)}

@@ -9,7 +9,7 @@ Two entry points, one maths:
 
 - `csa_indexer_loss(index_scores, teacher, allowed, ...)`: the scores [B,T,W] and the teacher's
   inputs (`WholeTeacher`) are given whole.
-- `csa_indexer_loss_streamed(index, teacher, positions, segment_ids, ...)`:
+- `csa_indexer_loss_streamed(index, queries, keys, positions, segment_ids, ...)`:
   computed from the indexer's and the teacher's inputs, each query block building its own
   queries, visibility, indexer scores, top-k selection, teacher rows and KL, so neither [B,T,W]
   nor [B,H,T,W] is ever materialised; peak memory grows with the chunk sizes, linearly in T.
@@ -19,12 +19,13 @@ Both chunk the teacher over head groups (`head_chunk`) and query blocks (`query_
 the row machinery, first in this module: per query block of qc rows and head group of hc heads,
 `teacher_rows` holds the [B, qc, hc, W] logits of one group at a time and `kl_rows` (its terms:
 `kl_terms`) the [B, qc, W] rows of one block; `scan_blocks` runs a block function over the query
-blocks with `lax.scan` (a plain call for a single block). `Teacher` groups the main attention's
-inputs that the streamed loss builds its target from, per run of rows; `WholeTeacher` holds the
-same inputs built whole, as the direct loss takes them, and `Teacher.whole(positions, segment_ids)` builds one
-from the other. `csa_indexer_loss_tap` is the dense streamed loss run block by block inside the
-chunked attention's scan, its teacher rows read off the attention's own logits, its gradient
-taken in the forward.
+blocks with `lax.scan` (a plain call for a single block). The streamed loss builds its target from
+the main attention's own queries (per run of rows) and keys, as the attention takes them
+(core.ops.chunked_attention's `RowQueries` and `Keys`); `WholeTeacher` holds the same inputs built
+whole, as the direct loss takes them, and `whole_teacher` builds one from the other.
+`csa_indexer_loss_tap` is the dense streamed loss run block by block inside the chunked
+attention's scan, its teacher rows read off the attention's own logits, its gradient taken in the
+forward.
 
 Gradients (custom VJP). The loss is a function of the scores alone (the teacher is detached), and
 d loss / d I = scale / #valid * (softmax(I) * sum_w P - P) on allowed entries, 0 elsewhere. The
@@ -46,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from core.ops.chunked_attention import (ChunkTap, NEG, RowQueries, block_last_positions, block_segment_ids,
+from core.ops.chunked_attention import (ChunkTap, Keys, NEG, RowQueries, block_last_positions, block_segment_ids,
                                         sliding_window_mask, visible_rows, window_rows)
 from core.ops.topk import IndexerInputs, indexer_scores, topk_mask
 
@@ -66,41 +67,16 @@ class Spec(NamedTuple):
     inputs_grad: bool = True  # streamed only: the gradient reaches the indexer queries' per-token inputs
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["queries", "compressed_bwd", "raw_bsd", "sink_h"],
-                   meta_fields=["kind", "window"])
-@dataclasses.dataclass(frozen=True)
-class Teacher:
-    """The main attention's inputs the streamed loss builds its target from (detached there).
-
-    kind "compressed": softmax over the allowed blocks; "joint": each head's normaliser also covers
-    the raw window keys (within `window` tokens) and its sink, so raw_bsd, sink_h and window > 0
-    are needed.
-    """
-
-    queries: RowQueries        # main-attention queries [B, T, H, D], scaled by D^-1/2, per run of rows
-    compressed_bwd: Any        # main compressed keys [B, W, D]
-    raw_bsd: Any = None        # joint: raw window keys [B, T, D], shared by all heads
-    sink_h: Any = None         # joint: per-head sink logit [H]
-    kind: str = "compressed"
-    window: int = 0            # joint: sliding window S (tokens)
-
-    def whole(self, positions_bt, segment_ids_bt) -> "WholeTeacher":
-        """The same teacher built whole: every row's queries and, joint, the window mask of the batch."""
-        window_bts = sliding_window_mask(positions_bt, segment_ids_bt, self.window) if self.kind == "joint" else None
-        return WholeTeacher(self.queries.whole(positions_bt).inputs, self.compressed_bwd, self.raw_bsd,
-                            self.sink_h, self.kind, window_bts)
-
-
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["query_bthd", "compressed_bwd", "raw_bsd", "sink_h", "window_bts"],
                    meta_fields=["kind"])
 @dataclasses.dataclass(frozen=True)
 class WholeTeacher:
-    """`Teacher`'s inputs built whole, as the direct loss takes them (detached there).
+    """The teacher's inputs built whole, as the direct loss takes them (detached there).
 
-    A sibling of `Teacher` rather than a use of it: the direct loss is given arrays, and an
-    arbitrary window mask, where the streamed loss builds its queries and window rows per block
-    from `RowQueries` and a window size. kind "joint" needs raw_bsd, sink_h and window_bts; the
+    The direct loss is given arrays, and an arbitrary window mask, where the streamed loss builds
+    its queries and window rows per block from the attention's `RowQueries` and `Keys`
+    (`whole_teacher` builds one from those). kind "joint" needs raw_bsd, sink_h and window_bts; the
     compressed teacher ignores them.
     """
 
@@ -110,6 +86,15 @@ class WholeTeacher:
     sink_h: Any = None         # joint: per-head sink logit [H]
     kind: str = "compressed"
     window_bts: Any = None     # joint: bool [B, T, S=T], raw key s in query t's window
+
+
+def whole_teacher(queries: RowQueries, keys: Keys, kind: str, positions_bt, segment_ids_bt) -> WholeTeacher:
+    """The streamed loss's teacher (the attention's queries per run of rows, its keys) built whole:
+    every row's queries and, for the joint teacher, the window mask of the batch."""
+    joint = kind == "joint"
+    window_bts = sliding_window_mask(positions_bt, segment_ids_bt, keys.window) if joint else None
+    return WholeTeacher(queries.whole(positions_bt).inputs, keys.compressed_bwd, keys.raw_bsd if joint else None,
+                        keys.sink_h if joint else None, kind, window_bts)
 
 
 def resolve_chunk(chunk: int, size: int, name: str, what: str) -> int:
@@ -391,11 +376,13 @@ def _heads(queries: RowQueries, positions_bt) -> int:
     return jax.eval_shape(lambda q, pos: q.rows(0, 1, pos), queries, positions_bt[:, :1]).shape[2]
 
 
-def csa_indexer_loss_streamed(index: IndexerInputs, teacher: Teacher, positions, segment_ids, *,
-                              topk: int | None = None, scale=1.0, head_chunk: int = 0, query_chunk: int = 0):
+def csa_indexer_loss_streamed(index: IndexerInputs, queries: RowQueries, keys: Keys, positions, segment_ids, *,
+                              teacher: str = "compressed", topk: int | None = None, scale=1.0, head_chunk: int = 0,
+                              query_chunk: int = 0):
     """`csa_indexer_loss` computed from the indexer's inputs, one query block at a time.
 
-    Equals `csa_indexer_loss(indexer_scores(q_I, k_I, w_I, visible), teacher.whole(positions, segment_ids), allowed)`
+    Equals `csa_indexer_loss(indexer_scores(q_I, k_I, w_I, visible), whole_teacher(queries, keys, teacher, positions,
+    segment_ids), allowed)`
     with visible = csa_visible(positions, segment_ids, T // W) and allowed = visible (dense) or
     visible & top-k selected (sparse), but neither the [B,T,W] scores nor the [B,T,H,W] teacher
     logits ever exist whole.
@@ -404,9 +391,11 @@ def csa_indexer_loss_streamed(index: IndexerInputs, teacher: Teacher, positions,
       index: the indexer's queries q_I (`RowQueries`, built per block), compressed keys k_I
         [B, W, DI] and head weights [B, T, HI] (already scaled). The gradient reaches all three:
         the queries' per-token inputs and params (params summed over blocks).
-      teacher: the main attention's queries (`RowQueries`, per block), compressed keys, and for
-        the joint teacher the raw window keys, sinks and window (detached here).
+      queries, keys: the teacher, the main attention's queries (`RowQueries`, per block) and keys:
+        its compressed entries, and for the joint teacher its raw window keys, sinks and window
+        (detached here; the compressed teacher reads the compressed entries alone).
       positions, segment_ids: int [B, T] (DESIGN.md, "Visibility"); the ratio is T // W.
+      teacher: "compressed" | "joint" (DESIGN.md, "The indexer loss").
       topk: None = dense (all visible blocks); k = sparse (the block's own top-k selection).
       scale: indexer_loss_scaling_factor.
       head_chunk: heads per scan step (0 = all; must divide H and HI). With a head chunk the
@@ -428,16 +417,16 @@ def csa_indexer_loss_streamed(index: IndexerInputs, teacher: Teacher, positions,
     num_blocks = index.keys_bwd.shape[1]
     if num_blocks == 0 or t % num_blocks:
         raise ValueError(f"T={t} must be a multiple of the W={num_blocks} compressed blocks")
-    joint = check_teacher(teacher.kind, teacher.raw_bsd, teacher.sink_h, teacher.window > 0, "window > 0")
+    joint = check_teacher(teacher, keys.raw_bsd, keys.sink_h, keys.window > 0, "window > 0")
     spec = Spec(
-        head_chunk=resolve_chunk(head_chunk, _heads(teacher.queries, positions), "head_chunk", "query heads"),
+        head_chunk=resolve_chunk(head_chunk, _heads(queries, positions), "head_chunk", "query heads"),
         query_chunk=resolve_chunk(query_chunk, t, "query_chunk", "query positions"),
-        joint=joint, topk=topk, window=teacher.window if joint else 0,
+        joint=joint, topk=topk, window=keys.window if joint else 0,
         index_chunk=resolve_chunk(head_chunk, heads_i, "head_chunk", "indexer heads"),
     )
-    raw_kv, sink = (teacher.raw_bsd, teacher.sink_h) if joint else (None, None)
-    dtype = compute_dtype(*jax.tree.leaves(teacher.queries), teacher.compressed_bwd, raw_kv, sink)
-    teacher_inputs = tuple(teacher_input(x, dtype) for x in (teacher.queries, teacher.compressed_bwd, raw_kv, sink))
+    raw_kv, sink = (keys.raw_bsd, keys.sink_h) if joint else (None, None)
+    dtype = compute_dtype(*jax.tree.leaves(queries), keys.compressed_bwd, raw_kv, sink)
+    teacher_inputs = tuple(teacher_input(x, dtype) for x in (queries, keys.compressed_bwd, raw_kv, sink))
     loss = _streamed_mean_kl(spec, index, teacher_inputs, positions, segment_ids)
     return jnp.asarray(scale, loss.dtype) * loss
 
@@ -448,7 +437,7 @@ def csa_indexer_loss_tap(index: IndexerInputs, positions, segment_ids, *, teache
     block logits, one query block per chunk of `core.ops.chunked_attention.chunked_attention` (its
     `tap`), where `csa_indexer_loss_streamed` builds the teacher's queries and logits a second time.
 
-    The same loss as `csa_indexer_loss_streamed(index, teacher, positions, segment_ids, topk=None, ...)`, its
+    The same loss as `csa_indexer_loss_streamed(index, queries, keys, positions, segment_ids, topk=None, ...)`, its
     gradient taken in the forward (the closed form of each block, summed over blocks), for
     detached query inputs: the gradient reaches the queries' params, k_I and w_I.
 

@@ -72,7 +72,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from core.loss.indexer_kl import Teacher, csa_indexer_loss, csa_indexer_loss_streamed, csa_indexer_loss_tap
+from core.loss.indexer_kl import csa_indexer_loss, csa_indexer_loss_streamed, csa_indexer_loss_tap, whole_teacher
 from core.model.layers import Compressor, RMSNorm, apply_rope, dense_init, param, rms_normalize
 from core.ops.chunked_attention import (Keys, RowQueries, chunked_attention, compressed_visibility,
                                         masked_attention, sliding_window_mask)
@@ -148,17 +148,18 @@ class AttentionSpec:
 
 
 def indexer_inputs(s: AttentionSpec, indexer: Indexer, x_btm, queries: RowQueries, keys: Keys, positions_bt,
-                   whole: bool) -> tuple[IndexerInputs, Teacher]:
-    """(the indexer's inputs, the teacher: the main attention's queries and keys, detached) of a CSA
-    layer, per run of rows, or with their queries built whole."""
+                   whole: bool) -> tuple[IndexerInputs, tuple[RowQueries, Keys]]:
+    """(the indexer's inputs, the teacher: the main attention's queries and keys, detached; the raw
+    keys and sink only for the joint teacher) of a CSA layer, per run of rows, or with their queries
+    built whole."""
     sg, joint, pos = jax.lax.stop_gradient, s.teacher == "joint", positions_bt
-    teacher = Teacher(sg(queries), sg(keys.compressed_bwd), sg(keys.raw_bsd) if joint else None,
-                      sg(keys.sink_h) if joint else None, kind=s.teacher, window=s.window if joint else 0)
-    index = indexer.inputs(x_btm, queries.inputs, pos)
+    teacher_keys = Keys(sg(keys.raw_bsd) if joint else None, sg(keys.sink_h) if joint else None, keys.window,
+                        sg(keys.compressed_bwd), keys.ratio)
+    teacher_queries, index = sg(queries), indexer.inputs(x_btm, queries.inputs, pos)
     if whole:
         index = index._replace(queries=index.queries.whole(pos))
-        teacher = dataclasses.replace(teacher, queries=teacher.queries.whole(pos))
-    return index, teacher
+        teacher_queries = teacher_queries.whole(pos)
+    return index, (teacher_queries, teacher_keys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +178,7 @@ class IndexerView:
     rows: int
     whole: bool
 
-    def inputs(self) -> tuple[IndexerInputs, Teacher]:
+    def inputs(self) -> tuple[IndexerInputs, tuple[RowQueries, Keys]]:
         """(the indexer's inputs, the teacher) as the layer's loss takes them: per run of rows, or
         built whole where the mode scores whole."""
         return indexer_inputs(self.spec, self.indexer, self.x_btm, self.queries, self.keys, self.positions_bt,
@@ -190,15 +191,15 @@ def collect(view: IndexerView) -> dict:
     topk_idx, topk_valid, teacher_query, compressed_kv, visible, indexer_x, indexer_c_q (+ raw_kv,
     window, sink for the joint teacher)."""
     s, sg, pos, seg = view.spec, jax.lax.stop_gradient, view.positions_bt, view.segment_ids_bt
-    index, teacher = dataclasses.replace(view, whole=True).inputs()
+    index, (t_queries, t_keys) = dataclasses.replace(view, whole=True).inputs()
     visible = compressed_visibility(pos, seg, s.ratio)
     scores = indexer_scores(index.queries.inputs, *index[1:], visible, head_chunk=s.impl.head_chunk)
     selection = select_topk(scores, visible, s.indexer_topk)
     out = dict(index_scores=sg(scores), topk_idx=selection.idx_btk, topk_valid=selection.valid_btk,
-               teacher_query=teacher.queries.inputs, compressed_kv=teacher.compressed_bwd, visible=visible,
+               teacher_query=t_queries.inputs, compressed_kv=t_keys.compressed_bwd, visible=visible,
                indexer_x=sg(view.x_btm), indexer_c_q=sg(view.queries.inputs))
     if s.teacher == "joint":
-        out.update(raw_kv=teacher.raw_bsd, window=sliding_window_mask(pos, seg, s.window), sink=teacher.sink_h)
+        out.update(raw_kv=t_keys.raw_bsd, window=sliding_window_mask(pos, seg, s.window), sink=t_keys.sink_h)
     return out
 
 
@@ -380,17 +381,18 @@ class Attention(nnx.Module):
 
         return tap, loss
 
-    def _indexer_loss(self, index: IndexerInputs, teacher: Teacher, positions_bt, segment_ids_bt, whole, topk,
-                      rows: int):
+    def _indexer_loss(self, index: IndexerInputs, teacher: tuple[RowQueries, Keys], positions_bt, segment_ids_bt,
+                      whole, topk, rows: int):
         """The layer's scaled indexer loss: streamed in blocks of `rows` query rows, or with rows 0
         the direct loss on the whole (scores, allowed) (core.loss.indexer_kl)."""
         s = self.spec
         if rows:
-            return csa_indexer_loss_streamed(index, teacher, positions_bt, segment_ids_bt, topk=topk,
-                                             scale=s.loss_scale, head_chunk=s.impl.head_chunk, query_chunk=rows)
+            return csa_indexer_loss_streamed(index, *teacher, positions_bt, segment_ids_bt, teacher=s.teacher,
+                                             topk=topk, scale=s.loss_scale, head_chunk=s.impl.head_chunk,
+                                             query_chunk=rows)
         scores_btw, allowed_btw = whole
-        return csa_indexer_loss(scores_btw, teacher.whole(positions_bt, segment_ids_bt), allowed_btw,
-                                scale=s.loss_scale, head_chunk=s.impl.head_chunk)
+        return csa_indexer_loss(scores_btw, whole_teacher(*teacher, s.teacher, positions_bt, segment_ids_bt),
+                                allowed_btw, scale=s.loss_scale, head_chunk=s.impl.head_chunk)
 
 
 # ----------------------------------------------------------------------------- the lightning indexer

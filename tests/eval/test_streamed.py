@@ -22,7 +22,6 @@ import numpy as np
 
 from core.eval import evaluate as ev, metrics
 from core.eval.rows import EVAL_KEYS, row_keys
-from core.loss.indexer_kl import Teacher
 from core.ops.chunked_attention import RowQueries
 from core.ops.topk import IndexerInputs, indexer_scores
 from core.spec.resolve import resolve
@@ -65,9 +64,8 @@ def test_layer_sums_equal_the_dense_sums_float64(x64):
     q_i, k_i, w_i = rng.normal(size=(b, t, hi, di)), rng.normal(size=(b, t // 4, di)), rng.normal(size=(b, t, hi))
     keys = row_keys(7, jnp.arange(3, 3 + b))
     index = IndexerInputs(RowQueries.given(jnp.asarray(q_i)), jnp.asarray(k_i), jnp.asarray(w_i))
-    teacher = Teacher(RowQueries.given(jnp.asarray(q)), jnp.asarray(kv))
-    got = jax.jit(functools.partial(metrics.layer_sums, ks=KS, head_chunk=head_chunk), static_argnums=4)(
-        index, teacher, jnp.asarray(pos), jnp.asarray(seg), rows, keys_b=keys)
+    got = jax.jit(functools.partial(metrics.layer_sums, ks=KS, head_chunk=head_chunk), static_argnums=5)(
+        index, RowQueries.given(jnp.asarray(q)), jnp.asarray(kv), jnp.asarray(pos), jnp.asarray(seg), rows, keys_b=keys)
     vis = ref.visible(pos, seg, 4)
     scores = indexer_scores(jnp.asarray(q_i), jnp.asarray(k_i), jnp.asarray(w_i), jnp.asarray(vis))
     want = dense_eval.layer_sums(jnp.asarray(q), jnp.asarray(kv), scores, jnp.asarray(vis),

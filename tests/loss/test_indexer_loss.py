@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.test_util import check_grads
 
-from core.loss.indexer_kl import Teacher, WholeTeacher, csa_indexer_loss, csa_indexer_loss_streamed
-from core.ops.chunked_attention import RowQueries, csa_visible, sliding_window_mask
+from core.loss.indexer_kl import WholeTeacher, csa_indexer_loss, csa_indexer_loss_streamed
+from core.ops.chunked_attention import Keys, RowQueries, csa_visible, sliding_window_mask
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, selection_mask
 
 RATIO, WINDOW, TOPK = 4, 5, 2
@@ -70,8 +70,8 @@ def loss_and_grads(*arrays, head_chunk=0, query_chunk=0, teacher="compressed"):
 def _streamed_and_grads(qi, ki, wi, q, kv, pos, seg, raw, sink, head_chunk, query_chunk, teacher, topk):
     def f(qi, ki, wi, q, kv, raw, sink):
         index = IndexerInputs(RowQueries.given(qi), ki, wi)
-        return csa_indexer_loss_streamed(index, Teacher(RowQueries.given(q), kv, raw, sink, teacher, WINDOW),
-                                         pos, seg, topk=topk, scale=0.5, head_chunk=head_chunk,
+        return csa_indexer_loss_streamed(index, RowQueries.given(q), Keys(raw, sink, WINDOW, kv, RATIO), pos, seg,
+                                         teacher=teacher, topk=topk, scale=0.5, head_chunk=head_chunk,
                                          query_chunk=query_chunk)
     return jax.value_and_grad(f, argnums=tuple(range(7)))(qi, ki, wi, q, kv, raw, sink)
 
@@ -271,7 +271,7 @@ def test_invalid_arguments_raise():
     ki, wi, q, kv, pos, seg = jx(p, "ki", "wi", "q", "kv", "pos", "seg")
     with pytest.raises(ValueError, match="indexer heads"):
         csa_indexer_loss_streamed(IndexerInputs(RowQueries.given(jnp.zeros((2, 16, 2, 8))), ki, wi),
-                                  Teacher(RowQueries.given(q), kv), pos, seg, head_chunk=4)
+                                  RowQueries.given(q), Keys(None, None, 0, kv), pos, seg, head_chunk=4)
 
 
 # ----------------------------------------------------------------------------- chunking
