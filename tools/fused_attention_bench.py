@@ -7,7 +7,7 @@ against the query-chunked path (core/ops/chunked_attention.py), forward and forw
     python3 tools/fused_attention_bench.py --aot                # compile only, for a v5e chip, no TPU needed
 
 Two layers, bf16 operands, window S = 128: CSA (ratio 4, W = T / 4 entries, allowed = visible & a
-random top-k of the visible entries per query, as a `SelectionMask`) and HCA (ratio 128, allowed =
+random top-k of the visible entries per query, as a mask) and HCA (ratio 128, allowed =
 visible), one document filling the row. For each, the forward alone and the value and gradient of
 sum(o * cotangent) wrt q, kv, ckv and the sink are jitted, run once, then timed `--repeats` times
 (median, block_until_ready). Prints one line per variant, and for each fused variant the largest
@@ -43,7 +43,7 @@ def _inputs(shape, ratio: int, topk: int, seed: int = 0):
     import jax.numpy as jnp
 
     from core.ops.chunked_attention import compressed_visibility
-    from core.ops.topk import SelectionMask, topk_mask
+    from core.ops.topk import topk_mask
 
     b, t, h, d = shape
     ks = jax.random.split(jax.random.key(seed), 6)
@@ -56,8 +56,8 @@ def _inputs(shape, ratio: int, topk: int, seed: int = 0):
     visible = compressed_visibility(*packing, ratio)
     selection = None
     if ratio == 4:
-        selection = SelectionMask(topk_mask(jax.random.uniform(ks[5], visible.shape), visible, topk))
-    allowed = visible if selection is None else visible & selection.mask_btw
+        selection = topk_mask(jax.random.uniform(ks[5], visible.shape), visible, topk)
+    allowed = visible if selection is None else visible & selection
     return q, kv, ckv, sink, cot, packing, allowed, selection
 
 

@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from core.config.schema import load_config
 from core.errors import ConfigError
 from core.loss.indexer_kl import WholeTeacher, csa_indexer_loss, csa_indexer_loss_streamed
-from core.ops.chunked_attention import Keys, RowQueries, csa_visible
-from core.ops.topk import IndexerInputs, indexer_scores, select_topk, selection_mask
+from core.ops.chunked_attention import Keys, RowQueries, csa_visible, selection_mask
+from core.ops.topk import IndexerInputs, indexer_scores, select_topk
 
 SHAPE_MODELS = {"flash": "deepseek4-284b", "tiny": "deepseek4-tiny"}
 VARIANTS = ("direct", "head", "head+query", "streamed", "teacher+kl")

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from core.loss.indexer_kl import EPS, Spec, compute_dtype, kl_terms, resolve_chunk, scan_blocks, slice_t, teacher_rows
-from core.ops.chunked_attention import block_keys, visible_rows
+from core.ops.chunked_attention import block_keys, selection_mask, visible_rows
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk
 
 METRICS = ("kl", "recall", "overlap", "recall_oracle", "recall_recent", "recall_random", "kl_uniform")
@@ -86,7 +86,8 @@ def row_metrics(p_btw, scores_btw, visible_btw, random_btw, k: int) -> dict[str,
              for name, s in (("recall", scores_btw), ("recall_oracle", p_btw), ("recall_recent", recency_btw),
                              ("recall_random", random_btw))}
     out = {name: jnp.where(valid_bt, _recall(p_btw, *sel, safe_mass_bt), 0.0) for name, sel in picks.items()}
-    mask_btw = picks["recall"].mask(visible_btw.shape[-1])  # the indexer's blocks, looked up at the teacher's
+    # the indexer's blocks, looked up at the teacher's
+    mask_btw = selection_mask(*picks["recall"], visible_btw.shape[-1])
     idx_t, ok_t = picks["recall_oracle"]
     shared_bt = jnp.sum(jnp.take_along_axis(mask_btw, idx_t, axis=-1) & ok_t, axis=-1)
     k_eff_bt = jnp.minimum(n_vis_bt, k)
@@ -130,7 +131,8 @@ def block_sums(psum_btw, scores_btw, visible_btw, random_btw, ks: Sequence[int])
 
 
 def layer_sums(index: IndexerInputs, queries, compressed_bwd, positions, segment_ids, rows: int, *,
-               ks: Sequence[int], keys_b, head_chunk: int = 0, tick: Callable[[], None] | None = None) -> dict[str, Any]:
+               ks: Sequence[int], keys_b, head_chunk: int = 0,
+               tick: Callable[[], None] | None = None) -> dict[str, Any]:
     """Row sums of every metric of one CSA layer, for each k in `ks`, one query block at a time.
 
     Run inside the layer by `layer_probe` with the evaluation's settings (ks, keys_b, head_chunk, tick).

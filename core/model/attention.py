@@ -74,8 +74,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from core.loss.indexer_kl import csa_indexer_loss, csa_indexer_loss_streamed, csa_indexer_loss_tap, whole_teacher
 from core.model.layers import Compressor, RMSNorm, apply_rope, dense_init, param, rms_normalize
-from core.ops.chunked_attention import (Keys, RowQueries, chunked_attention, compressed_visibility,
-                                        masked_attention, sliding_window_mask)
+from core.ops.chunked_attention import (Keys, RowQueries, chunked_attention, compressed_visibility, masked_attention,
+                                        selected, sliding_window_mask)
 from core.ops.placement import einsum_after_cotangent, gather_weight, pin_rows
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked
 
@@ -195,7 +195,7 @@ def collect(view: IndexerView) -> dict:
     visible = compressed_visibility(pos, seg, s.ratio)
     scores = indexer_scores(index.queries.inputs, *index[1:], visible, head_chunk=s.impl.head_chunk)
     selection = select_topk(scores, visible, s.indexer_topk)
-    out = dict(index_scores=sg(scores), topk_idx=selection.idx_btk, topk_valid=selection.valid_btk,
+    out = dict(index_scores=sg(scores), topk_idx=selection[0], topk_valid=selection[1],
                teacher_query=t_queries.inputs, compressed_kv=t_keys.compressed_bwd, visible=visible,
                indexer_x=sg(view.x_btm), indexer_c_q=sg(view.queries.inputs))
     if s.teacher == "joint":
@@ -234,8 +234,8 @@ def attend_of(s: AttentionSpec) -> Callable:
 
 
 def select_of(s: AttentionSpec) -> Callable | None:
-    """(IndexerInputs, positions, segment ids) -> Selection, one query chunk at a time; None (masked): the top-k comes
-    from whole [B, T, W] scores (`indexer_scores`, `select_topk`)."""
+    """(IndexerInputs, positions, segment ids) -> the top-k selection, one query chunk at a time; None
+    (masked): the top-k comes from whole [B, T, W] scores (`indexer_scores`, `select_topk`)."""
     if s.impl.attention == "masked":
         return None
     return functools.partial(select_topk_chunked, ratio=s.ratio, k=s.indexer_topk, chunk=s.impl.attention_chunk,
@@ -352,7 +352,7 @@ class Attention(nnx.Module):
         elif not dense:
             selection = select(index, pos, seg)
         if indexer_loss:
-            allowed = None if scores is None else visible if dense else visible & selection.mask(visible.shape[-1])
+            allowed = None if scores is None else visible if dense else visible & selected(selection, visible.shape[-1])
             topk = None if dense else s.indexer_topk
             if rows and not whole and s.impl.indexer_gradient == "local":  # the streamed loss, differentiated here
                 aux["indexer_loss"] = local_gradient_loss(self.indexer, lambda indexer: self._indexer_loss(

@@ -19,8 +19,8 @@ nothing of chunk size between steps. Per chunk, at once:
            banded when C holds at least two runs of u >= S - 1 queries (u the smallest such
            divisor of C, `band_run`): each run meets its own 2u keys (`Band`), logits
            [B, C / u, H, u, 2u], so the window's work stays O(S) per query at any C
-  CSA      top-k as indices (`Selection`): the k selected blocks' keys gathered per query,
-           [B, C, k, D] and logits [B, H, C, k]; top-k as a mask (`SelectionMask`): every block,
+  CSA      top-k as indices (idx, valid): the k selected blocks' keys gathered per query,
+           [B, C, k, D] and logits [B, H, C, k]; top-k as a mask bool [B, T, W]: every block,
            logits [B, H, C, W] masked to the selected ones (no gather: dense work O(W) per query,
            the better trade while W is a few times k); every visible block (pre-training, warm-up,
            no indexer): [B, H, C, W]
@@ -141,6 +141,23 @@ def window_rows(pos_bt, seg_bt, pos_bs, seg_bs, window: int):
     same_doc_bts = (seg_bt[:, :, None] == seg_bs[:, None, :]) & (seg_bt[:, :, None] >= 1)
     delta_bts = pos_bt[:, :, None] - pos_bs[:, None, :]
     return same_doc_bts & (delta_bts >= 0) & (delta_bts < window)
+
+
+def selection_mask(idx_btk, valid_btk, num_blocks: int):
+    """bool [B, T, W]: True at the valid selected blocks.
+
+    A scatter of the top-k indices (distinct per row, so invalid slots never clear a valid one):
+    a one-hot formulation would materialise [B, T, k, W], k times the mask itself (k = 512 at V4-Flash).
+    """
+    b, t, _ = idx_btk.shape
+    rows_btw = jnp.zeros((b, t, num_blocks), jnp.bool_)
+    return rows_btw.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], idx_btk].set(valid_btk)
+
+
+def selected(selection, num_blocks: int):
+    """bool [B, T, W]: a selection's blocks, whichever its form: (indices, validity) through
+    `selection_mask`, or the mask itself."""
+    return selection_mask(*selection, num_blocks) if isinstance(selection, tuple) else selection
 
 
 # ----------------------------------------------------------------------------- queries, keys and chunks
@@ -405,8 +422,8 @@ def masked_attention(queries: RowQueries, keys: Keys, positions_bt, segment_ids_
       keys: raw keys, sink, compressed entries and their visibility rules.
       positions_bt, segment_ids_bt: int [B, T], where each token of the packed batch sits
         (positions restart at 0 per document; segment ids >= 1 real tokens, 0 padding).
-      selection: a `core.ops.topk.Selection` or `SelectionMask` of blocks per query (CSA top-k), or
-        None for every visible block.
+      selection: CSA's top-k blocks per query (core.ops.topk), as (idx int32 [B, T, k], valid bool
+        [B, T, k]) or as a mask bool [B, T, W]; None for every visible block.
       out_fn: (o [B, T, H, D], positions [B, T]) -> per-token output; None keeps o.
 
     Returns:
@@ -417,7 +434,7 @@ def masked_attention(queries: RowQueries, keys: Keys, positions_bt, segment_ids_
     if keys.compressed_bwd is not None:
         allowed_btw = compressed_visibility(positions_bt, segment_ids_bt, keys.ratio)
         if selection is not None:
-            allowed_btw = allowed_btw & selection.mask(allowed_btw.shape[-1])
+            allowed_btw = allowed_btw & selected(selection, allowed_btw.shape[-1])
     o_bthd = softmax_attention(queries.of(queries.inputs, positions_bt), keys.raw_bsd, window_bts,
                                keys.sink_h, keys.compressed_bwd, allowed_btw)
     return (out_fn or _identity_out)(o_bthd, positions_bt)
@@ -460,15 +477,15 @@ def chunked_attention(queries: RowQueries, keys: Keys, positions_bt, segment_ids
     sink_h = keys.sink_h.astype(jnp.promote_types(keys.sink_h.dtype, jnp.float32))
     if ckv_bwd is not None:
         seg_bw, last_bw = block_keys(positions_bt, segment_ids_bt, keys.ratio)
-    gathered = hasattr(selection, "idx_btk")  # a core.ops.topk.Selection (topk imports this module)
+    gathered = isinstance(selection, tuple)  # (indices, validity): the selected blocks' keys gathered
     if tap is not None and (pad_end or gathered or ckv_bwd is None):
         raise ValueError(f"a teacher tap needs T={t} a multiple of the chunk {c} and every block's keys shared")
     xs = [to_chunks(queries.inputs, c, n), to_chunks(positions_bt, c, n), to_chunks(segment_ids_bt, c, n),
           jnp.arange(n) * c]
     if gathered:
-        xs += [to_chunks(selection.idx_btk, c, n), to_chunks(selection.valid_btk, c, n)]
-    elif selection is not None:  # a SelectionMask: every block, masked to the selected ones
-        xs += [to_chunks(selection.mask_btw, c, n)]
+        xs += [to_chunks(selection[0], c, n), to_chunks(selection[1], c, n)]
+    elif selection is not None:  # a mask: every block, masked to the selected ones
+        xs += [to_chunks(selection, c, n)]
 
     @backward_after_cotangent  # its recompute follows its cotangent (docs/scaling.md#collective-order-on-the-cpu)
     @jax.checkpoint

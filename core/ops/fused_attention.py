@@ -490,8 +490,8 @@ def fused_layer_attention(queries, keys, positions_bt, segment_ids_bt, selection
       queries: a `RowQueries`, built whole here ([B, T, H, D]; the kernels read them in place).
       keys: the layer's `Keys` (raw keys, sink, compressed entries and their visibility rule).
       positions_bt, segment_ids_bt: int [B, T].
-      selection: CSA's top-k as a `SelectionMask` or `Selection` (its dense mask, [B, T, W]), or
-        None for every visible entry.
+      selection: CSA's top-k as a mask bool [B, T, W] or as (indices, validity) (its mask:
+        core.ops.chunked_attention.selected), or None for every visible entry.
       out_fn: (o [B, T, H, D], positions [B, T]) -> per-token output, run once; None keeps o.
       block_q: query tokens per grid step.
 
@@ -502,7 +502,7 @@ def fused_layer_attention(queries, keys, positions_bt, segment_ids_bt, selection
     """
     from jax.sharding import PartitionSpec as P
 
-    from core.ops.chunked_attention import compressed_visibility
+    from core.ops.chunked_attention import compressed_visibility, selected
     from core.ops.placement import BATCH_AXES, HEADS_AXIS, divisible_prefix, mesh_platform_of
 
     q_bthd = queries.of(queries.inputs, positions_bt)
@@ -510,7 +510,7 @@ def fused_layer_attention(queries, keys, positions_bt, segment_ids_bt, selection
     if ckv is not None:
         allowed = compressed_visibility(positions_bt, segment_ids_bt, keys.ratio)
         if selection is not None:
-            allowed = allowed & selection.mask(allowed.shape[-1])
+            allowed = allowed & selected(selection, allowed.shape[-1])
     mesh = jax.sharding.get_abstract_mesh()
     on_tpu = mesh_platform_of(mesh) == "tpu"
     attend = functools.partial(fused_attention, window=keys.window, block_q=block_q, interpret=not on_tpu)

@@ -2,7 +2,9 @@
 
 `indexer_scores` is I[t,w] = sum_i weights[t,i] * ReLU(q_I[t,i] . k_I[w]) over visible blocks;
 `select_topk` keeps the k best visible blocks per row (k_eff = min(k, #visible), ties to the lower
-index) as a `Selection`; `selection_mask` turns the indices back into a [B, T, W] mask;
+index) as a selection, (indices int32 [B, T, k], validity bool [B, T, k]); `topk_mask` gives the same
+blocks as a mask bool [B, T, W], the other form a selection takes (core.ops.chunked_attention's
+`selected` reads either as a mask, `selection_mask` turns indices into one);
 `select_topk_chunked` does scoring and selection per query chunk, so [B, T, W] scores never live
 at once. Scores and selection are float32 whatever the compute dtype. The model's `Indexer`, the
 losses and the evaluation all call these.
@@ -26,17 +28,6 @@ class IndexerInputs(NamedTuple):
     queries: RowQueries   # q_I [B, T, HI, DI] (RoPE applied), per run of rows
     keys_bwd: Any         # k_I [B, W, DI]
     weights_bti: Any      # [B, T, HI], already scaled by HI^-1/2 * DI^-1/2
-
-
-class Selection(NamedTuple):
-    """The top-k blocks of each query: indices int32 [B, T, k] and validity bool [B, T, k]."""
-
-    idx_btk: Any
-    valid_btk: Any
-
-    def mask(self, num_blocks: int):
-        """bool [B, T, W]: `selection_mask` of these indices."""
-        return selection_mask(self.idx_btk, self.valid_btk, num_blocks)
 
 
 def indexer_scores(q_btid, k_bwd, weights_bti, visible_btw, *, head_chunk: int = 0):
@@ -100,25 +91,14 @@ def select_topk(scores_btw, visible_btw, k: int):
       k: static number of blocks to select (clipped to W).
 
     Returns:
-      Selection(idx_btk int32 [B, T, min(k, W)], valid_btk bool [B, T, min(k, W)]). Slots beyond
-      the visible count are marked invalid; an invisible block is never a valid selection.
+      (idx_btk int32 [B, T, min(k, W)], valid_btk bool [B, T, min(k, W)]). Slots beyond the visible
+      count are marked invalid; an invisible block is never a valid selection.
     """
     k = min(k, scores_btw.shape[-1])
     ranked_btw = _ranked(scores_btw, visible_btw)
     top_btk, idx_btk = jax.lax.top_k(ranked_btw, k)  # lax.top_k puts the lower index first on ties
     # a selected slot is valid iff its block is visible, i.e. ranked above -inf: no gather of the mask
-    return Selection(idx_btk.astype(jnp.int32), top_btk > -jnp.inf)
-
-
-class SelectionMask(NamedTuple):
-    """The top-k blocks of each query as a mask bool [B, T, W] (`topk_mask`): the form attention takes
-    when it runs over every compressed key with the selection as a mask (no gather of keys)."""
-
-    mask_btw: Any
-
-    def mask(self, num_blocks: int):
-        del num_blocks
-        return self.mask_btw
+    return idx_btk.astype(jnp.int32), top_btk > -jnp.inf
 
 
 def topk_mask(scores_btw, visible_btw, k: int):
@@ -143,17 +123,6 @@ def topk_mask(scores_btw, visible_btw, k: int):
     return above_btw | (tied_btw & (jnp.cumsum(tied_btw, axis=-1, dtype=jnp.int32) <= need_bt1))
 
 
-def selection_mask(idx_btk, valid_btk, num_blocks: int):
-    """bool [B, T, W]: True at the valid selected blocks.
-
-    A scatter of the top-k indices (distinct per row, so invalid slots never clear a valid one):
-    a one-hot formulation would materialise [B, T, k, W], k times the mask itself (k = 512 at V4-Flash).
-    """
-    b, t, _ = idx_btk.shape
-    rows_btw = jnp.zeros((b, t, num_blocks), jnp.bool_)
-    return rows_btw.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], idx_btk].set(valid_btk)
-
-
 def select_topk_chunked(index: IndexerInputs, positions_bt, segment_ids_bt, *, ratio: int, k: int, chunk: int,
                         head_chunk: int = 0, as_mask: bool = False):
     """`select_topk(indexer_scores(...), visible, k)` one query chunk at a time.
@@ -171,12 +140,12 @@ def select_topk_chunked(index: IndexerInputs, positions_bt, segment_ids_bt, *, r
       k: blocks to select (static, clipped to W).
       chunk: query positions per scan step C (static; T need not be a multiple).
       head_chunk: indexer heads per scoring step, as in `indexer_scores`.
-      as_mask: return the selection as a `SelectionMask` [B, T, W] (`topk_mask`) instead of indices.
+      as_mask: return the selection as a mask bool [B, T, W] (`topk_mask`) instead of indices.
 
     Returns:
-      Selection(idx_btk int32 [B, T, min(k, W)], valid_btk bool [B, T, min(k, W)]), equal to
-      `select_topk` of the dense scores (ties to the lower index); with `as_mask` the same blocks as
-      SelectionMask(mask_btw bool [B, T, W]).
+      (idx_btk int32 [B, T, min(k, W)], valid_btk bool [B, T, min(k, W)]), equal to `select_topk` of
+      the dense scores (ties to the lower index); with `as_mask` the same blocks as mask_btw bool
+      [B, T, W].
 
     Shapes (per chunk of c queries):
       1. q_bcid = the chunk's indexer queries; visible_bcw from positions / segment ids  [B, c, W]
@@ -194,7 +163,7 @@ def select_topk_chunked(index: IndexerInputs, positions_bt, segment_ids_bt, *, r
         scores_bcw = indexer_scores(queries.of(q_in, pos_c), k_bwd, w_c, visible_bcw, head_chunk=head_chunk)
         if as_mask:
             return None, (topk_mask(scores_bcw, visible_bcw, k),)
-        return None, tuple(select_topk(scores_bcw, visible_bcw, k))
+        return None, select_topk(scores_bcw, visible_bcw, k)
 
     xs = tuple(to_chunks(x, c, n) for x in (queries.inputs, weights_bti, positions_bt, segment_ids_bt))
     if n == 1:
@@ -202,7 +171,6 @@ def select_topk_chunked(index: IndexerInputs, positions_bt, segment_ids_bt, *, r
     else:
         _, out = jax.lax.scan(body, None, xs)
     if as_mask:
-        return SelectionMask(checkpoint_name(from_chunks(out[0], t), "topk_mask"))
+        return checkpoint_name(from_chunks(out[0], t), "topk_mask")
     idx, valid = out
-    return Selection(checkpoint_name(from_chunks(idx, t), "topk_idx"),
-                     checkpoint_name(from_chunks(valid, t), "topk_valid"))
+    return checkpoint_name(from_chunks(idx, t), "topk_idx"), checkpoint_name(from_chunks(valid, t), "topk_valid")

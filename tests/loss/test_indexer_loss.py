@@ -19,8 +19,8 @@ import numpy as np
 from jax.test_util import check_grads
 
 from core.loss.indexer_kl import WholeTeacher, csa_indexer_loss, csa_indexer_loss_streamed
-from core.ops.chunked_attention import Keys, RowQueries, csa_visible, sliding_window_mask
-from core.ops.topk import IndexerInputs, indexer_scores, select_topk, selection_mask
+from core.ops.chunked_attention import Keys, RowQueries, csa_visible, selection_mask, sliding_window_mask
+from core.ops.topk import IndexerInputs, indexer_scores, select_topk
 
 RATIO, WINDOW, TOPK = 4, 5, 2
 # Chunk settings shared by the tests so jit's cache is hit: (head_chunk, query_chunk).

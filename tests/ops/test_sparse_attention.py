@@ -12,9 +12,8 @@ from flax import nnx
 
 from core.model.attention import Attention, collect
 from core.ops.chunked_attention import (Keys, RowQueries, band_run, chunked_attention, compressed_visibility,
-                                        sliding_window_mask, softmax_attention)
-from core.ops.topk import (IndexerInputs, SelectionMask, indexer_scores, select_topk, select_topk_chunked,
-                           selection_mask, topk_mask)
+                                        selection_mask, sliding_window_mask, softmax_attention)
+from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked, topk_mask
 from core.spec.resolve import resolve
 from tests.attention_memory import layer_train_temp_bytes
 from tests.model.test_attention import make_layer, packed, spec
@@ -51,7 +50,7 @@ def _selection(pos, seg, ratio, k, seed):
 
 def _both(case, dtype, seed=0, as_mask=False):
     """(chunked, dense) loss functions of (q, kv, ckv, sink) and the inputs; `as_mask` hands the chunked
-    path the top-k as a SelectionMask (every block, masked) instead of indices (gathered blocks)."""
+    path the top-k as a mask (every block, masked) instead of indices (gathered blocks)."""
     _, rows, t, window, chunk, ratio, k = case
     pos, seg, q, kv, ckv, sink, cot = _inputs(rows, t, ratio, dtype, seed)
     win = sliding_window_mask(pos, seg, window)
@@ -61,7 +60,7 @@ def _both(case, dtype, seed=0, as_mask=False):
         if k:
             _, sel = _selection(pos, seg, ratio, k, seed)
             allowed = allowed & selection_mask(*sel, allowed.shape[-1])
-            sel = SelectionMask(allowed) if as_mask else sel
+            sel = allowed if as_mask else sel
 
     def chunked(q, kv, ckv, sink):
         o = chunked_attention(RowQueries.given(q), Keys(kv, sink, window, ckv, ratio), pos, seg, sel,
@@ -155,8 +154,8 @@ def test_select_topk_chunked_equals_dense(t, chunk):
         IndexerInputs(RowQueries.given(q), k, wt), pos, seg, ratio=4, k=3, chunk=chunk, head_chunk=1,
         as_mask=True)
     got_mask = jax.jit(as_mask)(q, k, wt, pos, seg)
-    assert isinstance(got_mask, SelectionMask)
-    np.testing.assert_array_equal(got_mask.mask_btw, selection_mask(want_idx, want_valid, w))
+    assert got_mask.shape == (2, t, w) and got_mask.dtype == jnp.bool_
+    np.testing.assert_array_equal(got_mask, selection_mask(want_idx, want_valid, w))
 
 
 def _layer_pair(ratio, seed, attention="chunked", **kw):
