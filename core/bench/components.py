@@ -1,12 +1,18 @@
-"""Which component of the model a source file belongs to: the attribution that `bench --train`'s
+"""Which component of the model a frame of a call stack belongs to: the attribution that `bench --train`'s
 FLOP count, its profile and the planner's largest temporaries share.
 
-Components are keyed on package paths under core/ (`model/attention`, `loss/indexer_kl`):
-an equation or an HLO op belongs to the innermost frame of its call stack that is an owned core
-module. Helper modules (shared building blocks such as `model/layers`) are skipped, so their work is
-attributed to whoever called them; glue modules (the decoder's wiring, the step, the data) own no
-work of their own and also pass to the next frame up. Every core module is in exactly one of the
-three tables (tests/bench/test_bench.py checks it), so a new module cannot land in "other" silently.
+A frame is (source file, qualified function name). Its owner is found by one rule, on (module,
+function): `OWNERS["module:name"]`, for the outermost name of the frame's qualified function name
+(`Indexer` of `Indexer.inputs`, `compress` of `compress.<locals>.body`), where the module holds
+another component's code; else `OWNERS["module"]`. Modules are package paths under core/
+(`model/attention`, `loss/indexer_kl`). An equation or an HLO op belongs to the innermost frame of
+its call stack whose owner is a component; `HELPER` frames (shared building blocks such as
+`model/layers`' norms and RoPE, the masks) pass their work to whoever called them, and `GLUE` frames
+(the decoder's wiring, the step, the data) own no work of their own and also pass to the next frame
+up. Every core module has an entry (tests/bench/test_bench.py checks it, and that every
+"module:name" names a function or class there), so a new module cannot land in "other" silently.
+A trace recorded before issue 60 merged modules names their old files: `RENAMED` says where that
+code lives now, and the same rule reads it.
 """
 
 from __future__ import annotations
@@ -16,22 +22,15 @@ from pathlib import Path
 from typing import Sequence
 
 COMPONENTS = ("attention", "compressor", "indexer", "MoE", "mHC", "head", "optimizer", "other")
+HELPER, GLUE = "helper", "glue"  # frames that pass to the next one up (module docstring)
 
-# core module (path under core/, no suffix) -> component
-OWNERS = {
-    "model/attention": "attention", "ops/chunked_attention": "attention", "ops/fused_attention": "attention",
-    "ops/topk": "indexer", "loss/indexer_kl": "indexer",
-    "model/moe": "MoE", "ops/grouped_matmul": "MoE", "ops/expert_parallel": "MoE",
-    "model/block": "mHC",  # the block wires the sublayers (their frames are inner); its own maths is the mHC
-    "loss/lm": "head",
-    "model/indexer_init": "indexer",
-    "train/optimizer": "optimizer", "train/step_guard": "optimizer",  # the guard tests the update it keeps or drops
-}
-# shared building blocks: their work belongs to the caller
-HELPERS = {"model/layers", "model/init_draws", "model/quant", "ops/quant", "parallel/sharding", "parallel/mesh", "ops/placement", "tree"}
-# wiring and drivers: no arithmetic of their own beyond what they call (their frames pass up too)
-GLUE = {
-    "errors", "process", "model/transformer", "model/params", "train/flops", "spec/platform", "spec/resolve", "parallel/chips", "parallel/peers", "parallel/collective_order", "parallel/xla_flags",
+# the visibility and selection masks (core/ops/chunked_attention.py), which the attention, the indexer's top-k, its
+# loss and the evaluation all build: helpers
+_MASKS = ("block_segment_ids", "block_last_positions", "block_first_positions", "csa_visible", "compressed_visibility",
+          "visible_rows", "sliding_window_mask", "window_rows", "selection_mask", "selected", "block_keys")
+_GLUE = (
+    "errors", "process", "model/transformer", "model/params", "train/flops", "spec/platform", "spec/resolve",
+    "parallel/chips", "parallel/peers", "parallel/collective_order", "parallel/xla_flags",
     "config/schema", "config/files", "config/values", "config/validate", "config/stages", "config/key_table",
     "data/batches", "data/sources", "data/identity", "data/prefetch",
     "checkpoint/store", "checkpoint/run_files", "checkpoint/host_tree", "checkpoint/inspect",
@@ -43,20 +42,30 @@ GLUE = {
     "hf/names", "hf/config_json", "hf/safetensors_io", "hf/importer", "hf/exporter",
     "bench/loss", "bench/train", "bench/trace", "bench/hlo_owners", "bench/components",
     "plan/targets", "plan/compile", "plan/report", "plan/hlo", "plan/search", "plan/cost",
+)
+# "module" or "module:name" -> component, HELPER or GLUE
+OWNERS = {
+    "model/attention": "attention", "ops/chunked_attention": "attention", "ops/fused_attention": "attention",
+    **{f"model/attention:{name}": "indexer"  # the lightning indexer, which issue 60 merged into the attention's module
+       for name in ("Indexer", "IndexerSpec", "indexer_queries", "local_gradient_loss", "local_gradient_surrogate")},
+    **{f"ops/chunked_attention:{name}": HELPER for name in _MASKS},
+    "ops/topk": "indexer", "loss/indexer_kl": "indexer", "model/indexer_init": "indexer",
+    "model/layers": HELPER, "model/layers:compress": "compressor", "model/layers:Compressor": "compressor",
+    "model/moe": "MoE", "ops/grouped_matmul": "MoE", "ops/expert_parallel": "MoE",
+    "model/block": "mHC",  # the block wires the sublayers (their frames are inner); its own maths is the mHC
+    "loss/lm": "head",
+    "train/optimizer": "optimizer", "train/step_guard": "optimizer",  # the guard tests the update it keeps or drops
+    **{m: HELPER for m in ("model/init_draws", "model/quant", "ops/quant", "parallel/sharding", "parallel/mesh",
+                           "ops/placement", "tree")},
+    **{m: GLUE for m in _GLUE},
 }
-# modules merged into others since a trace was recorded (issue 60's file moves): what their frames meant then, so
-# that a trace recorded before the move (tests/bench/test_trace.py's) reads as it did; no module of today is here
-MOVED_OWNERS = {"model/compressor": "compressor", "model/indexer": "indexer", "ops/moe_dispatch": "MoE",
-                "loss/indexer_kl_rows": "indexer", "loss/indexer_kl_streamed": "indexer",
-                "model/mhc": "mHC"}
-MOVED_HELPERS = {"ops/rope", "ops/masks", "ops/order"}
-# functions that own a component inside a module whose other work is another's (issue 60 merged the indexer into
-# model/attention and the compressor into model/layers): module -> (component, exact names, class prefixes), matched
-# on a frame's qualified function name
-FUNCTION_OWNERS = {
-    "model/attention": ("indexer", {"indexer_queries", "local_gradient_loss", "local_gradient_surrogate"}, ("Indexer.",)),
-    "model/layers": ("compressor", {"compress"}, ("Compressor.",)),
-}
+MODULES = {m for m in OWNERS if ":" not in m}  # the core modules of today
+HELPERS = {m for m in MODULES if OWNERS[m] == HELPER}
+# modules merged into others since a trace was recorded (issue 60's moves) -> the module their code lives in now
+RENAMED = {"model/compressor": "model/layers", "model/indexer": "model/attention", "ops/moe_dispatch": "model/moe",
+           "loss/indexer_kl_rows": "loss/indexer_kl", "loss/indexer_kl_streamed": "loss/indexer_kl",
+           "model/mhc": "model/block", "ops/rope": "model/layers", "ops/masks": "ops/chunked_attention",
+           "ops/order": "ops/placement"}
 CORE = Path(__file__).resolve().parents[1]
 
 
@@ -74,28 +83,29 @@ def core_module(file_name: str) -> str | None:
     return rel.with_suffix("").as_posix().removesuffix("/__init__")
 
 
-def _function_owner(module: str, function_name: str | None) -> str | None:
-    owner = FUNCTION_OWNERS.get(module)
-    if owner is None or not function_name:
-        return None
-    component, names, prefixes = owner
-    return component if function_name in names or function_name.startswith(prefixes) else None
+def owner(module: str, function_name: str | None = None) -> str | None:
+    """The component, HELPER or GLUE of a frame of `module` (a path under core/, or one `RENAMED`) running
+    `function_name` (qualified: `Indexer.inputs`); None for a module no entry names."""
+    module = RENAMED.get(module, module)
+    outer = (function_name or "").split(".", 1)[0]
+    return OWNERS.get(f"{module}:{outer}") or OWNERS.get(module)
 
 
 def component_of_files(file_names: Sequence[str], function_names: Sequence[str] | None = None) -> str:
-    """Component of a call stack given as source file names, innermost first.
+    """Component of a call stack given as source file names (and their frames' qualified function names),
+    innermost first.
 
-    optax's frames are the optimizer; the first core frame that is an owner decides; helper and glue
-    frames pass to the next frame up; a stack with no owner is "other".
+    optax's frames are the optimizer; the first core frame whose owner is a component decides; helper and
+    glue frames pass to the next frame up; a stack with no owner is "other".
     """
     for i, name in enumerate(file_names):
         if "/optax/" in name:
             return "optimizer"
         module = core_module(name)
-        owned = _function_owner(module, function_names[i] if function_names else None) if module else None
-        if owned:
-            return owned
-        if module is None or module in HELPERS or module in GLUE or module in MOVED_HELPERS:
+        if module is None:
             continue
-        return OWNERS.get(module) or MOVED_OWNERS.get(module, "other")
+        found = owner(module, function_names[i] if function_names else None)
+        if found in (HELPER, GLUE):
+            continue
+        return found or "other"
     return "other"

@@ -35,7 +35,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from core.bench.components import CORE, component_of_files, core_module, GLUE, HELPERS, OWNERS
+from core.bench.components import CORE, HELPERS, MODULES, component_of_files, core_module
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(ROOT\s+)?%([\w.\-]+)\s*=\s*")
@@ -175,7 +175,7 @@ def _project_files(files: dict[int, str]) -> dict[int, str]:
     prefix counts as the project's when one of its `<prefix>/core/<module>.py` is a module that
     components.py lists.
     """
-    known = set(OWNERS) | HELPERS | GLUE
+    known = MODULES
     names = {k: v.strip('"') for k, v in files.items()}
     roots = set()
     for name in names.values():

@@ -198,18 +198,31 @@ def test_hlo_stack_frames_name_the_component():
 
 
 def test_every_core_module_has_a_component_or_is_named_glue():
-    """A new core module lands in OWNERS, HELPERS or GLUE on purpose, never in "other" by omission."""
+    """A new core module lands in OWNERS (a component, HELPER or GLUE) on purpose, never in "other" by omission;
+    every "module:name" entry names a function or class of its module; RENAMED's old modules are gone into
+    today's; the rule reads (module, function)."""
+    import importlib
+
     from core.bench import components
 
-    tables = [set(components.OWNERS), components.HELPERS, components.GLUE]
-    modules = {components.core_module(str(p)) for p in components.CORE.rglob("*.py") if p.name != "__init__.py"}
-    missing = sorted(m for m in modules if not any(m in t for t in tables))
-    twice = sorted(m for m in modules if sum(m in t for t in tables) > 1)
-    stale = sorted(set().union(*tables) - modules)
-    assert not missing and not twice and not stale, f"unlisted {missing}, listed twice {twice}, gone {stale}"
-    assert components.component_of_files([str(components.CORE / "loss" / "indexer_kl.py")]) == "indexer"
-    assert components.component_of_files([str(components.CORE / "ops" / "rope.py"),
-                                           str(components.CORE / "model" / "attention.py")]) == "attention"
+    core = components.CORE
+    modules = {components.core_module(str(p)) for p in core.rglob("*.py") if p.name != "__init__.py"}
+    missing, stale = sorted(modules - components.MODULES), sorted(components.MODULES - modules)
+    assert not missing and not stale, f"unlisted {missing}, gone {stale}"
+    named = [key.split(":") for key in components.OWNERS if ":" in key]
+    assert all(hasattr(importlib.import_module("core." + m.replace("/", ".")), name) for m, name in named), named
+    assert not set(components.RENAMED) & modules and set(components.RENAMED.values()) <= modules
+    of = components.component_of_files
+    layers, attention, masks, topk = (str(core / f) for f in ("model/layers.py", "model/attention.py",
+                                                               "ops/chunked_attention.py", "ops/topk.py"))
+    assert of([str(core / "loss" / "indexer_kl.py")]) == "indexer"
+    assert of([str(core / "ops" / "rope.py"), attention]) == "attention"  # a module since merged, as recorded
+    assert of([layers, attention], ["compress.<locals>.pool", "Attention.__call__"]) == "compressor"
+    assert of([layers, attention], ["apply_rope", "Attention.__call__"]) == "attention"
+    assert of([attention], ["Indexer.inputs"]) == "indexer"
+    assert of([str(core / "model" / "indexer.py")], ["Indexer.inputs"]) == "indexer"  # its module before the merge
+    assert of([masks, topk], ["visible_rows", "select_topk_chunked.<locals>.body"]) == "indexer"
+    assert of([masks, attention], ["chunked_attention.<locals>.body", "Attention.__call__"]) == "attention"
 
 
 @pytest.mark.parametrize("impl", ["ragged", "gmm"])
