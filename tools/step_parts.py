@@ -83,7 +83,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--by", choices=("op", "instruction"), default="op")
     args = parser.parse_args()
-    rows = parts(args.hlo.read_text(), tg.ceilings(tg.parse_target(args.target)))
+    target = tg.parse_target(args.target)
+    # a GPU target's devices by id, 8 to a host (the hybrid mesh's order when each axis's hosts are its
+    # major part, as the model file's layouts are)
+    hosts = tuple(i // tg.GPUS_PER_HOST for i in range(target.devices)) if target.platform == "cuda" else ()
+    rows = parts(args.hlo.read_text(), tg.ceilings(target, hosts), tg.efficiency(target))
     total = collections.Counter()
     for seconds, _, part, _, _, _, name in rows:
         total[part] += seconds
