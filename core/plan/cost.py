@@ -30,7 +30,8 @@ reduce-scatter (n - 1) / n of the unsharded array, all-reduce twice that, a perm
 peer over one link. A group of n devices spans the fewest torus axes whose sizes multiply to n, each
 axis 2 links per device on a ring (wrapped around), 1 on a line (`Ceilings.links`); through a switch
 (NVLink) a device has one port. A group that spans GPU hosts moves its bytes at the network's rate
-per device (its own NIC) instead. Asynchronous collectives (-start ... -done, or a synchronous one
+per device (its own NIC) instead; an all-to-all there the parts bound for other hosts alone (those
+within the host cross NVLink beside them). Asynchronous collectives (-start ... -done, or a synchronous one
 that XLA:TPU runs as an asynchronous collective fusion, `async_collective_name`) are in flight
 together, each at its own links' rate (no contention between them), beside the instructions that
 follow; the first instruction that reads the value waits for the rest (a fused one overlaps that
@@ -60,6 +61,7 @@ _SPACE = re.compile(r"S\((\d+)\)")
 VMEM = 1  # XLA:TPU's memory space of on-chip vector memory; 0 is HBM, others hold scalars and flags
 _FREE_CALLS = ("AllocateBuffer", "ConcatBitcast", "AssumeGatherIndicesInBound")  # no data moved
 _ROWS = ("gather", "scatter")
+_ALL_TO_ALL = ("all-to-all", "ragged-all-to-all")
 # the frontend attribute of a collective that XLA:TPU runs as an asynchronous collective fusion
 # (--xla_tpu_enable_async_collective_fusion): written synchronous, it overlaps what runs up to its first user
 _ASYNC_FUSED = "async_collective_name="
@@ -105,6 +107,12 @@ class Ceilings:
         if not self.network_bandwidth or not self.hosts or not groups:
             return False
         return any(len({self.hosts[i] for i in g if i < len(self.hosts)}) > 1 for g in groups)
+
+    def same_host(self, groups: list[frozenset[int]]) -> int:
+        """The most members of one group that share a host."""
+        counts = [sum(self.hosts[i] == self.hosts[j] for j in g if j < len(self.hosts)) for g in groups for i in g
+                  if i < len(self.hosts)]
+        return max(counts, default=1)
 
     def links(self, devices: int) -> int:
         """The links per device of a group of `devices`: those of the torus axes it spans (the
@@ -380,6 +388,8 @@ def _collective_s(module: hlo.Module, inst: hlo.Instruction, ceilings: Ceilings)
     if kind == "collective-permute":  # to one peer, over one link
         return full / (ceilings.network_bandwidth if across else ceilings.link_bandwidth)
     n = max(len(g) for g in groups) if groups else 0
+    if across and kind in _ALL_TO_ALL:  # only the parts bound for other hosts cross the network
+        return full * (n - ceilings.same_host(groups)) / n / ceilings.network_bandwidth
     moved = full * (n - 1) / n if n else full  # each device receives all but its own part
     rate = ceilings.network_bandwidth if across else ceilings.links(n) * ceilings.link_bandwidth
     return moved * (2 if kind == "all-reduce" else 1) / rate

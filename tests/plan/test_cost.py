@@ -482,6 +482,10 @@ def test_a_group_across_gpu_hosts_moves_at_the_networks_rate():
     assert cost.estimate(module(f"{x}\n{across}"), gpus, EFF)["collective_s"] == pytest.approx(half / 1e9)
     permute = "%y = bf16[1024,1024]{1,0} collective-permute(%x), source_target_pairs={{0,2},{2,0}}"
     assert cost.estimate(module(f"{x}\n{permute}"), gpus, EFF)["collective_s"] == pytest.approx(half / 1e9)  # its whole array
+    # an all-to-all over the four: each device's quarter bound for its host's other device crosses NVLink,
+    # beside the two quarters bound for the other host, which cross the network
+    a2a = "%y = bf16[1024,1024]{1,0} all-to-all(%x), dimensions={0}, replica_groups={{0,1,2,3}}"
+    assert cost.estimate(module(f"{x}\n{a2a}"), gpus, EFF)["collective_s"] == pytest.approx(half / 2 / 1e9)
     # without hosts (a TPU slice, or a plan that names none) every group stays on the links
     assert cost.estimate(module(f"{x}\n{across}"), CEILINGS, EFF)["collective_s"] == pytest.approx(half / 1e10)
 
