@@ -41,9 +41,12 @@ def parts(text: str, ceilings: cost.Ceilings, eff: cost.Efficiency = cost.V5E):
     """(seconds per step, executions, part, kind, instruction, type, op name) per instruction."""
     module = hlo.parse(text)
     runs = hlo.runs(module)
+    # the computations an async-start wraps: priced once, at their async-start
+    wrapped_by_start = {cost._callee(i) for insts in module.computations.values() for i in insts
+                        if i.opcode == "async-start"}
     out = []
     for comp, insts in module.computations.items():
-        if comp in module.fused or not runs.get(comp, 0):
+        if comp in module.fused or comp in wrapped_by_start or not runs.get(comp, 0):
             continue
         for inst in insts:
             op, kind = inst.opcode, inst.opcode
