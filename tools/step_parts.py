@@ -41,9 +41,12 @@ def parts(text: str, ceilings: cost.Ceilings, eff: cost.Efficiency = cost.V5E):
     """(seconds per step, executions, part, kind, instruction, type, op name) per instruction."""
     module = hlo.parse(text)
     runs = hlo.runs(module)
+    # the computations an async-start wraps: priced once, at their async-start
+    wrapped_by_start = {cost._callee(i) for insts in module.computations.values() for i in insts
+                        if i.opcode == "async-start"}
     out = []
     for comp, insts in module.computations.items():
-        if comp in module.fused or not runs.get(comp, 0):
+        if comp in module.fused or comp in wrapped_by_start or not runs.get(comp, 0):
             continue
         for inst in insts:
             op, kind = inst.opcode, inst.opcode
@@ -83,7 +86,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--by", choices=("op", "instruction"), default="op")
     args = parser.parse_args()
-    rows = parts(args.hlo.read_text(), tg.ceilings(tg.parse_target(args.target)))
+    target = tg.parse_target(args.target)
+    # a GPU target's devices by id, 8 to a host (the hybrid mesh's order when each axis's hosts are its
+    # major part, as the model file's layouts are)
+    hosts = tuple(i // tg.GPUS_PER_HOST for i in range(target.devices)) if target.platform == "cuda" else ()
+    rows = parts(args.hlo.read_text(), tg.ceilings(target, hosts), tg.efficiency(target))
     total = collections.Counter()
     for seconds, _, part, _, _, _, name in rows:
         total[part] += seconds

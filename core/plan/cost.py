@@ -29,7 +29,9 @@ A collective moves a ring's bytes per device over the links its group spans: all
 reduce-scatter (n - 1) / n of the unsharded array, all-reduce twice that, a permute its array to one
 peer over one link. A group of n devices spans the fewest torus axes whose sizes multiply to n, each
 axis 2 links per device on a ring (wrapped around), 1 on a line (`Ceilings.links`); through a switch
-(NVLink) a device has one port. Asynchronous collectives (-start ... -done, or a synchronous one
+(NVLink) a device has one port. A group that spans GPU hosts moves its bytes at the network's rate
+per device (its own NIC) instead; an all-to-all there the parts bound for other hosts alone (those
+within the host cross NVLink beside them). Asynchronous collectives (-start ... -done, or a synchronous one
 that XLA:TPU runs as an asynchronous collective fusion, `async_collective_name`) are in flight
 together, each at its own links' rate (no contention between them), beside the instructions that
 follow; the first instruction that reads the value waits for the rest (a fused one overlaps that
@@ -38,7 +40,8 @@ all-reduce), take their time in line. A conditional costs all its branches (as `
 them). Everything is per device.
 
 The efficiencies (`V5E`) were fitted on a v5e chip's profiles; v5p and GPU targets use the same
-model and constants with their own published peaks and bandwidths; on v5p the model was checked
+model and constants with their own published peaks and bandwidths (a GPU's gathered row at
+one DRAM sector's bytes: `gpu_efficiency`); on v5p the model was checked
 against MaxText's published runs (tools/maxtext_step_check.py).
 """
 
@@ -58,6 +61,7 @@ _SPACE = re.compile(r"S\((\d+)\)")
 VMEM = 1  # XLA:TPU's memory space of on-chip vector memory; 0 is HBM, others hold scalars and flags
 _FREE_CALLS = ("AllocateBuffer", "ConcatBitcast", "AssumeGatherIndicesInBound")  # no data moved
 _ROWS = ("gather", "scatter")
+_ALL_TO_ALL = ("all-to-all", "ragged-all-to-all")
 # the frontend attribute of a collective that XLA:TPU runs as an asynchronous collective fusion
 # (--xla_tpu_enable_async_collective_fusion): written synchronous, it overlaps what runs up to its first user
 _ASYNC_FUSED = "async_collective_name="
@@ -77,6 +81,14 @@ class Efficiency:
 
 # fitted on a TPU v5e chip's profiles (docs/step-time-model.md)
 V5E = Efficiency(mxu=0.93, mxu_kernel=0.72, hbm=0.84, vmem=0.07, row_s=8e-9, op_s=0.6e-6)
+SECTOR_BYTES = 32  # a GPU's unit of DRAM access: a gathered row reads at least one sector
+
+
+def gpu_efficiency(hbm_bandwidth: float) -> Efficiency:
+    """A GPU's constants: V5E's (uncalibrated there), but a row no dearer than one DRAM sector at the
+    HBM rate: a GPU's threads gather rows in parallel, where a TPU moves them one at a time
+    (docs/step-time-model.md#published-ceilings)."""
+    return dataclasses.replace(V5E, row_s=SECTOR_BYTES / (hbm_bandwidth * V5E.hbm))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +99,20 @@ class Ceilings:
     hbm_bandwidth: float
     link_bandwidth: float  # bytes/s one way: per link on a torus, per device through a switch
     torus: tuple[tuple[int, int], ...] = ()  # (devices, links per device) along each axis; () a switch
+    network_bandwidth: float = 0.0  # bytes/s one way per device across hosts (its NIC); 0: not priced apart
+    hosts: tuple[int, ...] = ()  # the host of each device of the program, by its id in the replica groups
+
+    def crosses_hosts(self, groups: list[frozenset[int]] | None) -> bool:
+        """Whether a collective's groups span devices of more than one host (priced at the network's rate)."""
+        if not self.network_bandwidth or not self.hosts or not groups:
+            return False
+        return any(len({self.hosts[i] for i in g if i < len(self.hosts)}) > 1 for g in groups)
+
+    def same_host(self, groups: list[frozenset[int]]) -> int:
+        """The most members of one group that share a host."""
+        counts = [sum(self.hosts[i] == self.hosts[j] for j in g if j < len(self.hosts)) for g in groups for i in g
+                  if i < len(self.hosts)]
+        return max(counts, default=1)
 
     def links(self, devices: int) -> int:
         """The links per device of a group of `devices`: those of the torus axes it spans (the
@@ -358,11 +384,15 @@ def _collective_s(module: hlo.Module, inst: hlo.Instruction, ceilings: Ceilings)
     kind = inst.opcode.removesuffix("-start")
     arrays = [inst.type_text] + [module.types.get(o, "") for o in inst.operands]
     full = max((size for text in arrays for size, _ in laid_out(text)), default=0)  # the unsharded side
-    if kind == "collective-permute":
-        return full / ceilings.link_bandwidth  # to one peer, over one link
+    across = ceilings.crosses_hosts(groups)
+    if kind == "collective-permute":  # to one peer, over one link
+        return full / (ceilings.network_bandwidth if across else ceilings.link_bandwidth)
     n = max(len(g) for g in groups) if groups else 0
+    if across and kind in _ALL_TO_ALL:  # only the parts bound for other hosts cross the network
+        return full * (n - ceilings.same_host(groups)) / n / ceilings.network_bandwidth
     moved = full * (n - 1) / n if n else full  # each device receives all but its own part
-    return moved * (2 if kind == "all-reduce" else 1) / (ceilings.links(n) * ceilings.link_bandwidth)
+    rate = ceilings.network_bandwidth if across else ceilings.links(n) * ceilings.link_bandwidth
+    return moved * (2 if kind == "all-reduce" else 1) / rate
 
 
 def _drain(queue: list[list], seconds: float) -> None:

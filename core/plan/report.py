@@ -35,7 +35,7 @@ import os
 import re
 from typing import Any
 
-from core.plan.targets import JAX_PREALLOCATE_FRACTION, Target, ceilings
+from core.plan.targets import JAX_PREALLOCATE_FRACTION, Target, ceilings, efficiency
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
           "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
@@ -132,7 +132,8 @@ def compiled_report(cfg, target: Target, mesh, state_info: dict[str, int], compi
            **flop_figures(cfg, mesh, program, cost, analytic),
            "top_temporaries": top_temporaries(buffer_text, text, top) if top else []}
     out.update(step_estimate(target, text, out["global_batch"] * cfg.max_target_length,
-                             ragged_rows(cfg, mesh, out["global_batch"])))
+                             ragged_rows(cfg, mesh, out["global_batch"]),
+                             hosts=tuple(d.process_index for d in mesh.devices.flat)))
     return out
 
 
@@ -283,9 +284,11 @@ def ragged_rows(cfg, mesh, global_batch: int) -> dict[str, Any] | None:
                     "rows follow the routing; elementwise work and bytes stay the buffer's)"}
 
 
-def step_estimate(target: Target, hlo_text: str, tokens: int, ragged: dict[str, Any] | None = None) -> dict[str, Any]:
+def step_estimate(target: Target, hlo_text: str, tokens: int, ragged: dict[str, Any] | None = None,
+                  hosts: tuple[int, ...] = ()) -> dict[str, Any]:
     """estimated_step_s, estimated_tokens_per_s and `step_estimate`, the model's parts (core/plan/cost.py);
-    `ragged`: `ragged_rows`' pricing of the grouped matmuls, reported under step_estimate's ragged_rows."""
+    `ragged`: `ragged_rows`' pricing of the grouped matmuls, reported under step_estimate's ragged_rows;
+    `hosts`: each device's host in the mesh's order (`targets.ceilings`)."""
     from core.plan import cost
 
     if target.chip is None:
@@ -293,11 +296,13 @@ def step_estimate(target: Target, hlo_text: str, tokens: int, ragged: dict[str, 
                 "step_estimate": "no estimate: fake CPU devices have no peak figures"}
     chip = target.chip
     rows = {ragged[r]: ragged["priced_rows"] for r in ("static_rows", "padded_rows")} if ragged else {}
-    parts = cost.estimate(hlo_text, ceilings(target), ragged=rows)
+    eff = efficiency(target)
+    parts = cost.estimate(hlo_text, ceilings(target, hosts), eff, ragged=rows)
     step = parts.pop("step_s")
     return {"estimated_step_s": step, "estimated_tokens_per_s": tokens / step if step else None,
             "step_estimate": {**parts, **({"ragged_rows": ragged} if ragged else {}), "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
-                              "link_bandwidth": chip.link_bandwidth, "efficiency": dataclasses.asdict(cost.V5E),
+                              "link_bandwidth": chip.link_bandwidth, "network_bandwidth": chip.network_bandwidth,
+                              "efficiency": dataclasses.asdict(eff),
                               "model": "per executed instruction: max(matmul FLOPs / (peak x mxu), (HBM bytes + "
                                        "vmem x on-chip bytes) / (HBM bandwidth x hbm), rows x row_s) + op_s, loops "
                                        "counted; asynchronous copies and collectives overlapped with the "

@@ -49,6 +49,7 @@ class Chip:
     peak_flops: float       # dense bf16 FLOP/s per chip
     hbm_bandwidth: float    # bytes/s per chip
     link_bandwidth: float   # bytes/s one direction: per ICI link on a TPU, per GPU into NVLink's switch
+    network_bandwidth: float = 0.0  # bytes/s one direction per GPU across hosts (its NIC); 0 on a TPU (unpriced)
 
 
 # TPU generation -> (topology prefix, cores per chip (megacore), chip); HBM as the compiler reports it,
@@ -66,9 +67,11 @@ TPU_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4
           256: "4x8x8", 384: "4x8x12", 512: "8x8x8", 768: "8x8x12", 1024: "8x8x16", 2048: "8x16x16",
           4096: "16x16x16"}
 TPU_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
-# GPU name -> (spec file in specs/, dense bf16 FLOP/s, NVLink bytes/s one direction)
-GPUS = {"h100": ("h100_sxm", PEAK_BF16_FLOPS["h100"], 4.5e11), "h200": ("h200", PEAK_BF16_FLOPS["h200"], 4.5e11),
-        "b200": ("b200", PEAK_BF16_FLOPS["b200"], 9.0e11)}
+# GPU name -> (spec file in specs/, dense bf16 FLOP/s, NVLink bytes/s one direction, network bytes/s one
+# direction per GPU: one 400 Gb/s ConnectX-7 per GPU in DGX H100, H200 and B200 hosts; docs/step-time-model.md)
+GPUS = {"h100": ("h100_sxm", PEAK_BF16_FLOPS["h100"], 4.5e11, 5.0e10),
+        "h200": ("h200", PEAK_BF16_FLOPS["h200"], 4.5e11, 5.0e10),
+        "b200": ("b200", PEAK_BF16_FLOPS["b200"], 9.0e11, 5.0e10)}
 JAX_PREALLOCATE_FRACTION = 0.75  # XLA_PYTHON_CLIENT_MEM_FRACTION's default: what a JAX process may use
 
 
@@ -124,12 +127,22 @@ class Target:
         return self.slices
 
 
-def ceilings(target: Target):
-    """The step-time model's ceilings (core.plan.cost.Ceilings) of a target with a chip."""
+def ceilings(target: Target, hosts: tuple[int, ...] = ()):
+    """The step-time model's ceilings (core.plan.cost.Ceilings) of a target with a chip; `hosts`: the
+    host (process index) of each device of the program, in the mesh's order (the replica groups' ids),
+    so that a GPU collective across hosts is priced at the network's rate."""
     from core.plan import cost
 
     chip = target.chip
-    return cost.Ceilings(chip.peak_flops, chip.hbm_bandwidth, chip.link_bandwidth, target.torus)
+    return cost.Ceilings(chip.peak_flops, chip.hbm_bandwidth, chip.link_bandwidth, target.torus,
+                         chip.network_bandwidth, tuple(hosts) if chip.network_bandwidth else ())
+
+
+def efficiency(target: Target):
+    """The step-time model's constants (core.plan.cost.Efficiency) of a target with a chip."""
+    from core.plan import cost
+
+    return cost.gpu_efficiency(target.chip.hbm_bandwidth) if target.platform == "cuda" else cost.V5E
 
 
 def parse_target(name: str) -> Target:
@@ -160,12 +173,12 @@ def _tpu_target(name: str, generation: str, size: int) -> Target:
 
 
 def _gpu_target(name: str, kind: str, count: int) -> Target:
-    spec, flops, link = GPUS[kind]
+    spec, flops, link, network = GPUS[kind]
     if count < 1 or (count > GPUS_PER_HOST and count % GPUS_PER_HOST):
         raise ConfigError(f"--target {name}: {kind} targets hold 1 to {GPUS_PER_HOST} GPUs or whole hosts of "
                           f"{GPUS_PER_HOST} (e.g. {kind}x8, {kind}x16).")
     fields = gpu_spec_fields(spec)
-    chip = Chip(fields["device_memory_size"], flops, fields["memory_bandwidth"], link)
+    chip = Chip(fields["device_memory_size"], flops, fields["memory_bandwidth"], link, network)
     hosts, per_host = max(count // GPUS_PER_HOST, 1), min(count, GPUS_PER_HOST)
     return Target(name, "cuda", count, chip=chip, topology=f"1x{hosts}x{per_host}", spec_file=spec, extra="cuda")
 

@@ -467,3 +467,39 @@ def test_drop_free_expert_parallelism_prices_its_grouped_matmuls_at_the_balanced
     assert ragged_rows(cfg.replace(moe_capacity_factor=1.0), mesh, 16) is None
     assert ragged_rows(cfg.replace(moe_impl="tiled"), mesh, 16) is None
     assert ragged_rows(cfg, AbstractMesh((1, 16, 1, 1), ("data", "fsdp", "tensor", "expert")), 16) is None
+
+
+def test_a_group_across_gpu_hosts_moves_at_the_networks_rate():
+    """Four devices on two hosts (0, 0, 1, 1): an all-gather within each host crosses NVLink's switch; one
+    whose groups pair devices of two hosts goes through each device's NIC, at the network's rate."""
+    gpus = cost.Ceilings(peak_flops=1e12, hbm_bandwidth=1e11, link_bandwidth=1e10, network_bandwidth=1e9,
+                         hosts=(0, 0, 1, 1))
+    x = "%x = bf16[1024,1024]{1,0} parameter(0)"
+    within = f"%y = bf16[2048,1024]{{1,0}} all-gather(%x), dimensions={{0}}, replica_groups={{{{0,1}},{{2,3}}}}"
+    across = f"%y = bf16[2048,1024]{{1,0}} all-gather(%x), dimensions={{0}}, replica_groups={{{{0,2}},{{1,3}}}}"
+    half = 2048 * 1024 * 2 / 2  # each device receives its peer's half
+    assert cost.estimate(module(f"{x}\n{within}"), gpus, EFF)["collective_s"] == pytest.approx(half / 1e10)
+    assert cost.estimate(module(f"{x}\n{across}"), gpus, EFF)["collective_s"] == pytest.approx(half / 1e9)
+    permute = "%y = bf16[1024,1024]{1,0} collective-permute(%x), source_target_pairs={{0,2},{2,0}}"
+    assert cost.estimate(module(f"{x}\n{permute}"), gpus, EFF)["collective_s"] == pytest.approx(half / 1e9)  # its whole array
+    # an all-to-all over the four: each device's quarter bound for its host's other device crosses NVLink,
+    # beside the two quarters bound for the other host, which cross the network
+    a2a = "%y = bf16[1024,1024]{1,0} all-to-all(%x), dimensions={0}, replica_groups={{0,1,2,3}}"
+    assert cost.estimate(module(f"{x}\n{a2a}"), gpus, EFF)["collective_s"] == pytest.approx(half / 2 / 1e9)
+    # without hosts (a TPU slice, or a plan that names none) every group stays on the links
+    assert cost.estimate(module(f"{x}\n{across}"), CEILINGS, EFF)["collective_s"] == pytest.approx(half / 1e10)
+
+
+def test_a_gpu_target_prices_hosts_and_rows_as_a_gpu():
+    """h200x16: two hosts of 8, each GPU's NIC at 400 Gb/s; a gathered row costs one 32-byte DRAM sector
+    at the HBM rate, where a TPU's costs row_s; a TPU target keeps no hosts (one slice's ICI)."""
+    from core.plan.targets import ceilings, efficiency, parse_target
+
+    h200 = parse_target("h200x16")
+    c = ceilings(h200, tuple(i // 8 for i in range(16)))
+    assert (c.network_bandwidth, c.hosts[7], c.hosts[8]) == (5.0e10, 0, 1)
+    assert efficiency(h200).row_s == pytest.approx(32 / (h200.chip.hbm_bandwidth * cost.V5E.hbm))
+    assert efficiency(h200).mxu == cost.V5E.mxu
+    v5p = parse_target("v5p-128")
+    assert efficiency(v5p) == cost.V5E
+    assert ceilings(v5p, tuple(range(64))).hosts == ()

@@ -92,7 +92,7 @@ def test_targets_by_name():
 def test_gpu_specs_parse_without_fields_jax_rejects():
     from core.plan.targets import GPUS, gpu_spec_text
 
-    for spec, _, _ in GPUS.values():
+    for spec, *_ in GPUS.values():
         text = "\n".join(line for line in gpu_spec_text(spec).splitlines() if not line.startswith("#"))
         assert "gpu_device_info {" in text and "collective_memory_granularity" not in text
         assert text.count("{") == text.count("}"), spec
