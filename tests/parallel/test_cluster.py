@@ -294,9 +294,10 @@ MULTI_STEPS = 160  # JAX's preemption sync point comes seconds after SIGTERM (te
 MULTI = (*SMALL[:-2], "checkpoint_period=1000", f"learning_rate_schedule_steps={MULTI_STEPS}",
          "async_checkpointing=false")
 # The kill -9 runs compare with nothing and never reach their end: steps enough that the run is still going
-# when the kill comes, however late it comes on a loaded machine.
+# when the kill comes, however late it comes on a loaded machine. Their schedule is the reference's (fixed,
+# whatever --steps says), so their step is the reference's program, read from the compilation cache.
 LOST_STEPS = 1000
-LOST = (*SMALL[:-2], "checkpoint_period=100", f"learning_rate_schedule_steps={LOST_STEPS}", "async_checkpointing=false")
+LOST = (*SMALL[:-2], "checkpoint_period=100", f"learning_rate_schedule_steps={MULTI_STEPS}", "async_checkpointing=false")
 # DSV4_HEARTBEAT_TIMEOUT_S of the kill -9 run: a heartbeat RPC that misses it ends a process, so a few
 # seconds are too few on a heavily loaded machine; the wait overlaps the other runs.
 MULTI_HEARTBEAT_S = 30
@@ -374,9 +375,9 @@ def _checkpoints(run) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster_runs(tmp_path_factory):
-    """The reference and the kill -9 run start together; the Ctrl-C -> SIGTERM -> resumed chain starts once the
-    reference's step is compiled, the run that loses process 0 once the kill -9 run's is (the later runs read
-    them from the compilation cache)."""
+    """The reference starts first; every other run once the reference's step is compiled (they read it from
+    the compilation cache: started together, each process would compile it): the kill -9 run, then the run
+    that loses process 0 and the Ctrl-C -> SIGTERM -> resumed chain."""
     import signal
     import threading
     import time
@@ -384,8 +385,8 @@ def cluster_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster")
     straight, lost, lost0, chain = root / "straight", root / "lost", root / "lost0", root / "chain"
     started = time.monotonic()
-    reference, dying = _launch(straight, "straight"), _launch(lost, "lost", MULTI_HEARTBEAT_S, LOST_STEPS, LOST)
-    launched = [*reference, *dying]
+    reference = _launch(straight, "straight")
+    launched = [*reference]
 
     def kill_and_time(procs, victim: int) -> list:  # kill -9 of procs[victim]; [when the other ended - when killed]
         procs[victim].kill()
@@ -395,10 +396,11 @@ def cluster_runs(tmp_path_factory):
         return ended
 
     try:
+        _when_logged(straight, reference, 0)
+        launched += (dying := _launch(lost, "lost", MULTI_HEARTBEAT_S, LOST_STEPS, LOST))
         _when_logged(lost, dying, 1)
         survivor_ended = kill_and_time(dying, 1)
         launched += (leaderless := _launch(lost0, "lost0", MULTI_HEARTBEAT_S, LOST_STEPS, LOST))  # kill -9 of process 0, the service's host
-        _when_logged(straight, reference, 0)
         launched += (procs := _launch(chain, "ctrl_c"))  # Ctrl-C on process 1 alone
         _when_logged(lost0, leaderless, 1)
         process_1_ended = kill_and_time(leaderless, 0)

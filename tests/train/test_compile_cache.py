@@ -15,13 +15,14 @@ from core.config.schema import load_config
 
 @pytest.fixture
 def restore_cache():
-    """Put JAX's cache settings back (they are process-wide) and drop the in-memory executables."""
+    """Put JAX's cache settings back (they are process-wide). The process's in-memory executables stay:
+    `jax.clear_caches()` would drop every program the worker compiled for earlier test files (seconds to
+    free, and each one still in use traced, lowered and read back again)."""
     before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
     yield
     jax.config.update("jax_compilation_cache_dir", before[0])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
     compilation_cache.reset_cache()
-    jax.clear_caches()
 
 
 def test_resolve(monkeypatch, tmp_path):
@@ -42,8 +43,8 @@ def test_off_leaves_jax_alone(restore_cache):
 
 
 def test_second_compile_hits_the_cache(restore_cache, tmp_path):
-    """The first compile writes an entry; after the in-memory caches are cleared, the same program
-    is read back from the directory (JAX's cache-hit event), not compiled again."""
+    """The first compile writes an entry; the same program, jitted anew (in no in-memory cache), is
+    read back from the directory (JAX's cache-hit event), not compiled again."""
     events = []
     listen = lambda name, **kw: events.append(name)  # noqa: E731
     jax.monitoring.register_event_listener(listen)
@@ -58,16 +59,19 @@ def _compile_twice(tmp_path, events):
     path = enable_compilation_cache(str(tmp_path / "cache"), min_compile_time_s=0.0)
     assert path == tmp_path / "cache" and path.is_dir()
 
-    def f(x):
-        return jnp.sin(x) @ x.T + 3.0
+    def program():
+        """A new function object per call: the same program, in none of JAX's in-memory caches (keyed by
+        the function), so its second compile must look it up in the directory."""
+        def f(x):
+            return jnp.sin(x) @ x.T + 3.0
+        return f
 
     x = jnp.arange(12.0).reshape(3, 4)
-    want = jax.jit(f)(x)
+    want = jax.jit(program())(x)
     entries = sorted(p.name for p in path.iterdir())
     assert entries, "the first compile wrote nothing to the cache directory"
     assert "/jax/compilation_cache/cache_hits" not in events
-    jax.clear_caches()  # the next call must look the program up again
-    got = jax.jit(f)(x)
+    got = jax.jit(program())(x)
     assert "/jax/compilation_cache/cache_hits" in events
     assert sorted(p.name for p in path.iterdir()) == entries  # read back, nothing new written
     assert jnp.array_equal(got, want)
