@@ -62,7 +62,7 @@ class Config:
     allow_bf16_updates: bool          # let a training command update bfloat16 parameters in place
     frozen_weights: str               # param_dtype | released (frozen linear weights as FP8/FP4 codes + scales)
     scan_layers: bool
-    remat_policy: str                 # auto | none | minimal | projections | full (what a layer saves for the backward)
+    remat_policy: str                 # auto | none | minimal | projections | experts | full (what a layer saves for the backward)
     lm_loss_chunk_size: int           # tokens per LM-loss chunk, 0 = direct [B, T, V] logits, -1 = per platform
     # rotary position embedding
     rope_type: str

@@ -43,7 +43,7 @@ _CHOICES = {
     **dict.fromkeys(("dtype", "weight_dtype", "frozen_weight_dtype", "mu_dtype", "nu_dtype"), ("float32", "bfloat16")),
     "hc_mix_form": ("einsum", "slices"),
     "hc_mixes_backward": ("auto", "autodiff", "closed"),
-    "remat_policy": ("auto", "none", "minimal", "projections", "full"),
+    "remat_policy": ("auto", "none", "minimal", "projections", "experts", "full"),
     "moe_impl": ("auto", "tiled", "dense", "ragged", "gmm"),
     "rope_type": ("default", "yarn"),
     "indexer_teacher": ("compressed", "joint"),

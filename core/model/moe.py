@@ -421,7 +421,8 @@ def grouped_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf, limit: 
     x_sm = slots.sort(x_btm.reshape(b * t, m))
     gate_sf = checkpoint_name(matmul(x_sm, w1_emf, slots.group_sizes), "moe_gate")
     up_sf = checkpoint_name(matmul(x_sm, w3_emf, slots.group_sizes), "moe_up")
-    weights_s = slots.weights(weights_btk.reshape(b * t, k).astype(_acc(x_btm)))
+    # under expert parallelism the weights the exchange brought: kept by name, the SwiGLU's backward reads them
+    weights_s = checkpoint_name(slots.weights(weights_btk.reshape(b * t, k).astype(_acc(x_btm))), "moe_weights")
     h_sf = (swiglu_hidden(gate_sf, up_sf, limit) * weights_s[:, None]).astype(x_btm.dtype)
     return slots.gather_sum(matmul(h_sf, w2_efm, slots.group_sizes)).reshape(b, t, m)
 

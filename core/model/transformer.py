@@ -37,6 +37,12 @@ which decides what the backward pass keeps from the forward and what it recomput
                the megablox kernels' too, and each sublayer's output), recompute the elementwise work
                between them and the small projections, and offload each layer's input to host memory
                where the platform has it apart from the device's (TPU, GPU);
+  experts      keep the MoE's products by name (EXPERT_NAMES: the gate and up products of the routed and
+               shared experts, the combine weights, both sublayers' outputs and the attention's grouped
+               output projection) and each layer's input, on the device, and recompute the rest (the
+               attention up to its output projections, the mHC, the rows the grouped matmuls read,
+               under expert parallelism the exchange that brought them): the backward runs none of the
+               MoE's matmuls nor the output projections again, at about a quarter of `projections`' bytes;
   full         keep only each layer's input; the whole layer runs again in the backward (one extra
                forward of the layers, least memory).
 Every remat policy also keeps SAVED_NAMES, values tagged with `checkpoint_name` where they are
@@ -48,7 +54,7 @@ local_gradient_loss: one copy of the indexer's parameters per layer) and the MoE
 indexer loss nor routing sort again, for a few bytes per token and layer. Under `full` the attention
 output [B, T, M] is not kept: keeping it grows the temporaries at long T more than it saves.
 `auto` (core/spec/platform.py, core/train/remat.py `remat_that_fits`) is `full`, or on a TPU the
-first of `none` and `projections` whose step compiles within the chip.
+first of `none`, `projections` and `experts` whose step compiles within the chip.
 In the warm-up nothing but the indexer trains and its gradient is local, so no gradient crosses a
 layer: the backward keeps no layer's input and runs no layer again, under any policy (the step's
 memory is one layer's plus the weights': tests/model/test_local_gradient.py).
@@ -93,8 +99,14 @@ SAVED_NAMES = ("topk_idx", "topk_valid", "topk_mask", "indexer_loss_grads", "ind
 # consumers (norms, SwiGLU) and the small projections run again.
 PROJECTION_NAMES = ("attn_q_proj", "attn_q", "attn_out", "attn_o_lora", "attn_lse", "compressor_proj", "moe_gate",
                     "moe_up", "attn_sublayer_out", "moe_sublayer_out")
+# What `experts` keeps (core.model.moe's grouped_experts and swiglu_mlp, core.model.attention, Block): the
+# experts' gate and up products and combine weights, the attention's grouped output projection, and both
+# sublayers' outputs, which the mHC post's backward reads; the SwiGLU runs again, the down and output
+# projections do not. The experts' rows ([B T k, M] in expert order) and the attention's [B, T, H, D] are not
+# kept: each twice to eight times a kept product's bytes.
+EXPERT_NAMES = ("moe_weights", "moe_gate", "moe_up", "attn_o_lora", "attn_sublayer_out", "moe_sublayer_out")
 LAYER_INPUT = "decoder_layer_input"  # each layer body's input x [B, T, n, M] (run_segment)
-REMAT_POLICIES = ("none", "minimal", "projections", "full")  # module docstring
+REMAT_POLICIES = ("none", "minimal", "projections", "experts", "full")  # module docstring
 
 
 def remat_policy(name: str, platform: str):
@@ -102,7 +114,9 @@ def remat_policy(name: str, platform: str):
 
     `projections` offloads each layer's input to the host's pinned memory on a TPU or GPU (copied
     out in the forward, back in the backward: MaxText's `decoder_layer_input: offload`); on a CPU,
-    whose device memory is the host's, it keeps it like any saved value."""
+    whose device memory is the host's, it keeps it like any saved value. `experts` keeps it on the
+    device: its way back from the host waited in line in a scan of layers on the chip
+    (docs/tpu.md), a wait the step-time model does not see."""
     names = jax.checkpoint_policies.save_only_these_names
     if name == "none":
         return None
@@ -111,12 +125,15 @@ def remat_policy(name: str, platform: str):
             jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims, names(*SAVED_NAMES))
     if name == "full":
         return names(*SAVED_NAMES)
-    if name != "projections":
+    if name not in ("projections", "experts"):
         raise ValueError(f"remat_policy={name!r} is unknown: use one of {', '.join(REMAT_POLICIES)}")
+    if name == "experts":
+        return names(*SAVED_NAMES, *EXPERT_NAMES, LAYER_INPUT)
+    kept = [*SAVED_NAMES, *PROJECTION_NAMES]
     if platform == "cpu":
-        return names(*SAVED_NAMES, *PROJECTION_NAMES, LAYER_INPUT)
+        return names(*kept, LAYER_INPUT)
     return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[*SAVED_NAMES, *PROJECTION_NAMES], names_which_can_be_offloaded=[LAYER_INPUT],
+        names_which_can_be_saved=kept, names_which_can_be_offloaded=[LAYER_INPUT],
         offload_src="device", offload_dst="pinned_host")
 
 

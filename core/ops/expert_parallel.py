@@ -11,15 +11,20 @@ device runs, once per call:
    lands: destination d's buffer holds, source by source and within a source local expert by local
    expert, the slots sent to it, C rows in all (C the capacity below). A slot past row C of its
    destination is dropped: its output is 0 and it counts, slot by slot, in the returned fraction.
-3. The exchange (`ragged_exchange`) sends each block's real rows: `lax.ragged_all_to_all` on a
-   TPU or a GPU, whose transfers are the real counts. The combine weights stay at the source.
+3. The exchange (`ragged_exchange`) sends each block's real rows, and beside them each slot's
+   combine weight (float32, one per row): `lax.ragged_all_to_all` on a TPU or a GPU, whose
+   transfers are the real counts.
 4. Each destination runs `experts` on its C rows as one-slot tokens of its E_l local experts, each
-   of weight 1 (the single-device MoE: a grouped matmul over the real rows for moe_impl ragged and
-   gmm, the tiled dispatch for tiled; rows past the received ones are empty slots, expert E_l), and
-   the inverse exchange returns each slot's output, rounded to the compute dtype, to its source.
-5. The source weights each slot's output by its combine weight and sums each token's k slots in
-   float32 (`SlotOrder.gather_sum`), then over `tensor` when the hidden width F is sharded there.
-   Two exchanges a call forward and two backward (the weights' gradient is the source's too).
+   with its combine weight (the single-device MoE: a grouped matmul over the real rows for moe_impl
+   ragged and gmm, which scales the hidden [C, F] by it before the down projection, the tiled
+   dispatch for tiled; rows past the received ones are empty slots, expert E_l), and the inverse
+   exchange returns each slot's weighted output, rounded to the compute dtype, to its source.
+5. The source sums each token's k slots in float32 (`SlotOrder.gather_sum`), then over `tensor`
+   when the hidden width F is sharded there: the same products, rounded at the same place, as the
+   single-device MoE. Weighting at the source instead would multiply [n k, M] rows in float32 each
+   way, and its backward would need the returned rows: under remat, the down projection and the
+   return exchange run again. Three exchanges a call forward (two of them the rows) and three
+   backward.
 
 XLA:CPU (jax 0.10.2) does not implement `ragged-all-to-all` ("UNIMPLEMENTED"): there the exchange
 is `emulated_ragged_all_to_all`, the same call's result from an `all_to_all` of static blocks, one
@@ -47,6 +52,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from core.ops.grouped_matmul import SlotOrder
@@ -133,8 +139,9 @@ def expert_parallel_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf,
       2. counts_pe = all_gather(bincount(idx)); kept_dse = _kept_counts(counts_pe)          [P, P, E_l]
       3. recv_cm = ragged_exchange(x_sm)                                                     [C, M]
          local_c = each row's local expert (E_l past the received rows)                      [C]
-      4. y_cm = experts(recv, local_c, 1); back_sm = ragged_exchange⁻¹(y_cm)                  [S, M]
-      5. y_nm = slots.gather_sum(back_sm * weights_s) (float32); psum over `tensor`           [n, M]
+         recv_c = ragged_exchange(weights_s)                                                 [C]
+      4. y_cm = experts(recv, local_c, recv_c); back_sm = ragged_exchange⁻¹(y_cm)             [S, M]
+      5. y_nm = slots.gather_sum(back_sm) (float32); psum over `tensor`                       [n, M]
     """
     mesh = exchange.mesh
     b, t, m = x_btm.shape
@@ -153,7 +160,7 @@ def expert_parallel_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf,
         me = jax.lax.axis_index(EXPERT_AXIS)
         slots = SlotOrder(idx_nk, num_experts)
         x_sm, weights_s = slots.sort(x_nm), slots.weights(weights_nk)
-        counts_pe = jax.lax.all_gather(slots.group_sizes, EXPERT_AXIS)                    # [P_src, E]
+        counts_pe = checkpoint_name(jax.lax.all_gather(slots.group_sizes, EXPERT_AXIS), "moe_routing")  # [P_src, E]
         kept_dse = _kept_counts(counts_pe, devices, local_experts, cap)
         sent_ds = jnp.sum(kept_dse, axis=-1)                                              # [dst, src]
         at_ds = _exclusive_cumsum(sent_ds)                                                # row of src's block at dst
@@ -167,17 +174,16 @@ def expert_parallel_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf,
             return ragged_exchange(a, jnp.zeros((rows, *a.shape[1:]), a.dtype), *offsets,
                                    emulated=exchange.emulated, block=block)
 
-        recv_cm = send(x_sm, cap, out)
+        recv_cm, recv_c = send(x_sm, cap, out), send(weights_s, cap, out)
         ends = jnp.cumsum(kept_dse[me].reshape(-1))                                       # [src * E_l]
         # one fused compare of every row with the P E_l ends: the default binary search gathers the C rows
         # once per halving, which a TPU moves one row at a time
         row_e = jnp.searchsorted(ends, jnp.arange(cap, dtype=ends.dtype), side="right", method="compare_all")
-        local_c = jnp.where(row_e < devices * local_experts, row_e % local_experts, local_experts)
-        unit_c = jnp.ones((1, cap, 1), weights_s.dtype)  # the combine weights stay at the source
-        y_cm = experts(recv_cm[None], local_c[None, :, None].astype(jnp.int32), unit_c, w1, w2, w3)[0]
+        local_c = checkpoint_name(jnp.where(row_e < devices * local_experts, row_e % local_experts, local_experts),
+                                  "moe_routing")
+        y_cm = experts(recv_cm[None], local_c[None, :, None].astype(jnp.int32), recv_c[None, :, None], w1, w2, w3)[0]
         back_sm = send(y_cm.astype(x_nm.dtype), slots_n, back)
-        acc = jnp.promote_types(back_sm.dtype, jnp.float32)
-        y_nm = slots.gather_sum(back_sm.astype(acc) * weights_s[:, None].astype(acc))
+        y_nm = slots.gather_sum(back_sm)
         if mlp_axis is not None:
             y_nm = jax.lax.psum(y_nm, mlp_axis)
         dropped = jax.lax.psum(slots_n - jnp.sum(sent_ds[:, me]), tokens)

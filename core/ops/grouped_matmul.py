@@ -27,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,9 +190,10 @@ class SlotOrder:
     def __init__(self, idx_nk, num_groups: int):
         flat = idx_nk.reshape(-1).astype(jnp.int32)
         self.k = idx_nk.shape[-1]
-        self.order = jnp.argsort(flat, stable=True)                   # sorted position -> slot
-        self.inverse = jnp.argsort(self.order)                        # slot -> sorted position
-        self.group_sizes = jnp.bincount(flat, length=num_groups).astype(jnp.int32)
+        order = jnp.argsort(flat, stable=True)                        # sorted position -> slot
+        # named as the routing is (core.model.transformer's SAVED_NAMES): no remat policy sorts again
+        self.order, self.inverse, self.group_sizes = (checkpoint_name(a, "moe_routing") for a in (
+            order, jnp.argsort(order), jnp.bincount(flat, length=num_groups).astype(jnp.int32)))
 
     def sort(self, x_nm):
         """[N, M] tokens -> [S, M] their slots' copies in expert order."""

@@ -1,8 +1,8 @@
 """The remat choice (`remat_policy=auto`), the run's phase after preflight (core/train/preflight.py
-`fit_remat`) and the planner's (core/plan/compile.py): on a TPU, the steps without layer remat and with
-`projections` compiled in turn (core/train/program.py's `StepProgram`), the first that fits a chip taken
-(its executable kept for the run), after a screen (`remat_worth_compiling`) that spares a compile that
-cannot fit or changes nothing; `full` where neither fits, and everywhere else (a CPU's and a GPU's
+`fit_remat`) and the planner's (core/plan/compile.py): on a TPU, the steps without layer remat, with
+`projections` and with `experts` compiled in turn (core/train/program.py's `StepProgram`), the first that
+fits a chip taken (its executable kept for the run), after a screen (`remat_worth_compiling`) that spares
+a compile that cannot fit or changes nothing; `full` where none fits, and everywhere else (a CPU's and a GPU's
 `auto` is `full`: core/spec/platform.py).
 """
 
@@ -52,9 +52,9 @@ def kept_bytes_per_row(specs: Resolved) -> int:
 
 # About the largest share of `kept_bytes_per_row` that XLA:TPU kept in the steps without layer remat
 # measured (docs/benchmarks.md#why-the-defaults; far less where the layers are not scanned). Under
-# `projections` the policy names what is kept, and XLA keeps it.
-KEPT_SHARE_SCREEN = {"none": 0.6, "projections": 1.0}
-REMAT_TRIALS = ("none", "projections")  # auto's candidates on a TPU, fastest first; `full` needs no compile
+# `projections` and `experts` the policy names what is kept, and XLA keeps it.
+KEPT_SHARE_SCREEN = {"none": 0.6, "projections": 1.0, "experts": 1.0}
+REMAT_TRIALS = ("none", "projections", "experts")  # auto's candidates on a TPU, fastest first; `full` needs no compile
 
 
 def offloaded_bytes_per_row(cfg) -> int:
@@ -84,7 +84,7 @@ def remat_worth_compiling(specs: Resolved, mesh_axes, usable_bytes: int) -> bool
                                       cfg.nu_dtype)
     shards = math.prod(mesh_axes.get(a, 1) for a in BATCH_AXES)
     rows = cfg.per_device_batch_size * math.prod(mesh_axes.values()) // max(shards, 1)  # a device's batch shard
-    kept = kept_bytes_per_row(specs)  # traced here on the CPU, where `projections` offloads nothing
+    kept = kept_bytes_per_row(specs)  # traced here on the CPU, where nothing is offloaded
     if cfg.remat_policy == "projections":
         kept -= offloaded_bytes_per_row(cfg)
     return state + KEPT_SHARE_SCREEN[cfg.remat_policy] * rows * kept <= usable_bytes
@@ -126,9 +126,10 @@ def fitting_remat(specs: Resolved, mesh, usable_bytes: int, candidates) -> Resol
 def remat_that_fits(asked: str, specs: Resolved, mesh, usable_bytes: int | None = None) -> Resolved:
     """Phase: the specs a run that asked for remat_policy `asked` (before `resolve`) trains with on
     `mesh`: `specs` (resolved: `remat_policy=auto` is `full` there) or, on a TPU, the first of `remat_candidates`
-    (`none`, then `projections`) whose step compiles within `usable_bytes` per device (`fitting_remat`).
-    Without layer remat the backward runs no layer's forward again, and XLA:TPU recomputes by itself
-    what it must to fit its limit; `projections` recomputes the elementwise work alone. A compile that
+    (`none`, `projections`, then `experts`) whose step compiles within `usable_bytes` per device
+    (`fitting_remat`). Without layer remat the backward runs no layer's forward again, and XLA:TPU
+    recomputes by itself what it must to fit its limit; `projections` recomputes the elementwise work
+    alone, `experts` the attention but none of the MoE's matmuls. A compile that
     fits is kept for the run, so the run does not compile again.
 
     Args:

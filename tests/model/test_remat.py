@@ -2,11 +2,11 @@
 
 The layer-body policies (core/model/transformer.py, `remat_policy`) keep SAVED_NAMES: the CSA top-k
 selection, the streamed indexer loss's gradients and the MoE routing; `projections` also keeps
-PROJECTION_NAMES and keeps (CPU) or offloads (TPU, GPU) each layer's input. A shrunken sparse-stage
-model (two scanned CSA layers, learned routing, four attention chunks of 8, indexer loss on) must give
-the loss and gradients of `none` (no remat) under `full` and `projections` (also with the TPU's fused
-attention kernels, in interpret mode, and grouped experts), and the backward must run no top-k again:
-the differentiated program has as many top_k as the forward.
+PROJECTION_NAMES and keeps (CPU) or offloads (TPU, GPU) each layer's input, `experts` EXPERT_NAMES. A
+shrunken sparse-stage model (two scanned CSA layers, learned routing, four attention chunks of 8, indexer
+loss on) must give the loss and gradients of `none` (no remat) under `full`, `projections` and `experts`
+(also with the TPU's fused attention kernels, in interpret mode, and grouped experts), and the backward
+must run no top-k again: the differentiated program has as many top_k as the forward.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ def _value_and_grads(policy: str, *extra):
     return float(value), {".".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(grads)}
 
 
-@pytest.mark.parametrize("policy, extra", [("full", ()), ("projections", ()), ("projections", TPU_PATHS)],
-                         ids=["full", "projections", "projections-tpu-paths"])
+@pytest.mark.parametrize("policy, extra", [("full", ()), ("projections", ()), ("projections", TPU_PATHS),
+                                           ("experts", TPU_PATHS)],
+                         ids=["full", "projections", "projections-tpu-paths", "experts-tpu-paths"])
 def test_remat_equals_no_remat_in_the_sparse_stage(policy, extra):
     """Value to float32 rounding; gradients to float32 rounding of the largest gradient entry (the
     programs fuse and order their sums differently: see test_lm_loss's remat test, which covers
@@ -89,7 +90,7 @@ def _count(fn, args, primitive: str) -> int:
     return len(re.findall(rf"= {primitive}\[", str(jax.make_jaxpr(fn)(*args))))
 
 
-@pytest.mark.parametrize("policy", ["full", "minimal", "projections"])
+@pytest.mark.parametrize("policy", ["full", "minimal", "projections", "experts"])
 def test_backward_recomputes_no_selection(policy):
     """Every top_k (indexer selection, the indexer loss's own selection, MoE routing) runs once
     per step: the gradient program has exactly the forward's count (recomputing them doubled it)."""
@@ -116,6 +117,25 @@ def test_projections_keeps_the_named_products():
         named = {n for *_, what in _saved(policy, *TPU_PATHS, "scan_layers=false") for n in PROJECTION_NAMES
                  if f"named '{n}'" in what}
         assert named == kept, (policy, named)
+
+
+def test_experts_keeps_its_names_and_runs_no_grouped_matmul_again():
+    """Under `experts` the backward keeps EXPERT_NAMES and none of the attention's other products, and its
+    grouped matmuls are the forward's and their two transposes each: `full` runs the forward's again."""
+    from core.model.transformer import EXPERT_NAMES, PROJECTION_NAMES
+
+    saved = [what for *_, what in _saved("experts", *TPU_PATHS, "scan_layers=false")]
+    assert {n for n in EXPERT_NAMES if any(f"named '{n}'" in w for w in saved)} == set(EXPERT_NAMES)
+    assert not [n for n in set(PROJECTION_NAMES) - set(EXPERT_NAMES) if any(f"named '{n}'" in w for w in saved)]
+    counts = {}
+    for policy in ("experts", "full"):
+        loss, params = _loss_fn(policy, *TPU_PATHS)
+        counts[policy] = (_count(loss, (params,), "ragged_dot_general"),
+                          _count(jax.value_and_grad(loss), (params,), "ragged_dot_general"))
+    forward = counts["full"][0]
+    assert forward == counts["experts"][0] > 0
+    assert counts["experts"][1] == 3 * forward, counts    # forward, and each product's two transposes
+    assert counts["full"][1] == 4 * forward, counts       # and the forward's again
 
 
 @pytest.mark.parametrize("platform, host", [("cpu", False), ("gpu", True), ("tpu", True)])

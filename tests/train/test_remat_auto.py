@@ -1,7 +1,7 @@
 """remat_policy=auto (core/train/remat.py `remat_that_fits` and its screen): `full` by the platform rule;
 on a TPU mesh, `none` where the step without layer remat compiles within the device's memory, its executable kept
-for the run, else `projections` where that step does; `full` where the screen rules them out, the compiler
-refuses them or their memory analysis exceeds the device. The TPU's branches run here on a CPU mesh with the
+for the run, else `projections`, else `experts` where that step does; `full` where the screen rules them out, the
+compiler refuses them or their memory analysis exceeds the device. The TPU's branches run here on a CPU mesh with the
 platform patched; the planner's through libtpu."""
 
 from __future__ import annotations
@@ -68,18 +68,20 @@ def _compiled_total(specs, mesh):
     return memory.compiled_memory(step.compile(inputs.state, inputs.batch))["total_bytes"], step
 
 
-def test_auto_takes_none_then_projections_then_full_as_the_device_shrinks(monkeypatch):
+def test_auto_takes_none_then_projections_then_experts_then_full_as_the_device_shrinks(monkeypatch):
     asked, cfg, mesh = _configs("remat_policy=auto")  # the previous test's: its compile of none is cached
-    (none, none_step), (kept, kept_step) = (_compiled_total(cfg.replace(remat_policy=p), mesh)
-                                            for p in ("none", "projections"))
-    assert none > kept, (none, kept)
+    (none, none_step), (kept, kept_step), (moe, moe_step) = (_compiled_total(cfg.replace(remat_policy=p), mesh)
+                                                             for p in ("none", "projections", "experts"))
+    assert none > kept > moe, (none, kept, moe)
     monkeypatch.setattr(remat, "remat_worth_compiling", lambda *a: True)  # past the screen, the compile decides
     assert remat.remat_that_fits(asked, cfg, mesh, none).cfg.remat_policy == "none"  # exactly the device: fits
     assert remat.remat_that_fits(asked, cfg, mesh, none - 1).cfg.remat_policy == "projections"
     assert none_step.compiled() is None  # the executable that does not fit is not kept
     assert remat.remat_that_fits(asked, cfg, mesh, kept).cfg.remat_policy == "projections"
-    assert remat.remat_that_fits(asked, cfg, mesh, kept - 1) is cfg  # full: compiled by the run itself
+    assert remat.remat_that_fits(asked, cfg, mesh, kept - 1).cfg.remat_policy == "experts"
     assert kept_step.compiled() is None
+    assert remat.remat_that_fits(asked, cfg, mesh, moe - 1) is cfg  # full: compiled by the run itself
+    assert moe_step.compiled() is None
 
 
 def test_the_screen_passes_over_a_policy_alone(monkeypatch):
@@ -121,7 +123,7 @@ def test_the_warm_up_keeps_full_without_compiling(monkeypatch):
     assert remat.remat_that_fits(asked, cfg, mesh, HUGE) is cfg and cfg.cfg.remat_policy == "full"
 
 
-@pytest.mark.parametrize("policy", ["none", "minimal", "projections", "full"])
+@pytest.mark.parametrize("policy", ["none", "minimal", "projections", "experts", "full"])
 def test_an_explicit_policy_is_kept(monkeypatch, policy):
     asked, cfg, mesh = _configs(f"remat_policy={policy}")
     _no_compile(monkeypatch)
