@@ -1,6 +1,7 @@
 """How many ragged exchanges the expert-parallel MoE (core/ops/expert_parallel.py) traces: the tokens out
-and their outputs back, forward and backward; the combine weights never travel (the source holds them
-and weights the returned outputs). Traced on an abstract 8-device expert mesh, nothing compiled, so the
+and their outputs back, forward and backward, and beside the tokens their combine weights (one float32
+a slot: the destination scales the hidden by them, as the one-device MoE does, so nothing at the source
+needs the returned rows again in the backward). Traced on an abstract 8-device expert mesh, nothing compiled, so the
 TPU's form of the exchange (`lax.ragged_all_to_all`) is what is counted. Values and gradients against
 the one-device MoE: tests/model/test_expert_parallel.py.
 """
@@ -33,9 +34,10 @@ def _eqns(jaxpr):
             yield from _eqns(sub)
 
 
-def test_the_combine_weights_stay_at_the_source():
-    """Forward: two exchanges of [rows, M] (the slots out, their outputs back), none of the [rows] weights;
-    value and gradient (x, weights, w1, w2, w3): four, all of [rows, M]."""
+def test_the_combine_weights_travel_with_the_rows():
+    """Forward: two exchanges of [rows, M] (the slots out, their outputs back) and one of the [rows]
+    weights beside the slots; value and gradient (x, weights, w1, w2, w3): each once more backward, four
+    of [rows, M] and two of [rows]."""
     mesh = AbstractMesh((1, 1, 1, 8), ("data", "fsdp", "tensor", "expert"), axis_types=(AxisType.Auto,) * 4)
     local = functools.partial(tiled_experts, tile=8, empty_slots=True,
                               hidden=functools.partial(moe.swiglu_hidden, limit=10.0))
@@ -49,5 +51,8 @@ def test_the_combine_weights_stay_at_the_source():
     with jax.sharding.use_abstract_mesh(mesh):
         forward = _exchanges(jax.make_jaxpr(loss)(*args))
         both = _exchanges(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 2, 3, 4, 5)))(*args))
-    assert len(forward) == 2 and all(s.endswith(f",{M}]") for s in forward), forward
-    assert len(both) == 4 and all(s.endswith(f",{M}]") for s in both), both
+    out, back = (s.split("[")[1].split(",")[0] for s in (forward[0], forward[2]))  # C rows out, S slots back
+    assert forward == [f"float32[{out},{M}]", f"float32[{out}]", f"float32[{back},{M}]"], forward
+    # backward: the rows' cotangents out and back, and the weights' gradient back to its source's slots
+    assert len(both) == 6 and sum(s.endswith(f",{M}]") for s in both) == 4, both
+    assert sorted(s for s in both if "," not in s) == sorted([f"float32[{out}]", f"float32[{back}]"]), both
