@@ -73,6 +73,8 @@ class RunSettings:
     max_checkpoints: int
     async_checkpointing: bool
     enable_tensorboard: bool
+    compile_ahead: bool               # the step compiled from shapes beside the build (core/train/program.py)
+    teacher_init_batches: int         # indexer_init=teacher's calibration batches; 0: no teacher init
     max_target_length: int            # tokens per row
     dtype: str                        # the compute dtype, whose peak FLOPs the MFU divides by
     model_flops_per_step: float       # core/train/flops.py, at the run's global batch
@@ -86,8 +88,10 @@ def run_settings(cfg: Config, mesh) -> RunSettings:
     guard = step_guard.Guard(cfg.abort_on_nan_loss, cfg.abort_on_inf_loss, cfg.learning_rate,
                              cfg.gradient_clipping_threshold, (cfg.dtype, cfg.weight_dtype))
     flops = model_flops_per_step(cfg, cfg.per_device_batch_size * mesh.size)["total"]
+    teacher = cfg.indexer_init_batches if cfg.indexer_init == "teacher" else 0
     return RunSettings(cfg.model_name, cfg.steps, cfg.checkpoint_period, cfg.max_checkpoints, cfg.async_checkpointing,
-                       cfg.enable_tensorboard, cfg.max_target_length, cfg.dtype, flops, guard, dump(cfg), cfg.to_dict())
+                       cfg.enable_tensorboard, cfg.compile_ahead, teacher, cfg.max_target_length, cfg.dtype, flops,
+                       guard, dump(cfg), cfg.to_dict())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +144,7 @@ def preflight(cfg: Config, stage: str, run_dir: Path, init_from: str | Path | No
     else:
         source = None
     check_fits(cfg, stage, mesh, abstract[0])  # a model that cannot fit stops here, in one line
-    labels = check_masks(cfg, abstract[0])
+    labels = check_masks(specs.step, abstract[0])
     warnings = tuple(w for w in (topk_warning(cfg),) if w)
     return Preflight(specs, run_settings(cfg, mesh), mesh, abstract, labels, data, source, kept, tuple(notices),
                      warnings)

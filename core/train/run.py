@@ -158,8 +158,10 @@ class Trainer:
         self.stage, self.run_dir = stage, Path(run_dir)
         self.lock = claim(self.run_dir, f"dsv4 {stage}")
         plan = fit_remat(cfg.remat_policy, preflight(cfg, stage, self.run_dir, init_from))
-        ahead = program.compile_ahead(plan.specs, plan.mesh, plan.abstract)  # compiles while the model builds
-        made = materialise(plan.specs, plan.mesh, plan.labels, plan.abstract, plan.source, plan.data)
+        # the step compiles while the model builds
+        ahead = program.compile_ahead(plan.specs, plan.mesh, plan.abstract) if plan.run.compile_ahead else None
+        made = materialise(plan.specs, plan.mesh, plan.labels, plan.abstract, plan.source, plan.data,
+                           teacher_init_batches=plan.run.teacher_init_batches)
         self.outputs = open_outputs(
             self.run_dir, config_text=plan.run.config_text, kept_metrics=plan.kept_metrics, start_step=made.start_step,
             state_bytes=tree_bytes(made.state), max_checkpoints=plan.run.max_checkpoints,
