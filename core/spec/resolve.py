@@ -1,7 +1,7 @@
 """`resolve(cfg, platform, mesh)`: a config's `auto` keys decided for a platform, and the frozen specs
 the model and the step are built from (DESIGN.md, "The model"; the stage table).
 
-  Resolved
+  Resolved, the `Specs` (platform, model, step) and the config they came from:
     cfg       the Config with every `auto` key set (core/spec/platform.py): what config.yml records
     platform  "cpu" | "gpu" | "tpu"
     model     ModelSpec: widths, dtypes, masks, the stage row, and per layer a BlockSpec:
@@ -71,14 +71,28 @@ class StepSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class Resolved:
-    """A config resolved for one platform and mesh, with the specs built from it."""
+class Specs:
+    """What the model and the training step are built from on one platform, and nothing else: the
+    step program's input besides its graphdef, shardings and mesh (core/train/program.py)."""
 
-    cfg: Any              # the resolved core.config.schema.Config
-    platform: str
+    platform: str         # "cpu" | "gpu" | "tpu"
     model: ModelSpec
     step: StepSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved(Specs):
+    """A config resolved for one platform and mesh, with the specs built from it. What a run's
+    config phases (its preflight and remat choice), the planner, a benchmark and the evaluation
+    take; the run's later phases take its `specs` alone."""
+
+    cfg: Any              # the resolved core.config.schema.Config
     axes: tuple | None = None  # the mesh's (axis, size) pairs it was resolved for; None: the config's ici_/dcn_ keys
+
+    @property
+    def specs(self) -> Specs:
+        """The specs without the config."""
+        return Specs(self.platform, self.model, self.step)
 
     def replace(self, **changes) -> "Resolved":
         """These specs with `changes` to the resolved config (a remat trial's policy, say), the specs
@@ -103,7 +117,7 @@ def resolve(cfg, platform: str, mesh: Any = None) -> Resolved:
 @functools.lru_cache(maxsize=32)
 def _resolve(cfg, platform: str, axes: tuple | None) -> Resolved:
     cfg = resolve_config(cfg, platform, None if axes is None else dict(axes))
-    return Resolved(cfg, platform_name(platform), model_spec(cfg), step_spec(cfg), axes)
+    return Resolved(platform_name(platform), model_spec(cfg), step_spec(cfg), cfg, axes)
 
 
 def schedule_steps(cfg_or_dict: Any) -> int:

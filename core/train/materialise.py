@@ -25,7 +25,7 @@ from core.model.init_draws import bucketed_draws
 from core.model.params import count_parameters
 from core.model.transformer import Transformer
 from core.parallel.sharding import create_sharded, shard_state
-from core.spec.resolve import OptimizerSpec, Resolved
+from core.spec.resolve import OptimizerSpec, Specs
 from core.train.indexer_init import calibration_batches, teacher_init
 from core.train.optimizer import make_optimizer
 from core.train.step import check_masks
@@ -35,7 +35,7 @@ from core.train.step import check_masks
 class Setup:
     """The model and optimizer of resolved specs on their mesh."""
 
-    specs: Resolved
+    specs: Specs
     mesh: Any
     model: Transformer
     optimizer: nnx.Optimizer
@@ -44,7 +44,7 @@ class Setup:
     params_trainable: int
 
 
-def build(specs: Resolved, mesh, *, labels: Mapping[str, bool] | None = None, objects=None) -> Setup:
+def build(specs: Specs, mesh, *, labels: Mapping[str, bool] | None = None, objects=None) -> Setup:
     """The model and optimizer of `specs` (resolved for `mesh`) on `mesh`, with their rule-given shardings.
 
     On a single CPU process the model is built eagerly and then placed (`shard_state`): the CPU
@@ -103,12 +103,12 @@ class Materialised:
     notices: tuple[str, ...]
 
 
-def materialise(specs: Resolved, mesh, labels: Mapping[str, bool], abstract, source, data, *,
+def materialise(specs: Specs, mesh, labels: Mapping[str, bool], abstract, source, data, *,
                 teacher_init_batches: int = 0) -> Materialised:
     """Phase: the run's model and optimizer, fresh or filled from `source`.
 
     Args:
-      specs: the run's resolved config and specs (preflight's, after the remat phase).
+      specs: the run's model and step specs (preflight's `specs`, after the remat phase).
       mesh, labels: preflight's mesh and trainable labels.
       abstract: preflight's (model, optimizer) from `nnx.eval_shape`, copied to hold a checkpoint's values.
       source: preflight's `Source` (core/train/preflight.py), or None for a fresh run.

@@ -39,7 +39,7 @@ from core.errors import CheckpointError, ConfigError
 from core.model import quant
 from core.model.params import mask_matcher
 from core.model.transformer import Transformer
-from core.spec.resolve import Resolved, resolve
+from core.spec.resolve import Resolved, Specs, resolve
 from core.parallel.mesh import describe_mesh, make_mesh, mesh_platform
 from core.parallel.sharding import abstract_state, local_batch_slice
 from core.train import memory, program, remat, resume_checks, step_guard
@@ -98,7 +98,7 @@ def run_settings(cfg: Config, mesh) -> RunSettings:
 class Preflight:
     """What the later phases of a run take, each made once."""
 
-    specs: Resolved                   # the config resolved for the mesh's platform, and its specs
+    resolved: Resolved                # the config resolved for the mesh's platform, and its specs
     run: RunSettings                  # what the loop, the outputs and the header read of the resolved config
     mesh: Mesh
     abstract: tuple[Transformer, nnx.Optimizer]  # from nnx.eval_shape: the step's and restore's shapes
@@ -108,6 +108,12 @@ class Preflight:
     kept_metrics: tuple[dict, ...]    # metrics.jsonl's rows up to the resumed step
     notices: tuple[str, ...]          # one-line messages for the user before the first step
     warnings: tuple[str, ...]
+
+    @property
+    def specs(self) -> Specs:
+        """The model's and the step's specs, without the config: what the phases after the remat
+        choice take."""
+        return self.resolved.specs
 
 
 def preflight(cfg: Config, stage: str, run_dir: Path, init_from: str | Path | None = None) -> Preflight:
@@ -155,12 +161,12 @@ def fit_remat(asked: str, plan: Preflight) -> Preflight:
     config, before `resolve`) is `auto`, the step without layer remat, then with `projections`, compiled and the
     first that fits the chip taken, with a notice (core/train/remat.py `remat_that_fits`: the run then
     finds it compiled); `plan` itself elsewhere."""
-    fitted = remat.remat_that_fits(asked, plan.specs, plan.mesh)
-    if fitted is plan.specs:
+    fitted = remat.remat_that_fits(asked, plan.resolved, plan.mesh)
+    if fitted is plan.resolved:
         return plan
     notice = (f"remat_policy=auto: {fitted.cfg.remat_policy} (the first of none, projections whose step fits the "
               "chip, compiled; remat_policy=full keeps the whole layer remat)")
-    return dataclasses.replace(plan, specs=fitted, run=run_settings(fitted.cfg, plan.mesh),
+    return dataclasses.replace(plan, resolved=fitted, run=run_settings(fitted.cfg, plan.mesh),
                                abstract=program.abstract_model_and_optimizer(fitted), notices=(*plan.notices, notice))
 
 

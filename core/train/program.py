@@ -2,7 +2,7 @@
 program, its abstract inputs, its jit, its per-process memo and its ahead-of-time compile.
 
 Training, `dsv4 plan` (core/plan/compile.py) and `dsv4 bench --train` (core/bench/train.py) build
-the step here, as a `StepProgram`: the resolved specs (core.spec.resolve), the graphdef, the state's
+the step here, as a `StepProgram`: the specs (core.spec.resolve `Specs`), the graphdef, the state's
 shardings and the mesh, with `jit`, `lower` and `compile`. `lowered_step` is the program lowered from
 `abstract_inputs`, so every figure they report describes the program a training command runs
 (tests/plan/test_one_program.py compares the lowered programs).
@@ -46,7 +46,7 @@ from core.ops.placement import tied
 from core.parallel import sharding
 from core.parallel.mesh import mesh_platform
 from core.parallel.xla_flags import collective_options
-from core.spec.resolve import Resolved
+from core.spec.resolve import Specs
 from core.train import optimizer
 from core.train.step import step_fn
 
@@ -103,12 +103,12 @@ class StepInputs(NamedTuple):
 # ----------------------------------------------------------------------------- the memo
 
 
-def specs_key(specs: Resolved) -> tuple:
+def specs_key(specs: Specs) -> tuple:
     """What a step program computes: its platform, model spec and step spec."""
     return (specs.platform, specs.model, specs.step)
 
 
-def has_specs(specs: Resolved) -> bool:
+def has_specs(specs: Specs) -> bool:
     """Whether the memo holds a jitted or compiled step of `specs` (any graphdef, mesh)."""
     return MEMO.holds_specs(specs_key(specs))
 
@@ -129,13 +129,13 @@ class StepProgram:
     abstract state serves the state the run builds.
     """
 
-    specs: Resolved
+    specs: Specs
     graphdef: Any
     shardings: Any
     mesh: Any
 
     @classmethod
-    def of(cls, specs: Resolved, graphdef, state, mesh) -> "StepProgram":
+    def of(cls, specs: Specs, graphdef, state, mesh) -> "StepProgram":
         """The program over `state` (real or abstract: `abstract_inputs`), its rule shardings on `mesh`."""
         return cls(specs, graphdef, sharding.state_shardings(state, mesh), mesh)
 
@@ -189,7 +189,7 @@ class StepProgram:
 # ----------------------------------------------------------------------------- inputs and jit
 
 
-def abstract_model_and_optimizer(specs: Resolved):
+def abstract_model_and_optimizer(specs: Specs):
     """The (model, optimizer) of `specs` (core.spec.resolve) from `nnx.eval_shape`: ShapeDtypeStructs,
     nothing allocated (the objects of `abstract_inputs` for the train step, and the restore targets of
     a run); the model is `transformer.abstract`'s, traced once per spec."""
@@ -274,7 +274,7 @@ def step_compiler_options(level: int, backend: str | None = None) -> dict[str, A
 # ----------------------------------------------------------------------------- the train step
 
 
-def abstract_program(specs: Resolved, mesh, objects=None) -> tuple[StepProgram, StepInputs]:
+def abstract_program(specs: Specs, mesh, objects=None) -> tuple[StepProgram, StepInputs]:
     """The step of `specs` on `mesh` over abstract inputs (`abstract_inputs` of `objects`, by default
     `abstract_model_and_optimizer(specs)`), as a training command compiles it ahead of its build;
     nothing is allocated."""
@@ -283,7 +283,7 @@ def abstract_program(specs: Resolved, mesh, objects=None) -> tuple[StepProgram, 
     return StepProgram.of(specs, inputs.graphdef, inputs.state, mesh), inputs
 
 
-def lowered_step(specs: Resolved, mesh):
+def lowered_step(specs: Specs, mesh):
     """The step of `specs` (resolved for `mesh`'s platform) lowered from abstract inputs on `mesh`
     (`abstract_program`): what `dsv4 plan` and `dsv4 bench --train` compile.
 
@@ -312,7 +312,7 @@ class AheadStep:
 # ----------------------------------------------------------------------------- ahead of time
 
 
-def compile_ahead(specs: Resolved, mesh, objects) -> "StepPrecompile | None":
+def compile_ahead(specs: Specs, mesh, objects) -> "StepPrecompile | None":
     """The run's step compiled in a background thread from `objects` (`abstract_model_and_optimizer`)
     on `mesh`; None when this process already holds a step of the specs (a second run of them in the
     process neither starts a thread nor compiles)."""

@@ -50,7 +50,7 @@ from core.parallel import peers
 from core.parallel.chips import peak_flops, utilization
 from core.parallel.mesh import describe_mesh, exchange, first_line, wait_for_peers
 from core.parallel.sharding import shard_batch
-from core.spec.resolve import Resolved
+from core.spec.resolve import Specs
 from core.train import program, step_guard
 from core.train.materialise import Materialised, materialise
 from core.train.memory import step_memory_note
@@ -72,7 +72,7 @@ def dsv4_version() -> str:
 # ----------------------------------------------------------------------------- the phases after materialise
 
 
-def ready(ahead: program.StepPrecompile | None, specs: Resolved, graphdef, state, mesh,
+def ready(ahead: program.StepPrecompile | None, specs: Specs, graphdef, state, mesh,
           progress: Callable[[], str]) -> Callable:
     """Phase: the step for the built `state` (the program compiled ahead, once `ahead` is done, or
     jitted), the progress a lost-process line names, and every process at step 0 together (processes

@@ -43,7 +43,7 @@ from core.errors import ConfigError
 from core.loss.lm import lm_loss_from_hidden
 from core.model.moe import RouterBias
 from core.model.params import mask_matcher
-from core.spec.resolve import OptimizerSpec, Resolved, StepSpec
+from core.spec.resolve import OptimizerSpec, Specs, StepSpec
 from core.train import step_guard
 from core.train.handoff import is_indexer
 
@@ -124,7 +124,7 @@ def training_loss(spec: StepSpec, model, batch):
     return lm + aux["indexer_loss"] + aux["moe_lb_loss"], (lm, aux)
 
 
-def step_fn(specs: Resolved, graphdef):
+def step_fn(specs: Specs, graphdef):
     """The train step `(state, batch) -> (state, metrics)` (module docstring) of `specs` (core.spec.resolve),
     traced for their platform's compiler (the mesh's devices), which picks how the non-finite guard keeps
     the state (core/train/step_guard.py `apply_if_ok`)."""

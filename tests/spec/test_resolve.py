@@ -20,3 +20,10 @@ def test_run_only_keys_leave_the_specs_alone_and_a_step_key_does_not():
     assert _specs("learning_rate=3e-3")[1].optimizer != base[1].optimizer
     assert _specs("routed_bias_update_rate=0.5")[1] != base[1]
     assert _specs("per_device_batch_size=3")[1].rows == 3 != base[1].rows
+
+
+def test_the_specs_of_a_resolved_config_hold_no_config():
+    resolved = resolve(load_config("deepseek4-tiny", stage="sparse"), "cpu")
+    specs = resolved.specs
+    assert not hasattr(specs, "cfg") and (specs.platform, specs.model, specs.step) == (
+        resolved.platform, resolved.model, resolved.step)
