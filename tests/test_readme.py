@@ -56,5 +56,5 @@ def test_the_first_command_runs_as_written_through_preflight(tmp_path, monkeypat
     result = CliRunner().invoke(app, argv[1:])
     assert isinstance(result.exception, _Preflown), result.output
     plan = result.exception.plan
-    assert (plan.cfg.model_name, plan.cfg.steps, plan.cfg.dense_pretraining) == ("deepseek4-tiny", 300, True)
+    assert (plan.run.model_name, plan.run.steps, plan.resolved.cfg.dense_pretraining) == ("deepseek4-tiny", 300, True)
     assert plan.source is None and plan.data.fingerprint["source"].startswith("embedded"), plan.data.fingerprint

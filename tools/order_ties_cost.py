@@ -60,7 +60,8 @@ def main() -> None:
     try:
         for name, untie in (("tied", False), ("untied", True)):
             order.tied = (lambda on: tied(False)) if untie else tied  # with_mesh enters order.tied(...)
-            step = program.jit_step(step_fn(specs, graphdef), cfg, setup.mesh, state_shardings(state, setup.mesh))
+            step = program.jit_step(step_fn(specs, graphdef), specs.step.opt_level, setup.mesh,
+                                    state_shardings(state, setup.mesh))
             compiled = step.lower(state, batch).compile()
             loops, outside, pairs = at_risk_pairs(compiled.as_text())
             s = jax.tree.map(lambda x: x.copy(), state)

@@ -32,7 +32,7 @@ ALIASES = {"mla_qk_head_chunk_size": "csa_qk_head_chunk_size"}
 
 def run_only():
     """A key the compiled step does not depend on (the data's source, the run's directory, the
-    checkpoints, the compile's cache): core/train/program.py's memo key leaves it out."""
+    checkpoints, the compile's cache): no spec of core.spec.resolve reads it."""
     return dataclasses.field(metadata={"run_only": True})
 
 

@@ -156,7 +156,7 @@ def _jitted(spec: StepSpec, part: str, graphdef, mesh, cfg) -> Callable[..., Any
     """The part jitted as `core.train.program.jit_step` jits a step (traced under the mesh, the
     mesh's compiler options, nothing donated); plain `jax.jit` without a mesh."""
     fn = state_step(spec, part, graphdef)
-    return jax.jit(fn) if mesh is None else program.jit_step(fn, cfg, mesh)
+    return jax.jit(fn) if mesh is None else program.jit_step(fn, cfg.xla_backend_optimization_level, mesh)
 
 
 def make_eval_step(spec: StepSpec, mesh=None, cfg=None) -> Callable[..., Any]:
@@ -186,12 +186,14 @@ def lowered_eval(specs, ks: Sequence[int], mesh, eval_set: EvalSet = EvalSet()) 
       [rows, T] and "rows" [rows], split over the batch axes).
     """
     cfg = specs.cfg
-    inputs = program.abstract_inputs(cfg, (abstract(specs.model),), mesh)
+    inputs = program.abstract_inputs(cfg.per_device_batch_size, cfg.max_target_length, (abstract(specs.model),), mesh)
     rows, sharding = batch_rows(eval_set, inputs.mesh), batch_sharding(inputs.mesh)
     shape = lambda name: (rows,) if name == "rows" else (rows, cfg.max_target_length)  # noqa: E731
     batch = {name: jax.ShapeDtypeStruct(shape(name), jnp.int32, sharding=sharding) for name in EVAL_KEYS}
     spec = StepSpec.of(cfg, ks)
-    lowered = {part: program.jit_step(state_step(spec, part, inputs.graphdef), cfg, inputs.mesh).lower(inputs.state, batch)
+    level = cfg.xla_backend_optimization_level
+    lowered = {part: program.jit_step(state_step(spec, part, inputs.graphdef), level, inputs.mesh).lower(inputs.state,
+                                                                                                         batch)
                for part in PROGRAMS}
     return lowered, inputs._replace(batch=batch)
 

@@ -160,7 +160,7 @@ def _state_child(args: dict[str, Any]) -> dict[str, Any]:
             c = Candidate(tuple(fields["ici"]), tuple(fields["dcn"]), fields["per_device_batch_size"])
             ccfg = resolve(cfg.replace(**c.fields()), platform, c.mesh).cfg
             mesh = AbstractMesh(tuple(c.mesh.values()), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-            _, state, batch, _ = program.abstract_inputs(ccfg, model, mesh)
+            _, state, batch, _ = program.abstract_inputs(ccfg.per_device_batch_size, ccfg.max_target_length, model, mesh)
             out.append(report.state_bytes(ccfg, state, batch))
         return {"state": out}
     except DsvError as e:

@@ -1,7 +1,7 @@
 """`resolve(cfg, platform, mesh)`: a config's `auto` keys decided for a platform, and the frozen specs
 the model and the step are built from (DESIGN.md, "The model"; the stage table).
 
-  Resolved
+  Resolved, the `Specs` (platform, model, step) and the config they came from:
     cfg       the Config with every `auto` key set (core/spec/platform.py): what config.yml records
     platform  "cpu" | "gpu" | "tpu"
     model     ModelSpec: widths, dtypes, masks, the stage row, and per layer a BlockSpec:
@@ -9,7 +9,8 @@ the model and the step are built from (DESIGN.md, "The model"; the stage table).
                       derives from it), and how it runs: AttentionImpl
                 moe   MoESpec
                 the layer's mHC settings
-    step      StepSpec: the stage row, the LM loss's chunk
+    step      StepSpec: the stage row, the LM loss's chunk, the OptimizerSpec, the guard's flags, the
+              batch's shape and the compile options
 
 Called where a run (core/train/preflight.py), the planner, a benchmark or the evaluation starts,
 once the mesh is known; everything below takes the specs. The specs refuse an `auto` (an unresolved
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Mapping
 
 from core.config.stages import Stage, stage_of
 from core.model.attention import AttentionImpl, AttentionSpec
@@ -33,23 +34,65 @@ from core.spec.platform import resolve_config
 
 
 @dataclasses.dataclass(frozen=True)
-class StepSpec:
-    """What the training step reads besides the model: the stage row (whether the head and the LM
-    loss run) and the LM loss's tokens per chunk."""
+class OptimizerSpec:
+    """The step's optimizer (core/train/optimizer.py): AdamW, its learning-rate schedule and the
+    trainable mask, each the config key named beside it."""
 
-    stage: Stage
-    lm_loss_chunk: int
+    clip: float                # gradient_clipping_threshold: the global norm gradients are clipped to; <= 0 off
+    b1: float                  # adam_b1
+    b2: float                  # adam_b2
+    eps: float                 # adam_eps
+    weight_decay: float        # adam_weight_decay (decoupled)
+    mu_dtype: str              # mu_dtype: the first moment's storage dtype
+    nu_dtype: str              # nu_dtype: the second moment's storage dtype
+    learning_rate: float       # the schedule's peak
+    final_fraction: float      # cosine_learning_rate_final_fraction
+    warmup_fraction: float     # warmup_steps_fraction
+    schedule_steps: int        # `schedule_steps`: the schedule's length
+    trainable: tuple[str, ...]  # trainable_parameters_mask
+    frozen: tuple[str, ...]     # frozen_parameters_mask
 
 
 @dataclasses.dataclass(frozen=True)
-class Resolved:
-    """A config resolved for one platform and mesh, with the specs built from it."""
+class StepSpec:
+    """What the training step reads besides the model: the stage row (whether the head and the LM
+    loss run), the LM loss's tokens per chunk, the optimizer, the router biases' rate, the guard's
+    flags, its batch and its compile options. Equal specs (with the model's) are one program."""
 
-    cfg: Any              # the resolved core.config.schema.Config
-    platform: str
+    stage: Stage
+    lm_loss_chunk: int
+    optimizer: OptimizerSpec
+    bias_update_rate: float    # routed_bias_update_rate
+    abort_on_nan: bool         # abort_on_nan_loss
+    abort_on_inf: bool         # abort_on_inf_loss
+    rows: int                  # per_device_batch_size
+    length: int                # max_target_length
+    opt_level: int             # xla_backend_optimization_level (core/train/program.py `step_compiler_options`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Specs:
+    """What the model and the training step are built from on one platform, and nothing else: the
+    step program's input besides its graphdef, shardings and mesh (core/train/program.py)."""
+
+    platform: str         # "cpu" | "gpu" | "tpu"
     model: ModelSpec
     step: StepSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved(Specs):
+    """A config resolved for one platform and mesh, with the specs built from it. What a run's
+    config phases (its preflight and remat choice), the planner, a benchmark and the evaluation
+    take; the run's later phases take its `specs` alone."""
+
+    cfg: Any              # the resolved core.config.schema.Config
     axes: tuple | None = None  # the mesh's (axis, size) pairs it was resolved for; None: the config's ici_/dcn_ keys
+
+    @property
+    def specs(self) -> Specs:
+        """The specs without the config."""
+        return Specs(self.platform, self.model, self.step)
 
     def replace(self, **changes) -> "Resolved":
         """These specs with `changes` to the resolved config (a remat trial's policy, say), the specs
@@ -74,8 +117,34 @@ def resolve(cfg, platform: str, mesh: Any = None) -> Resolved:
 @functools.lru_cache(maxsize=32)
 def _resolve(cfg, platform: str, axes: tuple | None) -> Resolved:
     cfg = resolve_config(cfg, platform, None if axes is None else dict(axes))
-    return Resolved(cfg, platform_name(platform), model_spec(cfg), StepSpec(stage_of(cfg), cfg.lm_loss_chunk_size),
-                    axes)
+    return Resolved(platform_name(platform), model_spec(cfg), step_spec(cfg), cfg, axes)
+
+
+def schedule_steps(cfg_or_dict: Any) -> int:
+    """The learning-rate schedule's length: learning_rate_schedule_steps, or steps when it is -1
+    (of a Config, or of a saved config's dict)."""
+    get = cfg_or_dict.get if isinstance(cfg_or_dict, Mapping) else lambda k, d=None: getattr(cfg_or_dict, k, d)
+    n = get("learning_rate_schedule_steps", -1)
+    return int(n) if n is not None and n > 0 else int(get("steps"))
+
+
+def optimizer_spec(cfg) -> OptimizerSpec:
+    """The OptimizerSpec of `cfg`."""
+    return OptimizerSpec(
+        clip=cfg.gradient_clipping_threshold, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
+        weight_decay=cfg.adam_weight_decay, mu_dtype=cfg.mu_dtype, nu_dtype=cfg.nu_dtype,
+        learning_rate=cfg.learning_rate, final_fraction=cfg.cosine_learning_rate_final_fraction,
+        warmup_fraction=cfg.warmup_steps_fraction, schedule_steps=schedule_steps(cfg),
+        trainable=tuple(cfg.trainable_parameters_mask), frozen=tuple(cfg.frozen_parameters_mask))
+
+
+def step_spec(cfg) -> StepSpec:
+    """The StepSpec of a resolved `cfg`."""
+    return StepSpec(
+        stage=stage_of(cfg), lm_loss_chunk=cfg.lm_loss_chunk_size, optimizer=optimizer_spec(cfg),
+        bias_update_rate=cfg.routed_bias_update_rate, abort_on_nan=cfg.abort_on_nan_loss,
+        abort_on_inf=cfg.abort_on_inf_loss, rows=cfg.per_device_batch_size, length=cfg.max_target_length,
+        opt_level=cfg.xla_backend_optimization_level)
 
 
 def parameter_spec(cfg) -> ModelSpec:

@@ -25,7 +25,7 @@ from core.model.init_draws import bucketed_draws
 from core.model.params import count_parameters
 from core.model.transformer import Transformer
 from core.parallel.sharding import create_sharded, shard_state
-from core.spec.resolve import Resolved
+from core.spec.resolve import OptimizerSpec, Specs
 from core.train.indexer_init import calibration_batches, teacher_init
 from core.train.optimizer import make_optimizer
 from core.train.step import check_masks
@@ -35,7 +35,7 @@ from core.train.step import check_masks
 class Setup:
     """The model and optimizer of resolved specs on their mesh."""
 
-    specs: Resolved
+    specs: Specs
     mesh: Any
     model: Transformer
     optimizer: nnx.Optimizer
@@ -43,13 +43,8 @@ class Setup:
     params_total: int    # core.model.params.count_parameters: nnx.Params + router biases
     params_trainable: int
 
-    @property
-    def cfg(self):
-        """The resolved Config."""
-        return self.specs.cfg
 
-
-def build(specs: Resolved, mesh, *, labels: Mapping[str, bool] | None = None, objects=None) -> Setup:
+def build(specs: Specs, mesh, *, labels: Mapping[str, bool] | None = None, objects=None) -> Setup:
     """The model and optimizer of `specs` (resolved for `mesh`) on `mesh`, with their rule-given shardings.
 
     On a single CPU process the model is built eagerly and then placed (`shard_state`): the CPU
@@ -63,27 +58,27 @@ def build(specs: Resolved, mesh, *, labels: Mapping[str, bool] | None = None, ob
       objects: (model, optimizer) from `nnx.eval_shape` (`program.abstract_model_and_optimizer`) to
         hold instead of initialising anything: ShapeDtypeStructs for a checkpoint to fill.
     """
-    cfg, spec = specs.cfg, specs.model
+    spec = specs.model
     make_model = lambda: Transformer(spec, rngs=nnx.Rngs(spec.init_seed))  # noqa: E731
     if objects is not None:
         model, optimizer = objects
     elif _one_cpu_process():
         with bucketed_draws():  # a few shared jax.random programs, the same values (core/model/init_draws.py)
             model = shard_state(make_model(), mesh)
-        optimizer = new_optimizer(cfg, model, mesh)
+        optimizer = new_optimizer(specs.step.optimizer, model, mesh)
     else:
         model = create_sharded(make_model, mesh)
-        optimizer = new_optimizer(cfg, model, mesh)
-    labels = check_masks(cfg, model) if labels is None else labels
+        optimizer = new_optimizer(specs.step.optimizer, model, mesh)
+    labels = check_masks(specs.step, model) if labels is None else labels
     counts = count_parameters(tree.shapes(nnx.to_pure_dict(nnx.state(model))), lambda p: labels.get(p, False))
-    return Setup(specs, mesh, model, optimizer, cfg.per_device_batch_size * mesh.size,
+    return Setup(specs, mesh, model, optimizer, specs.step.rows * mesh.size,
                  counts["parameters"], counts["trainable"])
 
 
-def new_optimizer(cfg, model: Transformer, mesh) -> nnx.Optimizer:
-    """The optimizer of `model` (its concrete, placed parameters) with fresh state, its moments sharded
-    as their parameters."""
-    optimizer = create_sharded(lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param), mesh, model)
+def new_optimizer(spec: OptimizerSpec, model: Transformer, mesh) -> nnx.Optimizer:
+    """The optimizer of `spec` for `model` (its concrete, placed parameters) with fresh state, its
+    moments sharded as their parameters."""
+    optimizer = create_sharded(lambda m: nnx.Optimizer(m, make_optimizer(spec), wrt=nnx.Param), mesh, model)
     # on one CPU process, onto the rule shardings, which the compiled-ahead step (core/train/program.py)
     # expects: the jit's own output shardings are only equivalent to them
     return shard_state(optimizer, mesh) if _one_cpu_process() else optimizer
@@ -108,17 +103,18 @@ class Materialised:
     notices: tuple[str, ...]
 
 
-def materialise(specs: Resolved, mesh, labels: Mapping[str, bool], abstract, source, data) -> Materialised:
+def materialise(specs: Specs, mesh, labels: Mapping[str, bool], abstract, source, data, *,
+                teacher_init_batches: int = 0) -> Materialised:
     """Phase: the run's model and optimizer, fresh or filled from `source`.
 
     Args:
-      specs: the run's resolved config and specs (preflight's, after the remat phase).
+      specs: the run's model and step specs (preflight's `specs`, after the remat phase).
       mesh, labels: preflight's mesh and trainable labels.
       abstract: preflight's (model, optimizer) from `nnx.eval_shape`, copied to hold a checkpoint's values.
       source: preflight's `Source` (core/train/preflight.py), or None for a fresh run.
       data: the run's batches; a resume restores their position.
+      teacher_init_batches: indexer_init=teacher's calibration batches (0: none), for an --init-from.
     """
-    cfg = specs.cfg
     fills = source is not None and not source.fresh_indexer
     setup = build(specs, mesh, labels=labels, objects=nnx.merge(*nnx.split(abstract), copy=True) if fills else None)
     start_step, init_step, notices = 0, None, []
@@ -132,9 +128,9 @@ def materialise(specs: Resolved, mesh, labels: Mapping[str, bool], abstract, sou
         _fill(setup.model, source.convert(store.restore(source.checkpoint, model=source.targets["model"])["model"]))
         init_step = source.checkpoint.step
         if fills:  # the zero moments, of the loaded parameters
-            setup.optimizer = new_optimizer(cfg, setup.model, mesh)
-        if cfg.indexer_init == "teacher":  # once, before step 0: a resume takes the branch above
-            notices.append(_teacher_init(cfg, setup, source, data))
+            setup.optimizer = new_optimizer(specs.step.optimizer, setup.model, mesh)
+        if teacher_init_batches:  # once, before step 0: a resume takes the branch above
+            notices.append(_teacher_init(teacher_init_batches, setup, source, data))
     graphdef, state = nnx.split((setup.model, setup.optimizer))
     return Materialised(setup, graphdef, state, start_step, init_step, tuple(notices))
 
@@ -146,7 +142,7 @@ def _fill(obj: nnx.Module, values: dict[str, Any]) -> None:
     nnx.update(obj, state)
 
 
-def _teacher_init(cfg, setup: Setup, source, data) -> str:
+def _teacher_init(batches: int, setup: Setup, source, data) -> str:
     """indexer_init=teacher over an indexer that never trained (none in the source, or a pre-training
     run's idle one), calibrated on the first batches of the run's own `data`; a trained indexer (a
     warm-up's, an imported release's) is kept as loaded."""
@@ -154,5 +150,4 @@ def _teacher_init(cfg, setup: Setup, source, data) -> str:
     if source_stage not in (None, "pretrain"):
         return (f"indexer_init=teacher skipped: {source.path} (stage {source_stage}) holds a trained "
                 "indexer, kept as loaded (docs/indexer-init.md)")
-    batches = calibration_batches(data, cfg.indexer_init_batches, setup.mesh)
-    return teacher_init(setup.model, batches, setup.mesh).line()
+    return teacher_init(setup.model, calibration_batches(data, batches, setup.mesh), setup.mesh).line()

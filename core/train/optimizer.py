@@ -13,7 +13,6 @@ schedule's), so checkpoints written before these keys restore unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from typing import Any, Callable, Sequence
 
@@ -21,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from core.train.step import compile_key, config_matcher, learning_rate_schedule
+from core.spec.resolve import OptimizerSpec
+from core.train.step import learning_rate_schedule, path_matcher
 
 
 def scale_by_adam(b1: float, b2: float, eps: float, mu_dtype, nu_dtype) -> optax.GradientTransformation:
@@ -39,48 +39,22 @@ def scale_by_adam(b1: float, b2: float, eps: float, mu_dtype, nu_dtype) -> optax
     return optax.GradientTransformation(init, inner.update)
 
 
-@dataclasses.dataclass(frozen=True)
-class AdamW:
-    """AdamW's settings, each the config key named beside it."""
-
-    clip: float          # gradient_clipping_threshold: the global norm gradients are clipped to; <= 0 off
-    b1: float            # adam_b1
-    b2: float            # adam_b2
-    eps: float           # adam_eps
-    weight_decay: float  # adam_weight_decay (decoupled)
-    mu_dtype: str        # mu_dtype: the first moment's storage dtype
-    nu_dtype: str        # nu_dtype: the second moment's storage dtype
-
-
-def adamw_spec(cfg) -> AdamW:
-    """The config's `AdamW`."""
-    return AdamW(cfg.gradient_clipping_threshold, cfg.adam_b1, cfg.adam_b2, cfg.adam_eps, cfg.adam_weight_decay,
-                 cfg.mu_dtype, cfg.nu_dtype)
-
-
-def from_config(cfg) -> optax.GradientTransformation:
-    """The run's optimizer: `adamw` with the config's settings, its learning-rate schedule and its
-    trainable mask (core/train/step.py). A new object each call: a run takes it through
-    `make_optimizer`, one per compiled step."""
-    return adamw(adamw_spec(cfg), learning_rate_schedule(cfg), config_matcher(cfg))
-
-
-_MADE: dict[tuple, optax.GradientTransformation] = {}
+_MADE: dict[OptimizerSpec, optax.GradientTransformation] = {}
 _MADE_LOCK = threading.Lock()  # the compile thread (core/train/program.py's compile_ahead) makes one too
 
 
-def make_optimizer(cfg) -> optax.GradientTransformation:
-    """`from_config`, one object per compile-relevant config (core/train/step.py's `compile_key`) in a
-    process: the transformation is part of the optimizer's graphdef, so equal configs give equal
-    graphdefs and share one compiled step (core/train/program.py's `StepProgram`)."""
-    key = compile_key(cfg)
+def make_optimizer(spec: OptimizerSpec) -> optax.GradientTransformation:
+    """The run's optimizer: `adamw` with `spec`'s settings, its learning-rate schedule and its
+    trainable mask (core/train/step.py), one object per spec in a process: the transformation is
+    part of the optimizer's graphdef, so equal specs give equal graphdefs and share one compiled step
+    (core/train/program.py's `StepProgram`)."""
     with _MADE_LOCK:
-        if key not in _MADE:
-            _MADE[key] = from_config(cfg)
-        return _MADE[key]
+        if spec not in _MADE:
+            _MADE[spec] = adamw(spec, learning_rate_schedule(spec), path_matcher(spec.trainable, spec.frozen))
+        return _MADE[spec]
 
 
-def adamw(spec: AdamW, schedule: Callable[[Any], Any], trainable: Callable[[Sequence[Any]], bool]
+def adamw(spec: OptimizerSpec, schedule: Callable[[Any], Any], trainable: Callable[[Sequence[Any]], bool]
           ) -> optax.GradientTransformation:
     """clip -> AdamW(schedule) for the leaves `trainable(path)` accepts, set_to_zero for the rest.
 

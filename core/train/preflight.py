@@ -4,6 +4,7 @@ array, each done once, before anything is built, handed on as one frozen `Prefli
 In order, each stopping the run in one line before the long phases start:
 1. the mesh, made once; the config resolved for its platform (core.spec.resolve: the resolved config
    and the model's and the step's specs), so every later phase, and config.yml, sees the resolved values;
+   the run loop, its outputs and its header read the resolved config through `RunSettings` alone;
 2. a resume's checkpoint, read once (metadata, data position, model and optimizer trees): it must
    hold this command's stage; metrics.jsonl must read (a torn last line is dropped, with a notice);
 3. this process's rows of the data; a resume's data position must be theirs (core/data/batches.py);
@@ -32,16 +33,17 @@ from jax.sharding import Mesh
 
 from core import tree
 from core.checkpoint import run_files, store
-from core.config.schema import Config
+from core.config.schema import Config, dump
 from core.data.batches import SyntheticBatches, TrainBatches, train_batches
 from core.errors import CheckpointError, ConfigError
 from core.model import quant
 from core.model.params import mask_matcher
 from core.model.transformer import Transformer
-from core.spec.resolve import Resolved, resolve
+from core.spec.resolve import Resolved, Specs, resolve
 from core.parallel.mesh import describe_mesh, make_mesh, mesh_platform
 from core.parallel.sharding import abstract_state, local_batch_slice
-from core.train import memory, program, remat, resume_checks
+from core.train import memory, program, remat, resume_checks, step_guard
+from core.train.flops import model_flops_per_step
 from core.train.handoff import CSA_RATIO, lacks_indexer, topk_never_binds, without_indexer
 from core.train.step import check_masks, config_matcher
 
@@ -60,10 +62,44 @@ class Source:
 
 
 @dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """What the run's later phases read of the resolved config: the loop's length and checkpoints,
+    the outputs, the header and the host's divergence check; the config itself only as the record
+    config.yml and each checkpoint's metadata keep."""
+
+    model_name: str
+    steps: int
+    checkpoint_period: int            # steps between checkpoints
+    max_checkpoints: int
+    async_checkpointing: bool
+    enable_tensorboard: bool
+    compile_ahead: bool               # the step compiled from shapes beside the build (core/train/program.py)
+    teacher_init_batches: int         # indexer_init=teacher's calibration batches; 0: no teacher init
+    max_target_length: int            # tokens per row
+    dtype: str                        # the compute dtype, whose peak FLOPs the MFU divides by
+    model_flops_per_step: float       # core/train/flops.py, at the run's global batch
+    guard: step_guard.Guard
+    config_text: str                  # config.yml (core.config.schema.dump)
+    config_record: Mapping[str, Any]  # the checkpoints' metadata["config"] (Config.to_dict)
+
+
+def run_settings(cfg: Config, mesh) -> RunSettings:
+    """The `RunSettings` of a resolved `cfg` on `mesh`."""
+    guard = step_guard.Guard(cfg.abort_on_nan_loss, cfg.abort_on_inf_loss, cfg.learning_rate,
+                             cfg.gradient_clipping_threshold, (cfg.dtype, cfg.weight_dtype))
+    flops = model_flops_per_step(cfg, cfg.per_device_batch_size * mesh.size)["total"]
+    teacher = cfg.indexer_init_batches if cfg.indexer_init == "teacher" else 0
+    return RunSettings(cfg.model_name, cfg.steps, cfg.checkpoint_period, cfg.max_checkpoints, cfg.async_checkpointing,
+                       cfg.enable_tensorboard, cfg.compile_ahead, teacher, cfg.max_target_length, cfg.dtype, flops,
+                       guard, dump(cfg), cfg.to_dict())
+
+
+@dataclasses.dataclass(frozen=True)
 class Preflight:
     """What the later phases of a run take, each made once."""
 
-    specs: Resolved                   # the config resolved for the mesh's platform, and its specs
+    resolved: Resolved                # the config resolved for the mesh's platform, and its specs
+    run: RunSettings                  # what the loop, the outputs and the header read of the resolved config
     mesh: Mesh
     abstract: tuple[Transformer, nnx.Optimizer]  # from nnx.eval_shape: the step's and restore's shapes
     labels: Mapping[str, bool]        # parameter path -> trained?, the masks checked
@@ -74,9 +110,10 @@ class Preflight:
     warnings: tuple[str, ...]
 
     @property
-    def cfg(self) -> Config:
-        """The resolved Config (what config.yml records)."""
-        return self.specs.cfg
+    def specs(self) -> Specs:
+        """The model's and the step's specs, without the config: what the phases after the remat
+        choice take."""
+        return self.resolved.specs
 
 
 def preflight(cfg: Config, stage: str, run_dir: Path, init_from: str | Path | None = None) -> Preflight:
@@ -113,9 +150,10 @@ def preflight(cfg: Config, stage: str, run_dir: Path, init_from: str | Path | No
     else:
         source = None
     check_fits(cfg, stage, mesh, abstract[0])  # a model that cannot fit stops here, in one line
-    labels = check_masks(cfg, abstract[0])
+    labels = check_masks(specs.step, abstract[0])
     warnings = tuple(w for w in (topk_warning(cfg),) if w)
-    return Preflight(specs, mesh, abstract, labels, data, source, kept, tuple(notices), warnings)
+    return Preflight(specs, run_settings(cfg, mesh), mesh, abstract, labels, data, source, kept, tuple(notices),
+                     warnings)
 
 
 def fit_remat(asked: str, plan: Preflight) -> Preflight:
@@ -123,13 +161,13 @@ def fit_remat(asked: str, plan: Preflight) -> Preflight:
     config, before `resolve`) is `auto`, the step without layer remat, then with `projections`, compiled and the
     first that fits the chip taken, with a notice (core/train/remat.py `remat_that_fits`: the run then
     finds it compiled); `plan` itself elsewhere."""
-    fitted = remat.remat_that_fits(asked, plan.specs, plan.mesh)
-    if fitted is plan.specs:
+    fitted = remat.remat_that_fits(asked, plan.resolved, plan.mesh)
+    if fitted is plan.resolved:
         return plan
     notice = (f"remat_policy=auto: {fitted.cfg.remat_policy} (the first of none, projections whose step fits the "
               "chip, compiled; remat_policy=full keeps the whole layer remat)")
-    return dataclasses.replace(plan, specs=fitted, abstract=program.abstract_model_and_optimizer(fitted),
-                               notices=(*plan.notices, notice))
+    return dataclasses.replace(plan, resolved=fitted, run=run_settings(fitted.cfg, plan.mesh),
+                               abstract=program.abstract_model_and_optimizer(fitted), notices=(*plan.notices, notice))
 
 
 def _resumed(run_dir: Path, stage: str) -> store.Checkpoint | None:

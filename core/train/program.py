@@ -2,22 +2,23 @@
 program, its abstract inputs, its jit, its per-process memo and its ahead-of-time compile.
 
 Training, `dsv4 plan` (core/plan/compile.py) and `dsv4 bench --train` (core/bench/train.py) build
-the step here, as a `StepProgram`: the resolved specs (core.spec.resolve), the graphdef, the state's
+the step here, as a `StepProgram`: the specs (core.spec.resolve `Specs`), the graphdef, the state's
 shardings and the mesh, with `jit`, `lower` and `compile`. `lowered_step` is the program lowered from
 `abstract_inputs`, so every figure they report describes the program a training command runs
 (tests/plan/test_one_program.py compares the lowered programs).
 
-- `abstract_inputs(cfg, objects, mesh)`: the step's (graphdef, state, batch, mesh), the state and
+- `abstract_inputs(rows, length, objects, mesh)`: the step's (graphdef, state, batch, mesh), the state and
   batch as ShapeDtypeStructs that carry the shardings a run gives the real arrays
   (core/parallel/sharding.py's rules, `batch_sharding`); nothing is allocated.
-- `jit_step(fn, cfg, mesh, state_shardings)`: `fn(state, batch)` traced under the mesh's abstract
+- `jit_step(fn, opt_level, mesh, state_shardings)`: `fn(state, batch)` traced under the mesh's abstract
   mesh, compiled with `step_compiler_options` for the mesh's platform. A step that returns its
   state, `(state, metrics)`, donates it and gives it back in `state_shardings`; a step given no
   `state_shardings` (an evaluation's, which returns metrics alone) donates nothing.
 - `StepProgram`: the train step (core/train/step.py's `step_fn` through `jit_step`); equal programs
-  (compile-relevant config, graphdef, mesh) share one jit and one executable in a process, so a
+  (platform, model and step specs, graphdef, mesh) share one jit and one executable in a process, so a
   resumed or repeated run does not compile again (core/train/optimizer.py's `make_optimizer` keeps
-  one optax transformation per config for the same reason). Both live in one memo (`StepMemo`,
+  one optax transformation per optimizer spec for the same reason). The step reads the specs alone,
+  never the config they were resolved from. Both live in one memo (`StepMemo`,
   `MEMO`).
 - `compile_ahead(specs, mesh, objects)`: the step compiled from abstract state while the model
   builds (`StepPrecompile`). On a CPU the first step of a run is mostly two serial waits: building
@@ -45,9 +46,9 @@ from core.ops.placement import tied
 from core.parallel import sharding
 from core.parallel.mesh import mesh_platform
 from core.parallel.xla_flags import collective_options
-from core.spec.resolve import Resolved
+from core.spec.resolve import Specs
 from core.train import optimizer
-from core.train.step import compile_key, step_fn
+from core.train.step import step_fn
 
 AUTO_CPU_LEVEL = 1  # xla_backend_optimization_level -1 on CPU (step_compiler_options)
 
@@ -82,10 +83,10 @@ class StepMemo:
         with self._lock:
             self._items.pop((kind, key), None)
 
-    def holds_config(self, config_key: tuple) -> bool:
-        """Whether a jitted or compiled step of this compile-relevant config is kept (any graphdef, mesh)."""
+    def holds_specs(self, specs_key: tuple) -> bool:
+        """Whether a jitted or compiled step of these specs (`specs_key`) is kept (any graphdef, mesh)."""
         with self._lock:
-            return any(key.memo_key[0] == config_key for _, key in self._items)
+            return any(key.memo_key[:3] == specs_key for _, key in self._items)
 
 
 MEMO = StepMemo()
@@ -102,9 +103,14 @@ class StepInputs(NamedTuple):
 # ----------------------------------------------------------------------------- the memo
 
 
-def has_config(cfg) -> bool:
-    """Whether the memo holds a jitted or compiled step of `cfg`'s compile-relevant config (any graphdef, mesh)."""
-    return MEMO.holds_config(compile_key(cfg))
+def specs_key(specs: Specs) -> tuple:
+    """What a step program computes: its platform, model spec and step spec."""
+    return (specs.platform, specs.model, specs.step)
+
+
+def has_specs(specs: Specs) -> bool:
+    """Whether the memo holds a jitted or compiled step of `specs` (any graphdef, mesh)."""
+    return MEMO.holds_specs(specs_key(specs))
 
 
 # ----------------------------------------------------------------------------- the program
@@ -112,30 +118,30 @@ def has_config(cfg) -> bool:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepProgram:
-    """The training step as one program: what it computes (`specs`: the resolved config and its specs),
+    """The training step as one program: what it computes (`specs`: the model's and the step's specs),
     over which objects (`graphdef`: the split (model, optimizer)), with the state placed how (`shardings`:
     the state's rule shardings, which the step gives back so the next step reuses the program) and on
     which devices (`mesh`).
 
-    Programs of an equal `memo_key` (the compile-relevant config, the graphdef, the mesh) are one program:
+    Programs of an equal `memo_key` (the platform, the model and step specs, the graphdef, the mesh) are one program:
     the memo (`MEMO`) keeps one jit and one executable for them, whatever their run-only keys, so a
     resumed or repeated run in a process neither traces nor compiles again, and a step compiled from
     abstract state serves the state the run builds.
     """
 
-    specs: Resolved
+    specs: Specs
     graphdef: Any
     shardings: Any
     mesh: Any
 
     @classmethod
-    def of(cls, specs: Resolved, graphdef, state, mesh) -> "StepProgram":
+    def of(cls, specs: Specs, graphdef, state, mesh) -> "StepProgram":
         """The program over `state` (real or abstract: `abstract_inputs`), its rule shardings on `mesh`."""
         return cls(specs, graphdef, sharding.state_shardings(state, mesh), mesh)
 
     @functools.cached_property
     def memo_key(self) -> tuple:
-        return (compile_key(self.specs.cfg), self.graphdef, self.mesh)
+        return (*specs_key(self.specs), self.graphdef, self.mesh)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, StepProgram) and self.memo_key == other.memo_key
@@ -147,7 +153,7 @@ class StepProgram:
         """The jitted `(state, batch) -> (state, metrics)`: core/train/step.py's `step_fn` through
         `jit_step`, the one jit of training, `dsv4 plan` and `dsv4 bench` (one per program and process)."""
         return MEMO.get_or_make("jitted", self, lambda: jit_step(
-            step_fn(self.specs, self.graphdef), self.specs.cfg, self.mesh, self.shardings))
+            step_fn(self.specs, self.graphdef), self.specs.step.opt_level, self.mesh, self.shardings))
 
     def lower(self, state, batch):
         """The jitted step lowered for (abstract) `state` and `batch` (`jax.stages.Lowered`)."""
@@ -183,16 +189,17 @@ class StepProgram:
 # ----------------------------------------------------------------------------- inputs and jit
 
 
-def abstract_model_and_optimizer(specs: Resolved):
+def abstract_model_and_optimizer(specs: Specs):
     """The (model, optimizer) of `specs` (core.spec.resolve) from `nnx.eval_shape`: ShapeDtypeStructs,
     nothing allocated (the objects of `abstract_inputs` for the train step, and the restore targets of
     a run); the model is `transformer.abstract`'s, traced once per spec."""
     model = transformer.abstract(specs.model)
-    return model, nnx.eval_shape(lambda m: nnx.Optimizer(m, optimizer.make_optimizer(specs.cfg), wrt=nnx.Param), model)
+    return model, nnx.eval_shape(lambda m: nnx.Optimizer(m, optimizer.make_optimizer(specs.step.optimizer),
+                                                         wrt=nnx.Param), model)
 
 
-def abstract_inputs(cfg, objects: Any, mesh) -> StepInputs:
-    """The abstract inputs of `cfg`'s step over `objects` on `mesh`.
+def abstract_inputs(rows: int, length: int, objects: Any, mesh) -> StepInputs:
+    """The abstract inputs of a step over `objects` on `mesh`, `rows` rows per device of `length` tokens.
 
     Args:
       objects: the step's nnx objects from `nnx.eval_shape` (the train step's model and optimizer:
@@ -201,26 +208,26 @@ def abstract_inputs(cfg, objects: Any, mesh) -> StepInputs:
       mesh: a `jax.sharding.Mesh`, or an `AbstractMesh` (shardings without devices: the state bytes
         of a mesh no process has).
     Returns:
-      StepInputs: the state with the rule shardings, the batch (per_device_batch_size x the mesh's
-      devices rows of max_target_length int32 tokens, for each of `BATCH_KEYS`) split over the
-      batch axes.
+      StepInputs: the state with the rule shardings, the batch (`rows` x the mesh's devices rows of
+      `length` int32 tokens, for each of `BATCH_KEYS`) split over the batch axes.
     """
     graphdef, state = nnx.split(objects)
-    spec = jax.ShapeDtypeStruct((cfg.per_device_batch_size * mesh.size, cfg.max_target_length), jnp.int32,
+    spec = jax.ShapeDtypeStruct((rows * mesh.size, length), jnp.int32,
                                 sharding=sharding.batch_sharding(mesh))
     return StepInputs(graphdef, sharding.abstract_state(state, mesh), {k: spec for k in BATCH_KEYS}, mesh)
 
 
-def jit_step(fn: Callable, cfg, mesh, state_shardings: Any = None):
+def jit_step(fn: Callable, opt_level: int, mesh, state_shardings: Any = None):
     """`fn(state, batch)` jitted as the training commands jit their step (module docstring).
 
     Args:
       fn: the step; it returns `(state, metrics)` when `state_shardings` is given, else anything.
+      opt_level: xla_backend_optimization_level (`step_compiler_options`).
       mesh: a `jax.sharding.Mesh` (its devices' platform picks the compiler options).
       state_shardings: the shardings of the returned state (`state_shardings(state, mesh)`: the
         input's rule shardings, so the next step reuses the program); None: nothing donated.
     """
-    options = step_compiler_options(cfg, mesh_platform(mesh)) or None
+    options = step_compiler_options(opt_level, mesh_platform(mesh)) or None
     if state_shardings is None:
         return jax.jit(with_mesh(mesh, fn), compiler_options=options)
     return jax.jit(with_mesh(mesh, fn), donate_argnums=0, out_shardings=(state_shardings, None),
@@ -239,7 +246,7 @@ def with_mesh(mesh, fn):
     return traced
 
 
-def step_compiler_options(cfg, backend: str | None = None) -> dict[str, Any]:
+def step_compiler_options(level: int, backend: str | None = None) -> dict[str, Any]:
     """XLA options of a step's compile (the jitted and the ahead-of-time step alike; JAX's
     persistent cache keys on them): on a TPU the collectives' scheduler options
     (core/parallel/xla_flags.py); LLVM's `xla_backend_optimization_level`.
@@ -250,11 +257,11 @@ def step_compiler_options(cfg, backend: str | None = None) -> dict[str, Any]:
     --xla_backend_optimization_level in XLA_FLAGS wins.
 
     Args:
+      level: xla_backend_optimization_level.
       backend: the platform the step compiles for (default: `jax.default_backend()`).
     """
     backend = backend or jax.default_backend()
     options = collective_options(backend)  # the TPU's collective scheduling (core/parallel/xla_flags.py)
-    level = cfg.xla_backend_optimization_level
     if "--xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
         return options
     if level < 0:
@@ -267,16 +274,16 @@ def step_compiler_options(cfg, backend: str | None = None) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the train step
 
 
-def abstract_program(specs: Resolved, mesh, objects=None) -> tuple[StepProgram, StepInputs]:
+def abstract_program(specs: Specs, mesh, objects=None) -> tuple[StepProgram, StepInputs]:
     """The step of `specs` on `mesh` over abstract inputs (`abstract_inputs` of `objects`, by default
     `abstract_model_and_optimizer(specs)`), as a training command compiles it ahead of its build;
     nothing is allocated."""
     objects = abstract_model_and_optimizer(specs) if objects is None else objects
-    inputs = abstract_inputs(specs.cfg, objects, mesh)
+    inputs = abstract_inputs(specs.step.rows, specs.step.length, objects, mesh)
     return StepProgram.of(specs, inputs.graphdef, inputs.state, mesh), inputs
 
 
-def lowered_step(specs: Resolved, mesh):
+def lowered_step(specs: Specs, mesh):
     """The step of `specs` (resolved for `mesh`'s platform) lowered from abstract inputs on `mesh`
     (`abstract_program`): what `dsv4 plan` and `dsv4 bench --train` compile.
 
@@ -305,11 +312,11 @@ class AheadStep:
 # ----------------------------------------------------------------------------- ahead of time
 
 
-def compile_ahead(specs: Resolved, mesh, objects) -> "StepPrecompile | None":
+def compile_ahead(specs: Specs, mesh, objects) -> "StepPrecompile | None":
     """The run's step compiled in a background thread from `objects` (`abstract_model_and_optimizer`)
-    on `mesh`; None when `compile_ahead` is off or this process already holds a step of the config
-    (a second run of it in the process neither starts a thread nor compiles)."""
-    if not specs.cfg.compile_ahead or has_config(specs.cfg):
+    on `mesh`; None when this process already holds a step of the specs (a second run of them in the
+    process neither starts a thread nor compiles)."""
+    if has_specs(specs):
         return None
     return StepPrecompile(*abstract_program(specs, mesh, objects))
 

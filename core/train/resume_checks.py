@@ -2,7 +2,7 @@
 
 `optimizer_mismatch` turns an optimizer-state mismatch that an optimizer setting caused into a
 message naming that setting. `resume_notices` are the changes a resume makes and says: the
-learning-rate schedule's length (`core.train.step.schedule_steps`), and a stored dtype (the
+learning-rate schedule's length (`core.spec.resolve.schedule_steps`), and a stored dtype (the
 checkpoint's parameters and moments are converted to this command's dtypes as they are restored;
 docs/precision.md#resume). Both compare two configs as plain dicts: the checkpoint's (its metadata,
 = the run's config.yml) and this command's (`Config.to_dict`).
@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 from core.errors import CheckpointError
-from core.train.step import schedule_steps
+from core.spec.resolve import schedule_steps
 
 # Optimizer settings that change the optimizer state's tree (not only its values).
 OPTIMIZER_STRUCTURE_KEYS = ("gradient_clipping_threshold", "trainable_parameters_mask")

@@ -5,7 +5,8 @@ computing its part once (docs/development.md#a-run-in-phases):
 1. `claim` (core/train/run_lock.py): process 0 locks the run directory, one process at a time;
 2. `preflight` (core/train/preflight.py): every check that needs no array, from one mesh, one
    abstract model and one read of the checkpoint the run starts from; one frozen record with the
-   resolved config and its specs (core.spec.resolve) and the notices;
+   resolved config's specs (core.spec.resolve), the run's settings (`RunSettings`: what the loop, the
+   outputs and the header read of the config) and the notices;
 3. `fit_remat` (core/train/preflight.py): on a TPU, `remat_policy=auto`'s compiles, the first step
    that fits taken;
 4. `compile_ahead` (core/train/program.py): the step compiled from shapes, beside the build;
@@ -42,7 +43,6 @@ import jax
 from flax import nnx
 
 from core.checkpoint import run_files
-from core.config.schema import dump
 from core.data.batches import merge_positions
 from core.data.prefetch import Prefetch
 from core.errors import ClusterError, DivergenceError, PreemptedError, RunWriteError, device_memory_error
@@ -50,9 +50,8 @@ from core.parallel import peers
 from core.parallel.chips import peak_flops, utilization
 from core.parallel.mesh import describe_mesh, exchange, first_line, wait_for_peers
 from core.parallel.sharding import shard_batch
-from core.spec.resolve import Resolved
+from core.spec.resolve import Specs
 from core.train import program, step_guard
-from core.train.flops import model_flops_per_step
 from core.train.materialise import Materialised, materialise
 from core.train.memory import step_memory_note
 from core.train.outputs import open_outputs
@@ -73,7 +72,7 @@ def dsv4_version() -> str:
 # ----------------------------------------------------------------------------- the phases after materialise
 
 
-def ready(ahead: program.StepPrecompile | None, specs: Resolved, graphdef, state, mesh,
+def ready(ahead: program.StepPrecompile | None, specs: Specs, graphdef, state, mesh,
           progress: Callable[[], str]) -> Callable:
     """Phase: the step for the built `state` (the program compiled ahead, once `ahead` is done, or
     jitted), the progress a lost-process line names, and every process at step 0 together (processes
@@ -93,19 +92,19 @@ def ready(ahead: program.StepPrecompile | None, specs: Resolved, graphdef, state
 def describe(plan: Preflight, made: Materialised, stage: str, run_dir: Path, init_from: str | Path | None,
              step: Callable) -> dict[str, Any]:
     """The `info` dict: what the run is, before its first step."""
-    cfg, setup, source = plan.cfg, made.setup, plan.source
+    run, setup, source = plan.run, made.setup, plan.source
     resumed_from = source.checkpoint.step if source is not None and source.resume else None
     devices = jax.devices()
-    peak, peak_source = peak_flops(jax.local_devices()[0], cfg.dtype)
+    peak, peak_source = peak_flops(jax.local_devices()[0], run.dtype)
     return {
-        "model_name": cfg.model_name, "stage": stage, "run_dir": str(run_dir),
+        "model_name": run.model_name, "stage": stage, "run_dir": str(run_dir),
         "params_total": setup.params_total, "params_trainable": setup.params_trainable,
-        "batch_size": setup.batch_size, "max_target_length": cfg.max_target_length,
-        "tokens_per_step": setup.batch_size * cfg.max_target_length,
+        "batch_size": setup.batch_size, "max_target_length": run.max_target_length,
+        "tokens_per_step": setup.batch_size * run.max_target_length,
         # MFU's numerator and denominator (docs/benchmarks.md#how-mfu-is-counted)
-        "model_flops_per_step": model_flops_per_step(cfg, setup.batch_size)["total"],
+        "model_flops_per_step": run.model_flops_per_step,
         "peak_flops_per_device": peak, "peak_source": peak_source, "mesh_devices": setup.mesh.size,
-        "devices": f"{len(devices)} x {devices[0].platform}", "mesh": _mesh_line(setup.mesh, step), "steps": cfg.steps,
+        "devices": f"{len(devices)} x {devices[0].platform}", "mesh": _mesh_line(setup.mesh, step), "steps": run.steps,
         "start_step": made.start_step, "resumed_from": resumed_from,
         "init_from": None if init_from is None or resumed_from is not None else str(init_from),
         "init_step": made.init_step, "init_from_ignored": init_from is not None and resumed_from is not None,
@@ -159,13 +158,15 @@ class Trainer:
         self.stage, self.run_dir = stage, Path(run_dir)
         self.lock = claim(self.run_dir, f"dsv4 {stage}")
         plan = fit_remat(cfg.remat_policy, preflight(cfg, stage, self.run_dir, init_from))
-        ahead = program.compile_ahead(plan.specs, plan.mesh, plan.abstract)  # compiles while the model builds
-        made = materialise(plan.specs, plan.mesh, plan.labels, plan.abstract, plan.source, plan.data)
+        # the step compiles while the model builds
+        ahead = program.compile_ahead(plan.specs, plan.mesh, plan.abstract) if plan.run.compile_ahead else None
+        made = materialise(plan.specs, plan.mesh, plan.labels, plan.abstract, plan.source, plan.data,
+                           teacher_init_batches=plan.run.teacher_init_batches)
         self.outputs = open_outputs(
-            self.run_dir, config_text=dump(plan.cfg), kept_metrics=plan.kept_metrics, start_step=made.start_step,
-            state_bytes=tree_bytes(made.state), max_checkpoints=plan.cfg.max_checkpoints,
-            async_save=plan.cfg.async_checkpointing, tensorboard=plan.cfg.enable_tensorboard)
-        self.specs, self.cfg, self.data, self.setup = plan.specs, plan.cfg, plan.data, made.setup
+            self.run_dir, config_text=plan.run.config_text, kept_metrics=plan.kept_metrics, start_step=made.start_step,
+            state_bytes=tree_bytes(made.state), max_checkpoints=plan.run.max_checkpoints,
+            async_save=plan.run.async_checkpointing, tensorboard=plan.run.enable_tensorboard)
+        self.specs, self.settings, self.data, self.setup = plan.specs, plan.run, plan.data, made.setup
         self.graphdef, self.state, self.start_step = made.graphdef, made.state, made.start_step
         self.last_saved = made.start_step - 1 if made.start_step else None  # the checkpoint resumed from
         self._step_fn = ready(ahead, plan.specs, made.graphdef, made.state, plan.mesh,
@@ -177,8 +178,8 @@ class Trainer:
         if jax.process_count() > 1:  # each process knows the position of its own rows
             data = merge_positions([json.loads(v) for v in exchange("dsv4-data", json.dumps(data))])
         model, optimizer = nnx.merge(self.graphdef, self.state)
-        metadata = {"config": self.cfg.to_dict(), "stage": self.stage, "step": step, "metrics": row,
-                    "model_name": self.cfg.model_name, "dsv4_version": dsv4_version()}
+        metadata = {"config": dict(self.settings.config_record), "stage": self.stage, "step": step, "metrics": row,
+                    "model_name": self.settings.model_name, "dsv4_version": dsv4_version()}
         checkpointer = self.outputs.checkpointer
         with self.outputs.guard.writing("checkpoint", checkpointer.dir, step):
             checkpointer.save(step, model=nnx.to_pure_dict(nnx.state(model)),
@@ -211,21 +212,21 @@ class Trainer:
         flight, checks it and saves it. After a DivergenceError the in-memory state may hold the step
         dispatched after the diverged one; it is never saved.
         """
-        cfg = self.cfg
+        run = self.settings
         row: dict[str, Any] = {}
-        stop = StopRequest(cfg.steps - 1)
+        stop = StopRequest(run.steps - 1)
         self._settled_at = time.perf_counter()
         try:
-            with Prefetch(self.data, max(cfg.steps - self.start_step, 0)) as feed, stop.signals(), \
+            with Prefetch(self.data, max(run.steps - self.start_step, 0)) as feed, stop.signals(), \
                     quiet_write_errors():
                 pending: _InFlight | None = None
-                for step in range(self.start_step, cfg.steps):
+                for step in range(self.start_step, run.steps):
                     current = self._dispatch(step, feed)
                     if pending is not None:  # the previous step's metrics, while this one runs
                         row = self._settle(pending, stop)
                         yield row
                     pending = current
-                    if step == cfg.steps - 1 or (step + 1) % cfg.checkpoint_period == 0:
+                    if step == run.steps - 1 or (step + 1) % run.checkpoint_period == 0:
                         row, pending = self._settle(current, stop), None
                         self._save(step, row, current.data)
                         yield row
@@ -257,7 +258,7 @@ class Trainer:
         Its time runs from the later of its dispatch and the previous step's fetch: the step's share of
         the device when steps overlap."""
         metrics = self._fetch(flight.step, flight.metrics)
-        step_guard.check_finite(flight.step, metrics, self.cfg, self.last_saved)
+        step_guard.check_finite(flight.step, metrics, self.settings.guard, self.last_saved)
         now = time.perf_counter()
         elapsed = now - max(flight.start, self._settled_at)
         self._settled_at = now

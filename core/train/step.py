@@ -31,8 +31,7 @@ so step 0 already trains.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,12 +39,11 @@ import optax
 from flax import nnx
 
 from core import tree
-from core.config.stages import stage_of
 from core.errors import ConfigError
 from core.loss.lm import lm_loss_from_hidden
 from core.model.moe import RouterBias
 from core.model.params import mask_matcher
-from core.spec.resolve import Resolved, StepSpec
+from core.spec.resolve import OptimizerSpec, Specs, StepSpec
 from core.train import step_guard
 from core.train.handoff import is_indexer
 
@@ -57,13 +55,13 @@ METRIC_KEYS = ("total_loss", "lm_loss", "indexer_loss", "moe_lb_loss", "moe_drop
 # ----------------------------------------------------------------------------- losses and schedule
 
 
-def learning_rate_schedule(cfg) -> Callable[[Any], Any]:
-    """lr(step): linear from peak/W to peak over W = round(warmup_steps_fraction * N) steps, then
-    cosine from peak to peak * cosine_learning_rate_final_fraction at step N - 1, constant after;
-    N = learning_rate_schedule_steps, or steps when that is -1."""
-    peak, final = cfg.learning_rate, cfg.learning_rate * cfg.cosine_learning_rate_final_fraction
-    n = schedule_steps(cfg)
-    warm = int(round(cfg.warmup_steps_fraction * n))
+def learning_rate_schedule(spec: OptimizerSpec) -> Callable[[Any], Any]:
+    """lr(step): linear from peak/W to peak over W = round(warmup_fraction * N) steps, then cosine
+    from peak to peak * final_fraction at step N - 1, constant after; N = spec.schedule_steps
+    (core.spec.resolve.schedule_steps)."""
+    peak, final = spec.learning_rate, spec.learning_rate * spec.final_fraction
+    n = spec.schedule_steps
+    warm = int(round(spec.warmup_fraction * n))
     decay = max(n - 1 - warm, 1)
 
     def lr(step):
@@ -74,23 +72,6 @@ def learning_rate_schedule(cfg) -> Callable[[Any], Any]:
         return jnp.where(step < warm, warm_lr, cos_lr)
 
     return lr
-
-
-def schedule_steps(cfg_or_dict: Any) -> int:
-    """The learning-rate schedule's length: learning_rate_schedule_steps, or steps when it is -1
-    (of a Config, or of a saved config's dict)."""
-    get = cfg_or_dict.get if isinstance(cfg_or_dict, Mapping) else lambda k, d=None: getattr(cfg_or_dict, k, d)
-    n = get("learning_rate_schedule_steps", -1)
-    return int(n) if n is not None and n > 0 else int(get("steps"))
-
-
-def compile_key(cfg) -> tuple:
-    """The config's compile-relevant (key, value) pairs: configs with equal keys compile one step."""
-    # steps only shapes the step through the schedule's length, unless learning_rate_schedule_steps fixes it
-    # the schema marks the keys a step does not depend on (core.config.schema.run_only)
-    skip = {"steps"} if cfg.learning_rate_schedule_steps > 0 else set()
-    return tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
-                 if not f.metadata.get("run_only") and f.name not in skip)
 
 
 # ----------------------------------------------------------------------------- trainable mask
@@ -120,12 +101,12 @@ def trainable_labels(model: nnx.Module, patterns: Sequence[str], frozen: Sequenc
     return labels
 
 
-def check_masks(cfg, model) -> dict[str, bool]:
-    """`trainable_labels` of `model` (concrete or `nnx.eval_shape`), and ConfigError when the masks
-    train the indexer in a stage-table row that does not (`Stage.trains_indexer`: pre-training,
-    where no loss reaches it)."""
-    labels = trainable_labels(model, cfg.trainable_parameters_mask, cfg.frozen_parameters_mask)
-    if not stage_of(cfg).trains_indexer and any(v for p, v in labels.items() if is_indexer(p)):
+def check_masks(spec: StepSpec, model) -> dict[str, bool]:
+    """`trainable_labels` of `model` (concrete or `nnx.eval_shape`) under the step's masks, and
+    ConfigError when they train the indexer in a stage-table row that does not
+    (`Stage.trains_indexer`: pre-training, where no loss reaches it)."""
+    labels = trainable_labels(model, spec.optimizer.trainable, spec.optimizer.frozen)
+    if not spec.stage.trains_indexer and any(v for p, v in labels.items() if is_indexer(p)):
         raise ConfigError("dense_pretraining=true leaves the indexer idle, yet the masks train its parameters "
                           "(weight decay alone would move them): add '.*indexer.*' to frozen_parameters_mask.")
     return labels
@@ -143,18 +124,18 @@ def training_loss(spec: StepSpec, model, batch):
     return lm + aux["indexer_loss"] + aux["moe_lb_loss"], (lm, aux)
 
 
-def step_fn(specs: Resolved, graphdef):
+def step_fn(specs: Specs, graphdef):
     """The train step `(state, batch) -> (state, metrics)` (module docstring) of `specs` (core.spec.resolve),
     traced for their platform's compiler (the mesh's devices), which picks how the non-finite guard keeps
     the state (core/train/step_guard.py `apply_if_ok`)."""
-    cfg, spec, backend = specs.cfg, specs.step, specs.platform
-    trainable = config_matcher(cfg)
+    spec, backend = specs.step, specs.platform
+    trainable = path_matcher(spec.optimizer.trainable, spec.optimizer.frozen)
     grad_filter = nnx.All(nnx.Param, lambda path, _: trainable(path))
     frozen_filter = nnx.All(nnx.Param, nnx.Not(grad_filter))
     # A router bias moves unless its router is frozen: neither it nor the router weight is trainable.
     fixed_bias = nnx.All(RouterBias, lambda path, _: not (trainable(path) or trainable((*path[:-1], "weight"))))
-    schedule, rate = learning_rate_schedule(cfg), cfg.routed_bias_update_rate
-    guard = cfg.abort_on_nan_loss or cfg.abort_on_inf_loss
+    schedule, rate = learning_rate_schedule(spec.optimizer), spec.bias_update_rate
+    guard = spec.abort_on_nan or spec.abort_on_inf
 
     def step(state, batch):
         model, optimizer = nnx.merge(graphdef, state)
@@ -183,7 +164,7 @@ def step_fn(specs: Resolved, graphdef):
         # a step whose loss or gradient norm is non-finite is not applied (known before the update, so
         # the update still writes the state in place); a finite one whose update overflows is flagged
         # from what it wrote. The host sees the same metrics and stops before saving either.
-        flags = dict(abort_on_nan=cfg.abort_on_nan_loss, abort_on_inf=cfg.abort_on_inf_loss)
+        flags = dict(abort_on_nan=spec.abort_on_nan, abort_on_inf=spec.abort_on_inf)
         ok = step_guard.loss_ok(total, metrics["grad_norm"], **flags)
 
         def written_ok(state):  # the trained parameters (and on a TPU their moments) of a state the step returns

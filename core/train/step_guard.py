@@ -14,6 +14,7 @@ parameters are tested after the update rather than before it: docs/run-safety.md
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Mapping
 
@@ -86,18 +87,30 @@ def apply_if_ok(ok, apply: Callable[[Any], Any], state, platform: str, written_o
     return new, written_ok(new)
 
 
-def check_finite(step: int, metrics: Mapping[str, float], cfg, last_checkpoint: int | None) -> None:
+@dataclasses.dataclass(frozen=True)
+class Guard:
+    """The host check's settings: which non-finite values stop the run, and the config keys its
+    message names as likely causes."""
+
+    abort_on_nan: bool          # abort_on_nan_loss
+    abort_on_inf: bool          # abort_on_inf_loss
+    learning_rate: float
+    clipping: float             # gradient_clipping_threshold; <= 0 off
+    dtypes: tuple[str, str]     # (dtype, weight_dtype)
+
+
+def check_finite(step: int, metrics: Mapping[str, float], guard: Guard, last_checkpoint: int | None) -> None:
     """Host side of `loss_ok` and `params_ok` on the fetched metrics; raises DivergenceError naming step and cause."""
     bad = [f"{k} is {metrics[k]}" for k in ("total_loss", "grad_norm")
-           if (cfg.abort_on_nan_loss and math.isnan(metrics[k])) or (cfg.abort_on_inf_loss and math.isinf(metrics[k]))]
+           if (guard.abort_on_nan and math.isnan(metrics[k])) or (guard.abort_on_inf and math.isinf(metrics[k]))]
     if metrics.get("params_finite", 1.0) != 1.0:
         bad.append("the updated parameters or moments are not finite")
     if not bad:
         return
-    causes = [f"learning_rate={cfg.learning_rate:g} too high"]
-    if cfg.gradient_clipping_threshold <= 0:
+    causes = [f"learning_rate={guard.learning_rate:g} too high"]
+    if guard.clipping <= 0:
         causes.append("gradient clipping off (gradient_clipping_threshold=0)")
-    if "bfloat16" in (cfg.dtype, cfg.weight_dtype):
+    if "bfloat16" in guard.dtypes:
         causes.append("bfloat16 overflow (dtype/weight_dtype=bfloat16)")
     kept = (f"the latest good checkpoint (step {last_checkpoint}) is kept" if last_checkpoint is not None
             else "no checkpoint was written yet")

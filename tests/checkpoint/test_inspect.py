@@ -52,10 +52,11 @@ def abstract_expectations(run: Path) -> dict:
     from core.model.transformer import Transformer
     from core.model.moe import RouterBias
     from core.train.optimizer import make_optimizer
+    from core.spec.resolve import optimizer_spec
 
     cfg = ckpt.config_of(run)
     model = nnx.eval_shape(lambda: Transformer(resolve(cfg, "cpu").model, rngs=nnx.Rngs(0)))
-    optimizer = nnx.eval_shape(lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param), model)
+    optimizer = nnx.eval_shape(lambda m: nnx.Optimizer(m, make_optimizer(optimizer_spec(cfg)), wrt=nnx.Param), model)
     params = {p: math.prod(x.shape) for p, x in tree.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
     indexer = {p: "indexer" in p.split("/") for p in params}  # the warm-up mask '.*indexer.*'
     biases = sum(math.prod(x.shape) for x in tree.flatten(nnx.to_pure_dict(nnx.state(model, RouterBias))).values())

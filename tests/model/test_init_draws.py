@@ -72,10 +72,11 @@ def test_build_makes_the_optimizer_state_of_eager_init_in_one_program():
     from core.parallel.sharding import shard_state
     from core.train.materialise import build
     from core.train.optimizer import make_optimizer
+    from core.spec.resolve import optimizer_spec
 
     cfg = tiny_config("sparse")
     setup = build(*resolved(cfg))
-    eager = shard_state(nnx.Optimizer(setup.model, make_optimizer(cfg), wrt=nnx.Param), setup.mesh)
+    eager = shard_state(nnx.Optimizer(setup.model, make_optimizer(optimizer_spec(cfg)), wrt=nnx.Param), setup.mesh)
     got, want = nnx.state(setup.optimizer), nnx.state(eager)
     assert jax.tree.structure(got) == jax.tree.structure(want)
     pairs = list(zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)))

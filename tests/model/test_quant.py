@@ -180,6 +180,7 @@ def test_warmup_on_held_weights_equals_its_float32_dequantisation_bitwise(held_t
     """5 warm-up steps of the real step: losses and indexer gradients bitwise equal (DESIGN.md)."""
     from core.data.batches import train_batches
     from core.train.optimizer import make_optimizer
+    from core.spec.resolve import optimizer_spec
     from core.train import step as train_step
 
     cfg, held = held_tiny
@@ -198,7 +199,7 @@ def test_warmup_on_held_weights_equals_its_float32_dequantisation_bitwise(held_t
         return nnx.grad(loss, argnums=nnx.DiffState(0, grad_filter))(model)
 
     def run(model):
-        graphdef, state = nnx.split((model, nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)))
+        graphdef, state = nnx.split((model, nnx.Optimizer(model, make_optimizer(optimizer_spec(cfg)), wrt=nnx.Param)))
         real_step, out = train_step.step_fn(resolve(cfg, "cpu"), graphdef), []
 
         # one program per model (each compile counts): the real step, and the indexer gradients at its input

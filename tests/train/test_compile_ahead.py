@@ -18,6 +18,7 @@ from core.train import step as ts
 from core.data.batches import train_batches
 from core.parallel.sharding import shard_batch, state_shardings
 from core.train.materialise import build
+from core.spec.resolve import optimizer_spec
 from core.train.optimizer import make_optimizer
 from core.train.run import Trainer
 
@@ -32,7 +33,7 @@ def _jitted_rows(cfg) -> list[dict[str, float]]:
     setup = build(specs, mesh)
     graphdef, state = nnx.split((setup.model, setup.optimizer))
     # StepProgram.jit's jit outside its memo, as a new function: its own compile
-    step = program.jit_step(ts.step_fn(specs, graphdef), specs.cfg, mesh, state_shardings(state, mesh))
+    step = program.jit_step(ts.step_fn(specs, graphdef), specs.step.opt_level, mesh, state_shardings(state, mesh))
     data, rows = train_batches(cfg, setup.batch_size), []
     for _ in range(STEPS):
         state, metrics = step(state, shard_batch(next(data), setup.mesh))
@@ -42,7 +43,7 @@ def _jitted_rows(cfg) -> list[dict[str, float]]:
 
 def test_ahead_step_matches_the_jitted_step_and_is_shared(tmp_path):
     cfg = tiny_config("warmup", *OVERRIDES, steps=STEPS)
-    assert cfg.compile_ahead and not program.has_config(cfg)
+    assert cfg.compile_ahead and not program.has_specs(resolved(cfg)[0])
     trainer = Trainer(cfg, stage="warmup", run_dir=tmp_path / "a")
     rows = list(trainer.run())
     step = trainer._step_fn
@@ -67,13 +68,13 @@ def test_ahead_step_falls_back_on_other_inputs():
     assert step.compiled is None
 
 
-def test_one_optimizer_per_compile_relevant_config():
-    """`make_optimizer`: configs of equal compile-relevant keys share one optax object (part of the optimizer's
+def test_one_optimizer_per_optimizer_spec():
+    """`make_optimizer`: configs of equal optimizer specs share one optax object (part of the optimizer's
     graphdef, so of the program's memo key); run-only keys, and `steps` under a fixed schedule length, do not
     split it; a learning rate, or `steps` when it sets the schedule's length, does."""
+    made = lambda cfg: make_optimizer(optimizer_spec(cfg))  # noqa: E731
     fixed = ("learning_rate_schedule_steps=50",)
     a = tiny_config(None, *fixed, steps=3)
-    assert make_optimizer(a) is make_optimizer(tiny_config(None, *fixed, "checkpoint_period=2", "compile_ahead=false",
-                                                           steps=7))
-    assert make_optimizer(a) is not make_optimizer(tiny_config(None, *fixed, "learning_rate=3e-3", steps=3))
-    assert make_optimizer(tiny_config(None, steps=3)) is not make_optimizer(tiny_config(None, steps=7))
+    assert made(a) is made(tiny_config(None, *fixed, "checkpoint_period=2", "compile_ahead=false", steps=7))
+    assert made(a) is not made(tiny_config(None, *fixed, "learning_rate=3e-3", steps=3))
+    assert made(tiny_config(None, steps=3)) is not made(tiny_config(None, steps=7))

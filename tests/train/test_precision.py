@@ -28,6 +28,7 @@ from core.checkpoint import run_files
 from core.checkpoint import store as ckpt
 from core.config.schema import load_config
 from core.errors import ConfigError
+from core.spec.resolve import optimizer_spec
 from core.train import optimizer as train_optimizer
 from core.train import step as train_step
 from core.train.materialise import build, materialise
@@ -67,8 +68,8 @@ def _adamw_movement(params, grads, **keys):
     """The parameter movement of AdamW (core.train.optimizer, no clipping) over the gradient sequence."""
     # dataclasses.replace: past validate, which refuses the b2 = 0.99 that one test shows
     cfg = dataclasses.replace(load_config("deepseek4-tiny", [*SMALL_LR, "gradient_clipping_threshold=0"]), **keys)
-    tx = train_optimizer.adamw(train_optimizer.adamw_spec(cfg), train_step.learning_rate_schedule(cfg),
-                               lambda path: True)
+    spec = optimizer_spec(cfg)
+    tx = train_optimizer.adamw(spec, train_step.learning_rate_schedule(spec), lambda path: True)
     p, state = params, tx.init(params)
     for g in grads:
         updates, state = tx.update(g, state, p)
@@ -174,7 +175,7 @@ def chain(tmp_path_factory):
     setup = build(*resolved(tiny_config("warmup", *ONE_LAYER, *SMALL_LR, *FULL_SIZE)))
     saver = ckpt.RunCheckpointer(warm, max_to_keep=1, async_save=False)
     saver.save(0, model=nnx.to_pure_dict(nnx.state(setup.model)), optimizer=nnx.to_pure_dict(nnx.state(setup.optimizer)),
-               data={}, metadata={"config": setup.cfg.to_dict(), "stage": "warmup", "step": 0})
+               data={}, metadata={"config": setup.specs.cfg.to_dict(), "stage": "warmup", "step": 0})
     saver.close()
     for run, extra in ((sparse, ()), (reference, ("mu_dtype=float32", "nu_dtype=float32"))):
         result = _invoke("sparse", "--steps", str(MOVE_STEPS), "--output", str(run), "--init-from", str(warm), *extra)

@@ -151,6 +151,7 @@ def test_both_guard_forms_keep_a_diverged_state_and_apply_a_good_one_alike():
     from core.parallel.sharding import shard_batch
     from core.train import step_guard
     from core.train.materialise import build
+    from core.train.preflight import run_settings
     from core.train.step import step_fn
 
     shape = (*ONE_SWA_LAYER, "vocab_size=512")
@@ -186,7 +187,7 @@ def test_both_guard_forms_keep_a_diverged_state_and_apply_a_good_one_alike():
     assert first != bytes_of(state) and last == first
     with pytest.raises(DivergenceError, match=r"step 0 diverged \(the updated parameters or moments are not finite\): "
                                               "neither it nor anything non-finite was saved"):
-        step_guard.check_finite(0, {k: float(v) for k, v in over.items()}, cfg, None)
+        step_guard.check_finite(0, {k: float(v) for k, v in over.items()}, run_settings(cfg, setup.mesh).guard, None)
 
 
 def test_the_written_state_test_reads_trained_parameters_and_every_moment():

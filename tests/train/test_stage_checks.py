@@ -75,11 +75,12 @@ def test_warmup_preset_is_constant_lr_without_decay_and_its_help_lists_it():
     adam_b1 0.7; `dsv4 warmup --help` (and `dsv4 pretrain --help`) list every preset key."""
     from core.config.schema import load_config
     from core.train.step import learning_rate_schedule
+    from core.spec.resolve import optimizer_spec
 
     cfg = load_config("deepseek4-tiny", (), stage="warmup", options={"steps": 100})
     assert (cfg.learning_rate, cfg.adam_weight_decay, cfg.adam_eps, cfg.adam_b1) == (3e-3, 0.0, 1e-12, 0.7)
     assert cfg.indexer_init == "teacher"
-    lr = [float(learning_rate_schedule(cfg)(s)) for s in (4, 50, 99)]
+    lr = [float(learning_rate_schedule(optimizer_spec(cfg))(s)) for s in (4, 50, 99)]
     assert lr == pytest.approx([3e-3] * 3, rel=1e-6)
     for stage in ("warmup", "pretrain"):
         _help_lists_preset(stage)

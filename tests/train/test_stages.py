@@ -187,7 +187,7 @@ def _save_without_indexer(run, cfg) -> None:
     setup = build(*resolved(cfg.replace(use_indexer=False)))
     saver = ckpt.RunCheckpointer(run, max_to_keep=1, async_save=False)
     saver.save(0, model=nnx.to_pure_dict(nnx.state(setup.model)), optimizer=nnx.to_pure_dict(nnx.state(setup.optimizer)),
-               data={}, metadata={"config": setup.cfg.to_dict(), "stage": "pretrain", "step": 0})
+               data={}, metadata={"config": setup.specs.cfg.to_dict(), "stage": "pretrain", "step": 0})
     saver.close()
 
 

@@ -14,19 +14,19 @@ from core.parallel.xla_flags import TPU_COLLECTIVE_OPTIONS
 
 def test_options_follow_the_config_and_xla_flags(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
-    auto = tiny_config()  # the default -1: AUTO_CPU_LEVEL on CPU, XLA's own level elsewhere
+    auto = tiny_config().xla_backend_optimization_level  # the default -1: AUTO_CPU_LEVEL on CPU, XLA's own level elsewhere
     assert program.step_compiler_options(auto, "cpu") == {"xla_backend_optimization_level": program.AUTO_CPU_LEVEL}
     assert program.step_compiler_options(auto, "gpu") == {}
     assert program.step_compiler_options(auto, "tpu") == TPU_COLLECTIVE_OPTIONS  # the collectives' scheduling
-    assert program.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=2"), "gpu") == {
+    assert program.step_compiler_options(2, "gpu") == {
         "xla_backend_optimization_level": 2}
-    assert program.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=1")) == {
+    assert program.step_compiler_options(1) == {
         "xla_backend_optimization_level": 1}
-    assert program.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=2")) == {
+    assert program.step_compiler_options(2) == {
         "xla_backend_optimization_level": 2}
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")  # the environment wins
-    assert program.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=1")) == {}
-    assert program.step_compiler_options(tiny_config(None, "xla_backend_optimization_level=1"), "tpu") == \
+    assert program.step_compiler_options(1) == {}
+    assert program.step_compiler_options(1, "tpu") == \
         TPU_COLLECTIVE_OPTIONS
     with pytest.raises(ConfigError, match="xla_backend_optimization_level=4"):
         tiny_config(None, "xla_backend_optimization_level=4")
@@ -54,7 +54,7 @@ def test_the_options_reach_the_compile(monkeypatch):
     import numpy as np
 
     monkeypatch.setenv("XLA_FLAGS", "")  # the suite's level 0 (tests/conftest.py) would win otherwise
-    options = program.step_compiler_options(tiny_config(), "cpu")
+    options = program.step_compiler_options(tiny_config().xla_backend_optimization_level, "cpu")
     assert options == {"xla_backend_optimization_level": program.AUTO_CPU_LEVEL}
     f = lambda x: jnp.tanh(x @ x.T).sum(-1)  # noqa: E731
     x = jax.random.normal(jax.random.key(0), (64, 32))

@@ -24,6 +24,7 @@ from core.checkpoint import store as ckpt
 from core import tree
 from core.checkpoint import run_files
 from core.loss import lm as lm_loss
+from core.spec.resolve import optimizer_spec
 from core.train import step as train_step
 from core.errors import ConfigError
 from dsv4cli import display
@@ -158,7 +159,7 @@ def test_learning_rate_schedule_matches_reference():
         else:
             frac = (step - warm) / (50 - 1 - warm)
             want = 0.002 + 0.5 * (0.01 - 0.002) * (1 + math.cos(math.pi * frac))
-        np.testing.assert_allclose(float(train_step.learning_rate_schedule(cfg)(step)), want, rtol=1e-6)
+        np.testing.assert_allclose(float(train_step.learning_rate_schedule(optimizer_spec(cfg))(step)), want, rtol=1e-6)
 
 
 def test_trainable_mask_fully_matches_paths():
@@ -198,7 +199,7 @@ def test_the_optimizer_is_built_beside_the_parameters_not_over_a_copy():
     mesh = make_mesh(cfg)
     model = shard_state(init_model(cfg, cfg.init_weights_seed), mesh)
     before = tree.flatten(nnx.to_pure_dict(nnx.state(model)))
-    optimizer = new_optimizer(cfg, model, mesh)
+    optimizer = new_optimizer(optimizer_spec(cfg), model, mesh)
     after = tree.flatten(nnx.to_pure_dict(nnx.state(model)))
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before), \
         [k for k in before if after[k] is not before[k]][:3]
