@@ -519,6 +519,34 @@ def swiglu_weights(emb: int, mlp: int, *, rngs, param_dtype=jnp.float32, experts
                     w3=param(rngs, init_in, (experts, emb, mlp), ("experts", "embed", "mlp"), param_dtype))
 
 
+def cast_per_layer(w, dtype):
+    """`w` in `dtype`, cast where the layer reads it. XLA:TPU moves a float32 -> bfloat16 convert of a
+    scanned layer's slice of a stacked weight out of the scan, as one convert of the whole stack (an
+    optimization barrier does not stop it): the forward makes it, the backward's recompute reads it, so
+    every layer's bf16 copy of its experts lives from the forward to the backward (the step's largest
+    temporaries after the gradients: docs/planning.md#v4-flash). That cast runs here as integer
+    arithmetic (`_bf16_rounded`, round to nearest even as `astype`, bit for bit), which no pass moves;
+    other casts are `astype`'s."""
+    if w.dtype == dtype:
+        return w
+    if w.dtype == jnp.float32 and jnp.dtype(dtype) == jnp.bfloat16:
+        return _bf16_rounded(w)
+    return w.astype(dtype)
+
+
+@jax.custom_vjp
+def _bf16_rounded(w):
+    """float32 -> bfloat16, round to nearest even (a NaN stays a NaN), from the float32's bits."""
+    u = jax.lax.bitcast_convert_type(w, jnp.uint32)
+    rounded = (u + jnp.uint32(0x7FFF) + ((u >> 16) & jnp.uint32(1))) >> 16
+    b = jax.lax.bitcast_convert_type(rounded.astype(jnp.uint16), jnp.bfloat16)
+    return jnp.where(jnp.isnan(w), jnp.bfloat16(jnp.nan), b)
+
+
+# the transpose of a cast, as `astype`'s: the bfloat16 cotangent widened to float32
+_bf16_rounded.defvjp(lambda w: (_bf16_rounded(w), None), lambda _, g: (g.astype(jnp.float32),))
+
+
 def swiglu_mlp(x_btm, weights: nnx.Dict, limit: float, dtype):
     """One SwiGLU MLP (the shared expert) in `dtype`: w2(silu(min(x w1, L)) * clip(x w3, -L, L))."""
     x_btm = x_btm.astype(dtype)
@@ -560,7 +588,7 @@ class MoE(nnx.Module):
         spec = self.spec
         x_c = x_btm.astype(self.dtype)
         idx_btk, weights_btk, lb_loss = self._route(x_btm, tokens_bt, valid_bt)
-        w1, w2, w3 = (w[...].astype(self.dtype) for w in (self.experts.w1, self.experts.w2, self.experts.w3))
+        w1, w2, w3 = (cast_per_layer(w[...], self.dtype) for w in (self.experts.w1, self.experts.w2, self.experts.w3))
         y_btm, dropped = routed_experts(spec, x_c, idx_btk, weights_btk, (w1, w2, w3),
                                         jax.sharding.get_abstract_mesh())
         # The shared expert's collectives follow the routed loop's, forward and backward, and the backward
