@@ -51,7 +51,7 @@ OWNERS = {
     **{f"ops/chunked_attention:{name}": HELPER for name in _MASKS},
     "ops/topk": "indexer", "loss/indexer_kl": "indexer", "model/indexer_init": "indexer",
     "model/layers": HELPER, "model/layers:compress": "compressor", "model/layers:Compressor": "compressor",
-    "model/moe": "MoE", "ops/grouped_matmul": "MoE", "ops/expert_parallel": "MoE",
+    "model/moe": "MoE", "ops/grouped_matmul": "MoE", "ops/expert_parallel": "MoE", "ops/batched_experts": "MoE",
     "model/block": "mHC",  # the block wires the sublayers (their frames are inner); its own maths is the mHC
     "loss/lm": "head",
     "train/optimizer": "optimizer", "train/step_guard": "optimizer",  # the guard tests the update it keeps or drops

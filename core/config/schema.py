@@ -108,7 +108,7 @@ class Config:
     routed_bias_update_rate: float
     first_num_hash_layers: int
     load_balance_loss_weight: float
-    moe_impl: str                     # auto | tiled | dense | ragged | gmm (expert computation, core/model/moe.py)
+    moe_impl: str                     # auto | tiled | dense | ragged | gmm | batched (expert computation, core/model/moe.py)
     moe_tile_size: int                # rows per tile of the tiled path, 0 = auto
     moe_tiles_per_step: int           # tiles per scan step of the tiled path, 0 = auto
     moe_capacity_factor: float        # expert parallelism: slots per destination / mean, 0 = drop-free

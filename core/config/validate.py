@@ -44,7 +44,7 @@ _CHOICES = {
     "hc_mix_form": ("einsum", "slices"),
     "hc_mixes_backward": ("auto", "autodiff", "closed"),
     "remat_policy": ("auto", "none", "minimal", "projections", "experts", "full"),
-    "moe_impl": ("auto", "tiled", "dense", "ragged", "gmm"),
+    "moe_impl": ("auto", "tiled", "dense", "ragged", "gmm", "batched"),
     "rope_type": ("default", "yarn"),
     "indexer_teacher": ("compressed", "joint"),
     "indexer_gradient": ("local", "backward"),

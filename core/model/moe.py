@@ -22,7 +22,8 @@ The modules take one flat frozen `MoESpec` (built by core.spec.resolve), as gemm
 hyper-parameters down.
 
 Expert computation (`MoESpec.impl`, IMPLS; `auto` is resolved per platform before the build,
-core/spec/platform.py: tiled on CPU and GPU, gmm on TPU, docs/benchmarks.md#why-the-defaults):
+core/spec/platform.py: tiled on CPU and GPU, gmm on TPU, batched on a GPU under expert parallelism
+with a capacity, docs/benchmarks.md#why-the-defaults):
 - "tiled": the B*T*k (token, expert) slots sorted by expert into whole tiles of `tile_size` rows,
   batched einsums over tiles, summed back per token (`tiled_experts`, below): drop-free, about
   the slots' own FLOPs plus padding. tile_size 0 picks `auto_tile`. The fastest on CPU.
@@ -32,9 +33,14 @@ core/spec/platform.py: tiled on CPU and GPU, gmm on TPU, docs/benchmarks.md#why-
   permutation and run one grouped matmul per weight: `jax.lax.ragged_dot` (a Mosaic kernel on a
   TPU; XLA CPU lowers it densely) or the Pallas megablox kernels with their own tiles per pass
   (core/ops/grouped_matmul.py).
-All four agree to float32 rounding in value and gradient (tests/model/test_moe.py, tests/model/test_moe_dispatch.py).
+- "batched" pads each expert's slots to a capacity of rows and runs batched matmuls over experts
+  (core/ops/batched_experts.py): a GPU's path under expert parallelism, with the exchange's capacity
+  per local expert; without an exchange the same capacity of each device's tokens, dropped there
+  (drop-free without a capacity factor: C = B*T rows per expert, E/k times the FLOPs, as "dense").
+All five agree to float32 rounding in value and gradient (tests/model/test_moe.py, tests/model/test_moe_dispatch.py,
+tests/ops/test_batched_experts.py).
 On a mesh whose `expert` axis is larger than 1 (`jax.sharding.get_abstract_mesh()` during the trace:
-traced under `jax.set_mesh` or `jax.sharding.use_abstract_mesh`), "tiled", "ragged" and "gmm" become
+traced under `jax.set_mesh` or `jax.sharding.use_abstract_mesh`), "tiled", "ragged", "gmm" and "batched" become
 expert parallelism that moves tokens: a ragged all-to-all sends each slot to its expert's device, which
 runs the same computation over its local experts (core/ops/expert_parallel.py; drop-free unless
 `capacity_factor`, aux["dropped"]). "dense" stays GSPMD-partitioned. Without an `expert` axis, "ragged"
@@ -79,11 +85,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from core.model.layers import dense_init, param, upcast
 from core.ops.grouped_matmul import GmmTiling, SlotOrder, gmm, ragged_dot
-from core.ops.expert_parallel import Exchange, expert_parallel_experts, token_parallel_experts
+from core.ops.batched_experts import batched_experts, dropped_fraction
+from core.ops.expert_parallel import Exchange, expert_capacity, expert_parallel_experts, token_parallel_experts
 from core.ops.placement import after, cotangent_after_value, expert_axis_size, mesh_platform_of, token_shards
 
 
-IMPLS = ("dense", "tiled", "ragged", "gmm")  # expert computation (module docstring); a config's auto is one of them
+IMPLS = ("dense", "tiled", "ragged", "gmm", "batched")  # expert computation (module docstring); a config's auto is one of them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -468,14 +475,21 @@ def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):
                                  jax.nn.one_hot(idx_btk, spec.num_experts, dtype=jnp.float32))
         return dense_experts(x_btm, combine_bte, w1, w2, w3, spec.swiglu_limit), no_drops
     tokens = x_btm.shape[0] * x_btm.shape[1]
-    if spec.impl in ("ragged", "gmm"):
+    if spec.impl == "batched":  # the capacity per (local) expert of each device's tokens; no exchange: dropped here
+        shards = 1 if mesh is None or mesh.empty else token_shards(mesh)
+        rows = expert_capacity(tokens // shards, spec.k, spec.num_experts, devices, spec.capacity_factor)
+        local = functools.partial(batched_experts, capacity=rows, hidden=hidden)
+        drops = jax.lax.stop_gradient(dropped_fraction(idx_btk, spec.num_experts, rows, shards))
+    elif spec.impl in ("ragged", "gmm"):
         dt = x_btm.dtype
         matmul = ragged(dt) if spec.impl == "ragged" else megablox_gmm(dt, spec.gmm_tiling(), mesh_platform_of(mesh))
         local = functools.partial(grouped_experts, limit=spec.swiglu_limit, matmul=matmul)
+        drops = no_drops
+    if spec.impl in ("ragged", "gmm", "batched"):
         if mesh is None or mesh.empty or mesh.size == 1:
-            return local(x_btm, idx_btk, weights_btk, w1, w2, w3), no_drops
+            return local(x_btm, idx_btk, weights_btk, w1, w2, w3), drops
         if devices == 1:
-            return token_parallel_experts(local, x_btm, idx_btk, weights_btk, w1, w2, w3, mesh), no_drops
+            return token_parallel_experts(local, x_btm, idx_btk, weights_btk, w1, w2, w3, mesh), drops
     elif devices == 1:
         tile = spec.tile_size or auto_tile(tokens, spec.num_experts, spec.k)
         return tiled_experts(x_btm, idx_btk, weights_btk, w1, w2, w3, tile=tile, per_step=spec.tiles_per_step,
@@ -487,7 +501,8 @@ def routed_experts(spec: MoESpec, x_btm, idx_btk, weights_btk, experts, mesh):
         tile = spec.tile_size or auto_tile(local_slots, local_experts, 1, most=512)
         local = functools.partial(tiled_experts, tile=tile, per_step=spec.tiles_per_step, empty_slots=True,
                                   hidden=hidden)
-    exchange = Exchange(mesh, spec.capacity_factor, emulated=mesh_platform_of(mesh) == "cpu")
+    exchange = Exchange(mesh, spec.capacity_factor, emulated=mesh_platform_of(mesh) == "cpu",
+                        per_expert=spec.impl == "batched")
     return expert_parallel_experts(x_btm, idx_btk, weights_btk, w1, w2, w3, exchange, experts=local)
 
 

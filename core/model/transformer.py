@@ -105,6 +105,9 @@ PROJECTION_NAMES = ("attn_q_proj", "attn_q", "attn_out", "attn_o_lora", "attn_ls
 # projections do not. The experts' rows ([B T k, M] in expert order) and the attention's [B, T, H, D] are not
 # kept: each twice to eight times a kept product's bytes.
 EXPERT_NAMES = ("moe_weights", "moe_gate", "moe_up", "attn_o_lora", "attn_sublayer_out", "moe_sublayer_out")
+# and on a GPU the rows the batched experts read (core/ops/batched_experts.py): under expert parallelism across
+# hosts the exchange that brought them crosses the network, the dearest work of a layer to run again
+GPU_EXPERT_NAMES = ("moe_rows",)
 LAYER_INPUT = "decoder_layer_input"  # each layer body's input x [B, T, n, M] (run_segment)
 REMAT_POLICIES = ("none", "minimal", "projections", "experts", "full")  # module docstring
 
@@ -128,7 +131,7 @@ def remat_policy(name: str, platform: str):
     if name not in ("projections", "experts"):
         raise ValueError(f"remat_policy={name!r} is unknown: use one of {', '.join(REMAT_POLICIES)}")
     if name == "experts":
-        return names(*SAVED_NAMES, *EXPERT_NAMES, LAYER_INPUT)
+        return names(*SAVED_NAMES, *EXPERT_NAMES, *(GPU_EXPERT_NAMES if platform == "gpu" else ()), LAYER_INPUT)
     kept = [*SAVED_NAMES, *PROJECTION_NAMES]
     if platform == "cpu":
         return names(*kept, LAYER_INPUT)

@@ -4,7 +4,8 @@ Modules: chunked_attention (visibility from positions and segment ids; banded wi
 chunked visible blocks), fused_attention (the same
 attention as Pallas TPU kernels, forward and backward), topk (indexer scores,
 top-k block selection), grouped_matmul (the
-megablox kernels with per-pass tiles, slot permutations), expert_parallel (tokens sent to their
+megablox kernels with per-pass tiles, slot permutations), batched_experts (the experts as batched
+matmuls over rows padded to a capacity per expert), expert_parallel (tokens sent to their
 experts' devices and back), quant (the released FP8/FP4 formats), placement (the mesh axes the batch and the experts split over,
 an activation pinned to the batch split on the trace's mesh, the platform a trace is for, and the data
 dependencies that fix the order of collectives on XLA:CPU).

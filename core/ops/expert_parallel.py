@@ -36,6 +36,8 @@ device can receive (every device's tokens on it, each with all of its slots ther
 factor f > 0: C = ceil(f n k) rows, f times the slots a destination receives under a balanced load
 (at most the drop-free C). The executed work (exchange, grouped matmul) is the real slots either
 way; C sizes the receive buffers and what a static cost analysis counts for the grouped matmul.
+`Exchange.per_expert` (moe_impl batched, core/ops/batched_experts.py) keeps C_e = ceil(f n k / E_l) slots
+per local expert instead (drop-free: P n), each filled source by source, in a buffer of E_l C_e rows.
 
 Weights. The in_specs take the expert weights as [experts over `expert`, embed whole, mlp over
 `tensor`]: an `embed` dimension sharded over `fsdp` in the parameters is gathered by the compiler
@@ -55,6 +57,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from core.ops.batched_experts import kept_first
 from core.ops.grouped_matmul import SlotOrder
 from core.ops.placement import BATCH_AXES, EXPERT_AXIS, MLP_AXIS, expert_axis_size, token_shards
 
@@ -66,12 +69,20 @@ class Exchange:
     mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh   # has an `expert` axis
     capacity_factor: float = 0.0          # 0: drop-free (module docstring)
     emulated: bool = False                # the all_to_all form of the exchange (XLA:CPU has no ragged one)
+    per_expert: bool = False              # C / E_l slots kept per local expert (`expert_capacity`), not C per device
 
 
 def capacity(tokens: int, k: int, num_experts: int, devices: int, factor: float) -> int:
     """C, slot rows a destination receives: drop-free P n min(k, E_l), or ceil(f n k) below it."""
     worst = devices * tokens * min(k, num_experts // devices)
     return worst if factor <= 0 else max(1, min(worst, math.ceil(factor * tokens * k)))
+
+
+def expert_capacity(tokens: int, k: int, num_experts: int, devices: int, factor: float) -> int:
+    """Slot rows one local expert receives under `Exchange.per_expert` (core/ops/batched_experts.py's
+    rows): drop-free P n (a token's k experts are distinct), or ceil(f n k / E_l) below it."""
+    worst = devices * tokens
+    return worst if factor <= 0 else max(1, min(worst, math.ceil(factor * tokens * k * devices / num_experts)))
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
@@ -110,11 +121,14 @@ def _exclusive_cumsum(a, axis=-1):
     return jnp.cumsum(a, axis=axis) - a
 
 
-def _kept_counts(counts_pe, devices: int, local_experts: int, cap: int):
+def _kept_counts(counts_pe, devices: int, local_experts: int, cap: int, per_expert: bool = False):
     """kept [P_dst, P_src, E_l]: of the counts [P_src, E] every source sends, the slots each destination
     keeps within its C rows, filled source by source, local expert by local expert (a prefix: once a
-    destination is full, every later slot is dropped)."""
+    destination is full, every later slot is dropped); `per_expert`: each local expert's C / E_l rows
+    filled source by source."""
     to_dst = counts_pe.reshape(devices, devices, local_experts).transpose(1, 0, 2)   # [dst, src, e_l]
+    if per_expert:
+        return jnp.diff(jnp.minimum(jnp.cumsum(to_dst, axis=1), cap // local_experts), axis=1, prepend=0)
     filled = jnp.minimum(jnp.cumsum(to_dst.reshape(devices, -1), axis=-1), cap)
     return jnp.diff(filled, axis=-1, prepend=0).reshape(to_dst.shape)
 
@@ -154,14 +168,17 @@ def expert_parallel_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf,
     mlp_axis = MLP_AXIS if MLP_AXIS in mesh.axis_names and mlp % mesh.shape[MLP_AXIS] == 0 else None
     local_experts, n = num_experts // devices, b * t // shards
     slots_n = n * k
-    cap = capacity(n, k, num_experts, devices, exchange.capacity_factor)
+    cap = (local_experts * expert_capacity(n, k, num_experts, devices, exchange.capacity_factor) if exchange.per_expert
+           else capacity(n, k, num_experts, devices, exchange.capacity_factor))
 
     def per_device(x_nm, idx_nk, weights_nk, w1, w2, w3):
         me = jax.lax.axis_index(EXPERT_AXIS)
         slots = SlotOrder(idx_nk, num_experts)
-        x_sm, weights_s = slots.sort(x_nm), slots.weights(weights_nk)
         counts_pe = checkpoint_name(jax.lax.all_gather(slots.group_sizes, EXPERT_AXIS), "moe_routing")  # [P_src, E]
-        kept_dse = _kept_counts(counts_pe, devices, local_experts, cap)
+        kept_dse = _kept_counts(counts_pe, devices, local_experts, cap, exchange.per_expert)
+        if exchange.per_expert:  # each destination's kept slots first: the prefix of its block that is sent
+            slots = slots.permuted(kept_first(slots.group_sizes, kept_dse[:, me], local_experts, slots_n))
+        x_sm, weights_s = slots.sort(x_nm), slots.weights(weights_nk)
         sent_ds = jnp.sum(kept_dse, axis=-1)                                              # [dst, src]
         at_ds = _exclusive_cumsum(sent_ds)                                                # row of src's block at dst
         block_sd = _exclusive_cumsum(jnp.sum(counts_pe.reshape(devices, devices, local_experts), axis=-1))

@@ -22,6 +22,7 @@ ever dropped.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
@@ -194,6 +195,14 @@ class SlotOrder:
         # named as the routing is (core.model.transformer's SAVED_NAMES): no remat policy sorts again
         self.order, self.inverse, self.group_sizes = (checkpoint_name(a, "moe_routing") for a in (
             order, jnp.argsort(order), jnp.bincount(flat, length=num_groups).astype(jnp.int32)))
+
+    def permuted(self, position_p):
+        """The same slots in another order: the slot at sorted position p moves to `position_p[p]` (a
+        permutation of [0, S)); the group sizes stay."""
+        moved = copy.copy(self)
+        moved.order, moved.inverse = (checkpoint_name(a, "moe_routing") for a in (
+            self.order[jnp.argsort(position_p)], position_p[self.inverse]))
+        return moved
 
     def sort(self, x_nm):
         """[N, M] tokens -> [S, M] their slots' copies in expert order."""

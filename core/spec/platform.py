@@ -40,9 +40,14 @@ def _moe_impl(cfg, platform: str, axes) -> str:
     plain einsums elsewhere (XLA:CPU lowers ragged_dot densely), and on a TPU whose experts are split
     over fsdp or tensor but not over expert: a Mosaic kernel (which XLA cannot partition) would need
     each layer's experts gathered whole on every device (V4-Flash's sparse stage on v5p-128 then
-    exceeds the chip). On a GPU the tiled einsums everywhere, under expert parallelism too: XLA:GPU
-    expands `lax.ragged_dot` into one dense matmul over every group (each row times all G local experts'
-    weights: G times the FLOPs, the rows copied G times; docs/scaling.md#expert-parallelism)."""
+    exceeds the chip). On a GPU under expert parallelism with a capacity factor, batched matmuls over each
+    local expert's capacity of rows (`batched`, core/ops/batched_experts.py: cuBLAS's batched GEMM, no
+    per-tile weight gather or float32 accumulator carried through a loop); the tiled einsums elsewhere on
+    a GPU (drop-free, `batched` would pad every expert to the worst case): XLA:GPU expands `lax.ragged_dot`
+    into one dense matmul over every group (each row times all G local experts' weights: G times the
+    FLOPs, the rows copied G times; docs/scaling.md#expert-parallelism)."""
+    if platform == "gpu" and cfg.moe_capacity_factor > 0 and _split(cfg, axes, ("expert",)) > 1:
+        return "batched"
     if platform != "tpu":
         return "tiled"
     whole = _split(cfg, axes, ("expert", "fsdp", "tensor")) == 1
@@ -117,8 +122,8 @@ PLATFORM_CHOICES: dict[str, tuple[Any, Any]] = {
     # over the devices, once per chunk (docs/benchmarks.md#why-the-defaults)
     "lm_loss_chunk_size": (AUTO_INT, {"cpu": 256, "gpu": 2048, "tpu": 2048}),
     # `full` here; an entry point that compiles the step (the run's preflight, the planner, the
-    # benchmarks) takes `none` or else `projections` instead on a TPU where that step compiles within
-    # the chip (core/train/remat.py `remat_that_fits`)
+    # benchmarks) takes `none`, `projections` or `experts` instead on a TPU (`none` or `experts` on a
+    # GPU) where that step compiles within the device (core/train/remat.py `remat_that_fits`)
     "remat_policy": (AUTO, {"cpu": "full", "gpu": "full", "tpu": "full"}),
 }
 

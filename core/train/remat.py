@@ -2,8 +2,8 @@
 `fit_remat`) and the planner's (core/plan/compile.py): on a TPU, the steps without layer remat, with
 `projections` and with `experts` compiled in turn (core/train/program.py's `StepProgram`), the first that
 fits a chip taken (its executable kept for the run), after a screen (`remat_worth_compiling`) that spares
-a compile that cannot fit or changes nothing; `full` where none fits, and everywhere else (a CPU's and a GPU's
-`auto` is `full`: core/spec/platform.py).
+a compile that cannot fit or changes nothing; on a GPU the same with `none` and `experts`; `full` where none
+fits, and on a CPU (its `auto` is `full`: core/spec/platform.py).
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def kept_bytes_per_row(specs: Resolved) -> int:
 # `projections` and `experts` the policy names what is kept, and XLA keeps it.
 KEPT_SHARE_SCREEN = {"none": 0.6, "projections": 1.0, "experts": 1.0}
 REMAT_TRIALS = ("none", "projections", "experts")  # auto's candidates on a TPU, fastest first; `full` needs no compile
+# a GPU's: `projections` offloads the layer inputs to the host, whose link the step-time model does not price
+GPU_REMAT_TRIALS = ("none", "experts")
 
 
 def offloaded_bytes_per_row(cfg) -> int:
@@ -92,14 +94,14 @@ def remat_worth_compiling(specs: Resolved, mesh_axes, usable_bytes: int) -> bool
 
 def remat_candidates(asked: str, specs: Resolved, mesh_axes, usable_bytes: int | None) -> tuple[str, ...]:
     """The remat policies compiled in turn for `asked` (the remat_policy the command's config asked for,
-    before `resolve`; `specs`, after it), fastest first, before `specs`' `full`: REMAT_TRIALS past
-    `remat_worth_compiling` where `asked` is `auto` and the platform is a TPU of known memory; none
-    elsewhere (a CPU's and a GPU's `auto` is `full`: core/spec/platform.py). The run
+    before `resolve`; `specs`, after it), fastest first, before `specs`' `full`: REMAT_TRIALS (a GPU's
+    GPU_REMAT_TRIALS) past `remat_worth_compiling` where `asked` is `auto` and the platform is a TPU or a
+    GPU of known memory; none elsewhere (a CPU's `auto` is `full`: core/spec/platform.py). The run
     (`remat_that_fits`) and `dsv4 plan` (core/plan/compile.py) ask this one question."""
-    if not (asked == "auto" and specs.cfg.remat_policy == "full" and specs.platform == "tpu"
+    if not (asked == "auto" and specs.cfg.remat_policy == "full" and specs.platform in ("tpu", "gpu")
             and usable_bytes is not None):
         return ()
-    return tuple(p for p in REMAT_TRIALS
+    return tuple(p for p in (REMAT_TRIALS if specs.platform == "tpu" else GPU_REMAT_TRIALS)
                  if remat_worth_compiling(specs.replace(remat_policy=p), mesh_axes, usable_bytes))
 
 

@@ -32,7 +32,8 @@ ROUTINGS = {"learned": (False, 3, None), "all_to_expert3": (True, 1, "three"), "
 # tiled dispatch at the destination, and the grouped matmuls (ragged_dot; gmm's kernels in interpret mode)
 CASES = [(m, r, "tiled") for m in MESHES for r in ROUTINGS if m == "expert8" or r == "learned"]
 CASES += [("expert8", "all_to_expert3", "ragged"), ("fsdp2_expert4", "learned", "ragged"),
-          ("tensor2_expert4", "learned", "gmm")]
+          ("tensor2_expert4", "learned", "gmm"), ("expert8", "all_to_expert3", "batched"),
+          ("tensor2_expert4", "learned", "batched")]
 B, T = 8, 16                     # 128 tokens: 16 per device on every mesh
 DTYPES = ("float32", "float64")
 
@@ -97,6 +98,19 @@ def test_capacity_factor_drops_the_later_slots_and_reports_their_fraction(worker
     assert abs(case["dropped"] - case["expected_dropped"]) < 1e-7, case
     diff, scale = case["diff"]
     assert diff <= 1e-5 * max(1.0, scale), f"output vs dense without the dropped slots: {diff:.3e}"
+
+
+def test_batched_capacity_drops_each_local_experts_later_slots(worker):
+    """moe_impl batched, capacity_factor 1 on fsdp 2 x expert 4 (two local experts a device): each local expert
+    keeps its first ceil(n k / E_l) received slots, filled source by source, then in token order (the exchange's
+    `per_expert`, each destination's kept slots sent first); the output and the expert weights' gradients equal
+    the dense MoE's without the others, and aux['dropped'] is their fraction."""
+    case = worker["capacity_batched"]
+    assert 0 < case["expected_dropped"] < 0.5, case
+    assert abs(case["dropped"] - case["expected_dropped"]) < 1e-7, case
+    diff, scale = case["diff"]
+    assert diff <= 1e-5 * max(1.0, scale), f"output vs dense without the dropped slots: {diff:.3e}"
+    assert case["grad_diff"] <= 1e-5, f"expert weights' gradients vs dense without the dropped slots: {case['grad_diff']:.3e}"
 
 
 def test_capacity_drop_rate_reaches_the_training_metrics(worker):
@@ -242,26 +256,28 @@ def _parity(mesh_name, routing, impl):
             "receivers": receivers}
 
 
-def _kept_slots(idx_pnk, experts: int, cap: int):
-    """keep [P, n, k]: each destination's first `cap` received slots, source by source, local expert by local
-    expert, token by token (the exchange's order); the rest dropped."""
+def _kept_slots(idx_pnk, experts: int, cap: int, per_expert: bool = False):
+    """keep [P, n, k]: each destination's (each local expert's, `per_expert`) first `cap` received slots, source
+    by source, local expert by local expert, token by token (the exchange's order); the rest dropped."""
     import numpy as np
 
     devices, n, k = idx_pnk.shape
     local = experts // devices
     keep = np.zeros(idx_pnk.shape, bool)
     for dest in range(devices):
-        filled = 0
+        filled = np.zeros(experts, int)
         for src in range(devices):
             for e in range(dest * local, (dest + 1) * local):
                 for token, j in zip(*np.nonzero(idx_pnk[src] == e)):
-                    keep[src, token, j] = filled < cap
-                    filled += 1
+                    at = e if per_expert else dest
+                    keep[src, token, j] = filled[at] < cap
+                    filled[at] += 1
     return keep
 
 
-def _capacity():
-    """expert 8, capacity 1: the MoE against the dense MoE with the expected dropped slots' weights zeroed."""
+def _capacity(mesh_name="expert8", impl="tiled"):
+    """capacity 1 on `mesh_name` (no tensor split): the MoE against the dense MoE with the expected dropped
+    slots' weights zeroed; `batched` keeps ceil(n k / E_l) slots per local expert, the others n k per device."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -269,23 +285,35 @@ def _capacity():
     from core.model import moe
     from core.parallel import sharding
 
-    x, tokens, valid, _ = _inputs()
-    model = _models("learned", capacity_factor=1.0)
+    from flax import nnx
+
+    x, tokens, valid, cot = _inputs()
+    model = _models("learned", impl=impl, capacity_factor=1.0)
     logits = jnp.einsum("btm,me->bte", x, model.gate.weight[...])
     idx, weights, _ = moe.route(logits, model.gate.bias[...], 3, scaling=model.spec.scaling, normalize=True)
-    idx, weights = np.asarray(idx).reshape(8, -1, 3), np.asarray(weights).reshape(8, -1, 3)   # per device
-    cap = moe_capacity = idx.shape[1] * 3                                                     # ceil(f n k), f = 1
-    keep = _kept_slots(idx, 8, cap)
-    combine = np.einsum("dnk,dnke->dne", weights * keep, np.eye(8)[idx]).reshape(B, T, 8)
+    data, fsdp, _, ep = MESHES[mesh_name]
+    idx, weights = np.asarray(idx).reshape(data * fsdp, ep, -1, 3), np.asarray(weights).reshape(data * fsdp, ep, -1, 3)
+    per_expert = impl == "batched"
+    cap = moe_capacity = idx.shape[2] * 3 // (8 // ep if per_expert else 1)                 # ceil(f n k (/ E_l)), f = 1
+    keep = np.stack([_kept_slots(group, 8, cap, per_expert) for group in idx])              # per exchange group
+    combine = np.einsum("gdnk,gdnke->gdne", weights * keep, np.eye(8)[idx]).reshape(B, T, 8)
     w = [model.experts.w1[...], model.experts.w2[...], model.experts.w3[...]]
     expected = moe.dense_experts(x, jnp.asarray(combine), *w, model.spec.swiglu_limit) + moe.swiglu_mlp(x, model.shared_experts, model.spec.swiglu_limit, model.dtype)
-    mesh = _mesh(MESHES["expert8"])
+    # the routed experts' weight gradients: the kept slots' alone
+    d_w = jax.grad(lambda *w: jnp.sum(moe.dense_experts(x, jnp.asarray(combine), *w, model.spec.swiglu_limit) * cot),
+                   argnums=(0, 1, 2))(*w)
+    mesh = _mesh(MESHES[mesh_name])
     model = sharding.shard_state(model, mesh)
+    loss = lambda m, x: jnp.sum(m(x, tokens, valid)[0] * cot)  # noqa: E731
     with jax.set_mesh(mesh):
-        y, aux = jax.jit(lambda x: model(x, tokens, valid))(jax.device_put(x, sharding.batch_sharding(mesh)))
+        xs = jax.device_put(x, sharding.batch_sharding(mesh))
+        y, aux = jax.jit(lambda x: model(x, tokens, valid))(xs)
+        grads = nnx.jit(nnx.grad(loss))(model, xs)
     diff = float(np.max(np.abs(np.asarray(y) - np.asarray(expected))))
+    grad_diff = max(_diff(getattr(grads.experts, name)[...], ref)[0] / max(1.0, _diff(0 * ref, ref)[1])
+                    for name, ref in zip(("w1", "w2", "w3"), d_w))
     return {"dropped": float(aux["dropped"]), "expected_dropped": float(1 - keep.mean()), "cap": moe_capacity,
-            "diff": [diff, float(np.max(np.abs(np.asarray(expected))))]}
+            "diff": [diff, float(np.max(np.abs(np.asarray(expected))))], "grad_diff": grad_diff}
 
 
 def _direct(dtype: str = "float32"):
@@ -480,6 +508,7 @@ if __name__ == "__main__":
     results = {f"{m}/{r}/{i}": _parity(m, r, i) for m, r, i in CASES}
     results["token_parallel"] = {"ragged": _token_parallel("ragged")}  # gmm: the same wrapper (test_moe checks gmm)
     results["capacity"] = _capacity()
+    results["capacity_batched"] = _capacity("fsdp2_expert4", "batched")
     results["direct"] = {dtype: _direct(dtype) for dtype in DTYPES}
     results["emulated"] = _emulated()
     results["training"], results["eval"] = _training_and_eval()

@@ -95,7 +95,7 @@ print(hlo.matmul_flops(hlo.parse(text)))
 @pytest.mark.slow
 @pytest.mark.skipif(not _CUDA, reason='needs the CUDA plugin: pip install "dsv4[cuda]"')
 def test_xla_gpu_runs_ragged_dot_as_a_dense_matmul_over_every_group():
-    """Why `moe_impl: auto` is tiled on a GPU (core/spec/platform.py `_moe_impl`): XLA:GPU rewrites
+    """Why `moe_impl: auto` is never ragged on a GPU (core/spec/platform.py `_moe_impl`): XLA:GPU rewrites
     ragged_dot [S, K] x [G, K, N] as dense matmuls of every row with every group's weights (the rows
     zeroed outside their group), G times the grouped matmul's 2 S K N FLOPs by the plan's own count.
     If this fails, XLA:GPU has a grouped matmul of its own and `ragged` deserves a plan beside `tiled`."""
@@ -104,3 +104,36 @@ def test_xla_gpu_runs_ragged_dot_as_a_dense_matmul_over_every_group():
     out = subprocess.run([sys.executable, "-c", _RAGGED_ON_GPU], capture_output=True, text=True, env=env, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     assert float(out.stdout.strip().splitlines()[-1]) == 8 * 2 * 256 * 64 * 32, out.stdout  # G x 2 S K N
+
+
+_BATCHED_ON_GPU = """
+import functools
+import jax, jax.numpy as jnp
+from jax.experimental import topologies
+from core.model.moe import swiglu_hidden
+from core.ops.batched_experts import batched_experts
+from core.plan import hlo, targets as tg
+target = tg.parse_target("h200x8")
+device = topologies.get_topology_desc(platform="cuda", topology=target.topology,
+                                      target_config=tg.gpu_spec_text(target.spec_file)).devices[0]
+shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+hidden = functools.partial(swiglu_hidden, limit=10.0)
+run = jax.jit(lambda x, i, w, w1, w2, w3: batched_experts(x, i, w, w1, w2, w3, capacity=96, hidden=hidden))
+text = run.lower(shape(1, 256, 64), shape(1, 256, 2, dtype=jnp.int32), shape(1, 256, 2, dtype=jnp.float32),
+                 shape(8, 64, 32), shape(8, 32, 64), shape(8, 64, 32)).compile().as_text()
+print(text.count("gemm_fusion_dot"), hlo.matmul_flops(hlo.parse(text)))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _CUDA, reason='needs the CUDA plugin: pip install "dsv4[cuda]"')
+def test_xla_gpu_runs_the_batched_experts_as_gemms_of_their_rows():
+    """Why `moe_impl: auto` is batched on a GPU under expert parallelism (core/spec/platform.py `_moe_impl`):
+    the three matmuls over [E, C] rows of 8 experts of capacity 96 are XLA:GPU GEMM fusions (gate and up
+    in one) of 2 E C K N FLOPs each, not a dense expansion over every expert as ragged_dot's."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", _BATCHED_ON_GPU], capture_output=True, text=True, env=env, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    gemms, flops = out.stdout.strip().splitlines()[-1].split()
+    assert int(gemms) >= 2 and float(flops) == 3 * 2 * 8 * 96 * 64 * 32, out.stdout

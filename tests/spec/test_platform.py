@@ -59,7 +59,7 @@ def test_an_explicit_value_wins_on_every_platform():
 def test_unknown_platform_and_unresolved_auto_are_refused():
     with pytest.raises(ValueError, match="platform"):
         resolve_config(load_config("deepseek4-tiny"), "quantum")
-    with pytest.raises(ValueError, match="MoE impl must be one of dense, tiled, ragged, gmm, got 'auto'"):
+    with pytest.raises(ValueError, match="MoE impl must be one of dense, tiled, ragged, gmm, batched, got 'auto'"):
         moe.MoESpec(emb=8, mlp=4, num_experts=4, k=2, shared=0, hash_routed=False, vocab_size=10, impl="auto")
     with pytest.raises(ValueError, match="attention='auto': the layer takes one of chunked, fused, masked"):
         model_spec(load_config("deepseek4-tiny"))  # a config no entry point resolved builds no model
@@ -83,6 +83,21 @@ def test_moe_is_a_grouped_matmul_on_a_tpu_whose_experts_are_whole_or_expert_para
     for axes in ({"expert": 4}, {"expert": 64}, {"fsdp": 2, "expert": 32}):
         assert resolve_config(flash, platform, {**one, **axes}).moe_impl == impl
     assert resolve_config(load_config("deepseek4-tiny", ["ici_expert_parallelism=4"]), platform).moe_impl == impl
+
+
+def test_moe_is_batched_on_a_gpu_under_expert_parallelism_with_a_capacity():
+    """On a GPU whose experts split over `expert` with a capacity factor (the model file's sparse stage on
+    h200x64: expert 64, capacity 1), batched matmuls over each local expert's rows; drop-free, or with the
+    experts whole on every device, the tiled einsums (batched would pad each expert to the worst case)."""
+    one = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
+    sparse = load_config("deepseek4-284b", ["max_target_length=4096"], stage="sparse")
+    assert sparse.moe_capacity_factor == 1.0
+    assert resolve_config(sparse, "gpu", {**one, "expert": 64}).moe_impl == "batched"
+    assert resolve_config(sparse, "gpu").moe_impl == "batched"  # the keys fill expert
+    assert resolve_config(sparse, "gpu", one).moe_impl == "tiled"  # one GPU: nothing exchanged
+    drop_free = load_config("deepseek4-284b", ["max_target_length=4096", "moe_capacity_factor=0"], stage="sparse")
+    assert resolve_config(drop_free, "gpu", {**one, "expert": 64}).moe_impl == "tiled"
+    assert resolve_config(sparse, "tpu", {**one, "expert": 64}).moe_impl == "gmm"
 
 
 def test_attention_is_fused_where_a_tpu_trains_it_and_its_shapes_fit_the_kernels():

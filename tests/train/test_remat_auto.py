@@ -91,6 +91,11 @@ def test_the_screen_passes_over_a_policy_alone(monkeypatch):
     monkeypatch.setattr(remat, "remat_worth_compiling", lambda c, *a: c.cfg.remat_policy == "projections")
     assert remat.remat_candidates(asked, cfg, dict(mesh.shape), HUGE) == ("projections",)
     assert remat.remat_candidates(asked, on_cpu, dict(mesh.shape), HUGE) == ()
+    # a GPU's candidates: none and experts (projections' host offload is a wait the step-time model does not price)
+    monkeypatch.setattr(remat, "remat_worth_compiling", lambda *a: True)
+    on_gpu = _configs("remat_policy=auto", platform="gpu")[1]
+    assert remat.remat_candidates(asked, on_gpu, dict(mesh.shape), HUGE) == ("none", "experts")
+    monkeypatch.setattr(remat, "remat_worth_compiling", lambda c, *a: c.cfg.remat_policy == "projections")
     assert remat.remat_candidates(asked, cfg, dict(mesh.shape), None) == ()
     assert remat.remat_that_fits(asked, cfg, mesh, HUGE).cfg.remat_policy == "projections"
 
