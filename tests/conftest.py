@@ -14,15 +14,22 @@ import tempfile
 
 import pytest
 
-# The process that makes the temporary homes owns them: the subprocesses tests start (which import
-# this module again) inherit the environment and share the same directories; only the owner removes
-# them, when its pytest run ends. Each pytest-xdist worker is a pytest run of its own, with its own.
-_OWNER = "DSV4_TEST_HOMES_OWNER"
+# The process that makes a temporary home owns it: the subprocesses tests start (which import this module
+# again) inherit the environment and share the same directories; only the owner removes them, when its
+# pytest run ends. HF_HOME is per pytest run: each pytest-xdist worker makes its own. XDG_CACHE_HOME (the
+# compilation cache below) is the session's: the first process (xdist's controller, or the one process
+# of `-n 0`) makes it, and both workers and every process they start share it. JAX's cache key holds the
+# cache's directory (jax._src.cache_key hashes the compile options, and JAX sets
+# xla_gpu_per_fusion_autotune_cache_dir under that directory on every platform), so with a directory
+# per worker the same program compiled on both workers had two keys and compiled twice.
+_OWNER, _CACHE_OWNER = "DSV4_TEST_HOMES_OWNER", "DSV4_TEST_CACHE_OWNER"
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # "" outside xdist; inherited by a worker's subprocesses
 if os.environ.get(_OWNER) is None or os.environ.get("DSV4_TEST_HOMES_WORKER") != _WORKER:
     os.environ["DSV4_TEST_HOMES_WORKER"] = _WORKER
     os.environ[_OWNER] = str(os.getpid())
     os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="dsv4-test-hf-")
+if os.environ.get(_CACHE_OWNER) is None:
+    os.environ[_CACHE_OWNER] = str(os.getpid())
     # The CLI's persistent compilation cache (jax_cache_dir: default) lands here, not in ~/.cache.
     os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="dsv4-test-cache-")
 _HF_HOME, _CACHE_HOME = os.environ["HF_HOME"], os.environ["XDG_CACHE_HOME"]
@@ -159,9 +166,10 @@ def init_model(cfg, seed: int):
 
 
 def pytest_unconfigure(config):
-    """The owner removes the temporary HF_HOME and XDG_CACHE_HOME (the compilation cache)."""
+    """Each owner removes its temporary home: HF_HOME, XDG_CACHE_HOME (the compilation cache)."""
     if os.environ.get(_OWNER) == str(os.getpid()):
         shutil.rmtree(_HF_HOME, ignore_errors=True)
+    if os.environ.get(_CACHE_OWNER) == str(os.getpid()):
         shutil.rmtree(_CACHE_HOME, ignore_errors=True)
 
 

@@ -97,6 +97,28 @@ def summary(directory: str, top: int = 25) -> None:
         if "key" in e:
             workers[e["key"]].add(e["worker"])
     print(f"\nprograms compiled on more than one worker: {sum(len(w) > 1 for w in workers.values())} of {len(workers)}")
+    missed = collections.defaultdict(set)  # key -> the workers that compiled it (a miss, then the compile)
+    for e in events:
+        if e["ev"] == "miss":
+            missed[e["key"]].add(e["worker"])
+    hits = [e for e in events if e["ev"] == "hit"]
+    across = sum(bool(missed[e["key"]] - {e["worker"]}) for e in hits)
+    print(f"cache hits: {len(hits)}, of which on a program another worker compiled: {across}")
+    balance(events)
+
+
+def balance(events: list[dict]) -> None:
+    """Per worker: its tests' CPU seconds, when its first test started and its last ended (minutes from
+    the first start of any worker), and its last file: the suite's wall time is the later worker's."""
+    runs = [e for e in events if e["ev"] == "test_cpu"]
+    if not runs:
+        return
+    origin = min(e["t"] - e["wall"] for e in runs)
+    print(f"\n{'worker':8s} {'CPU s':>7s} {'start':>6s} {'end':>6s}  last file")
+    for worker in sorted({e["worker"] for e in runs}):
+        mine = sorted((e for e in runs if e["worker"] == worker), key=lambda e: e["t"])
+        start, end = (min(e["t"] - e["wall"] for e in mine) - origin) / 60, (mine[-1]["t"] - origin) / 60
+        print(f"{worker:8s} {sum(e['s'] for e in mine):7.1f} {start:6.1f} {end:6.1f}  {mine[-1]['test'].split('::')[0]}")
 
 
 if __name__ == "__main__":
