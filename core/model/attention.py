@@ -309,23 +309,28 @@ class Attention(nnx.Module):
             got = attend(q, keys, positions_bt, segment_ids_bt, selection, None)
             o_bthd, carry = got if tap is not None else (got, None)
             out = self._output(pin_rows(o_bthd, heads_axis=2), positions_bt)
-        else:
-            got = attend(queries, keys, positions_bt, segment_ids_bt, selection, self._output)
+        else:  # the output projection per chunk: its weights read by every chunk, gathered once
+            output = functools.partial(self._output, wo_a=gather_weight(self.wo_a[...], heads_axis=0),
+                                       wo_b=gather_weight(self.wo_b[...]))
+            got = attend(queries, keys, positions_bt, segment_ids_bt, selection, output)
             out, carry = got if tap is not None else (got, None)
         if tap is not None:
             aux["indexer_loss"] = tap[1](carry)
         return out, aux
 
-    def _output(self, o_bthd, positions_bt):
-        """Inverse RoPE, then the grouped low-rank projection back to the model width."""
+    def _output(self, o_bthd, positions_bt, wo_a=None, wo_b=None):
+        """Inverse RoPE, then the grouped low-rank projection back to the model width (by `wo_a` and
+        `wo_b` where given: the layer's weights gathered once before a loop of chunks)."""
         s, dt = self.spec, self.dtype
+        wo_a = self.wo_a[...] if wo_a is None else wo_a
+        wo_b = self.wo_b[...] if wo_b is None else wo_b
         o = checkpoint_name(apply_rope(o_bthd, positions_bt, s.rope, inverse=True), "attn_out")
         b, t = o.shape[:2]
         o_btgf = o.reshape(b, t, s.o_groups, -1)
         # its weight gradient gathers o after the cotangent (docs/scaling.md#collective-order-on-the-cpu)
-        lat_btgr = checkpoint_name(einsum_after_cotangent("btgf,gfr->btgr", o_btgf, self.wo_a[...].astype(dt)),
+        lat_btgr = checkpoint_name(einsum_after_cotangent("btgf,gfr->btgr", o_btgf, wo_a.astype(dt)),
                                    "attn_o_lora")
-        return jnp.einsum("btr,rm->btm", lat_btgr.reshape(b, t, -1), self.wo_b[...].astype(dt))
+        return jnp.einsum("btr,rm->btm", lat_btgr.reshape(b, t, -1), wo_b.astype(dt))
 
     def _index(self, select: Callable | None, rows: int, x_btm, queries: RowQueries, keys: Keys, positions_bt,
                segment_ids_bt, dense: bool, indexer_loss: bool):

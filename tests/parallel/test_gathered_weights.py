@@ -1,9 +1,12 @@
-"""A CSA layer's query up-projections on 8 fake CPU devices: gathered once a layer, not once a block.
+"""A CSA layer's query up-projections and output projection on 8 fake CPU devices: gathered once a
+layer, not once a block.
 
-The layer's W_qb and the indexer's W_Iq are sharded over `expert` by their q_lora axis (the rules).
-The indexer's top-k chunks and the streamed indexer loss's blocks read them in a loop; gathered
-before it (core.ops.placement.gather_weight), no step of those loops moves either weight or its
-gradient (a TPU ran an all-reduce of each per block, docs/planning.md#v4-flash). The loss's
+The layer's W_qb and the indexer's W_Iq are sharded over `expert` by their q_lora axis, W_oa and
+W_ob by their o_lora axis (the rules). The indexer's top-k chunks and the streamed indexer loss's
+blocks read the first two in a loop, the attention's chunks (`projections: chunked`) the output
+projection; gathered before it (core.ops.placement.gather_weight), no step of those loops moves a
+weight (a TPU ran an all-reduce of each up-projection per block, docs/planning.md#v4-flash, and in
+the warm-up gathered every device's rows of a chunk for the output projection instead). The loss's
 gradient of W_Iq is one pull-back over every row after the blocks (core/loss/indexer_kl_streamed.py
 `_finish`), not a sum of one per block, which a mesh would reduce over the devices once a block.
 
@@ -33,12 +36,12 @@ def worker():
     return device_worker(HERE, devices=8, timeout=600)
 
 
-def test_no_loop_step_moves_a_query_up_projection(worker):
-    """Every collective on W_qb's or W_Iq's shape (or a tuple holding one) runs once per call, not
-    once per block: (shape, executions) of each."""
+def test_no_loop_step_moves_a_projection_weight(worker):
+    """Every collective on W_qb's, W_Iq's, W_oa's or W_ob's shape (or a tuple holding one) runs once
+    per call, not once per block: (shape, executions) of each."""
     assert worker["weight_collectives"], "the weights are sharded, so some collective gathers them"
     per_block = [c for c in worker["weight_collectives"] if c[1] > 1]
-    assert not per_block, f"collectives of the up-projections inside the block loops: {per_block}"
+    assert not per_block, f"collectives of the projection weights inside the block loops: {per_block}"
 
 
 def test_the_mesh_equals_one_device(worker):
@@ -79,7 +82,9 @@ def _case() -> dict:
         value, grads = compiled(sharded, x_sharded)
     module = hlo.parse(compiled.as_text())
     runs = hlo.runs(module)
-    shapes = {f"[{s.q_lora_rank},{s.heads},{s.head_dim}]", f"[{s.q_lora_rank},{s.indexer_heads},{s.indexer_head_dim}]"}
+    shapes = {f"[{s.q_lora_rank},{s.heads},{s.head_dim}]", f"[{s.q_lora_rank},{s.indexer_heads},{s.indexer_head_dim}]",
+              f"[{s.o_groups},{s.heads * s.head_dim // s.o_groups},{s.o_lora_rank}]",
+              f"[{s.o_groups * s.o_lora_rank},{s.emb}]"}
     found = [(inst.type_text, runs.get(comp, 1)) for comp, insts in module.computations.items()
              for inst in insts if inst.opcode.removesuffix("-start") in hlo._COLLECTIVES
              and any(shape in inst.type_text for shape in shapes)]
