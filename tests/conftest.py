@@ -132,6 +132,27 @@ def resolved(cfg, mesh=None):
     return resolve(cfg, mesh_platform(mesh), mesh.shape), mesh
 
 
+def tpu_child(code: str, target: str, *args: str, timeout: int = 900) -> dict:
+    """Run Python `code` (with `args`) in a child process whose JAX compiles for TPU `target` (e.g.
+    "v5e-1") through libtpu, as `dsv4 plan`'s child does, and return the JSON of its last stdout line
+    that starts with "__RESULT__"."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from core.plan import targets as tg
+
+    root = Path(__file__).resolve().parents[1]
+    env = tg.child_env(tg.parse_target(target))
+    env["PYTHONPATH"] = str(root)
+    proc = subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("__RESULT__")]
+    assert lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("__RESULT__"):])
+
+
 def device_worker(script, devices: int = 8, timeout: int = 1200) -> dict:
     """Run `script` (a test file whose __main__ computes on `devices` fake CPU devices) in a child
     process, as XLA fixes the device count at its start, and return the JSON of its last stdout line."""

@@ -12,10 +12,6 @@ integer arithmetic so that XLA:TPU cannot hoist it out of a scan of layers.
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +20,6 @@ import pytest
 
 from core.model import moe
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bits(x):
@@ -96,14 +91,9 @@ print("__RESULT__" + json.dumps(out))
 @pytest.mark.slow  # libtpu's start-up and two compiles in a child process
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install "dsv4[tpu]"')
 def test_xla_tpu_hoists_astype_out_of_the_scan_but_not_the_cast():
-    from core.plan import targets as tg
+    from tests.conftest import tpu_child
 
-    env = tg.child_env(tg.parse_target("v5e-1"))
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    line = next((s for s in proc.stdout.splitlines() if s.startswith("__RESULT__")), None)
-    assert line, proc.stderr[-2000:]
-    out = json.loads(line[len("__RESULT__"):])
+    out = tpu_child(CHILD, "v5e-1")
     stack = 12 * 2 * 1024 * 1024 * 2  # one weight's stack in bf16
     assert sorted(out["astype"]["stacked"]) == ["bf16[12,2,1024,1024]"] * 2, out
     assert out["cast_per_layer"]["stacked"] == [], out

@@ -12,14 +12,9 @@ child process (no TPU needed; skipped without libtpu).
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 N = 256  # tokens per device
 
 CHILD = r"""
@@ -59,15 +54,9 @@ print("__RESULT__" + json.dumps(out))
 @pytest.mark.slow  # libtpu's start-up and two compiles in a child process
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install "dsv4[tpu]"')
 def test_expert_parallel_moe_on_a_tpu_exchanges_ragged_and_keeps_its_experts():
-    from core.plan import targets as tg
+    from tests.conftest import tpu_child
 
-    env = tg.child_env(tg.parse_target("v5p-8"))
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(N)], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("__RESULT__")]
-    assert lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("__RESULT__"):])
+    out = tpu_child(CHILD, "v5p-8", str(N))
     k, m, f, local = 4, 128, 128, 4
     for factor, cap in (("0.0", 4 * N * min(k, local)), ("1.0", N * k)):
         case = out[factor]
