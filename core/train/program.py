@@ -83,10 +83,11 @@ class StepMemo:
         with self._lock:
             self._items.pop((kind, key), None)
 
-    def holds_specs(self, specs_key: tuple) -> bool:
-        """Whether a jitted or compiled step of these specs (`specs_key`) is kept (any graphdef, mesh)."""
+    def holds_specs(self, specs_key: tuple, mesh=None) -> bool:
+        """Whether a jitted or compiled step of these specs (`specs_key`) is kept, on `mesh` if given
+        (any graphdef)."""
         with self._lock:
-            return any(key.memo_key[:3] == specs_key for _, key in self._items)
+            return any(key.memo_key[:3] == specs_key and (mesh is None or key.mesh == mesh) for _, key in self._items)
 
 
 MEMO = StepMemo()
@@ -108,9 +109,11 @@ def specs_key(specs: Specs) -> tuple:
     return (specs.platform, specs.model, specs.step)
 
 
-def has_specs(specs: Specs) -> bool:
-    """Whether the memo holds a jitted or compiled step of `specs` (any graphdef, mesh)."""
-    return MEMO.holds_specs(specs_key(specs))
+def has_specs(specs: Specs, mesh=None) -> bool:
+    """Whether the memo holds a jitted or compiled step of `specs` on `mesh` (any mesh if None; any
+    graphdef). The specs say what a step computes, not over which devices: a step of equal specs on
+    another mesh is another program."""
+    return MEMO.holds_specs(specs_key(specs), mesh)
 
 
 # ----------------------------------------------------------------------------- the program
@@ -314,9 +317,9 @@ class AheadStep:
 
 def compile_ahead(specs: Specs, mesh, objects) -> "StepPrecompile | None":
     """The run's step compiled in a background thread from `objects` (`abstract_model_and_optimizer`)
-    on `mesh`; None when this process already holds a step of the specs (a second run of them in the
-    process neither starts a thread nor compiles)."""
-    if has_specs(specs):
+    on `mesh`; None when this process already holds a step of the specs on that mesh (a second run of
+    them in the process neither starts a thread nor compiles)."""
+    if has_specs(specs, mesh):
         return None
     return StepPrecompile(*abstract_program(specs, mesh, objects))
 
