@@ -49,7 +49,7 @@ OWNERS = {
     **{f"model/attention:{name}": "indexer"  # the lightning indexer, which issue 60 merged into the attention's module
        for name in ("Indexer", "IndexerSpec", "indexer_queries", "local_gradient_loss", "local_gradient_surrogate")},
     **{f"ops/chunked_attention:{name}": HELPER for name in _MASKS},
-    "ops/topk": "indexer", "loss/indexer_kl": "indexer", "model/indexer_init": "indexer",
+    "ops/topk": "indexer", "loss/indexer_kl": "indexer", "loss/indexer_kl_direct": "indexer", "model/indexer_init": "indexer",
     "model/layers": HELPER, "model/layers:compress": "compressor", "model/layers:Compressor": "compressor",
     "model/moe": "MoE", "ops/grouped_matmul": "MoE", "ops/expert_parallel": "MoE", "ops/batched_experts": "MoE",
     "model/block": "mHC",  # the block wires the sublayers (their frames are inner); its own maths is the mHC
