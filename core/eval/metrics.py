@@ -44,7 +44,8 @@ import jax
 import jax.numpy as jnp
 
 from core.loss.indexer_kl import EPS, compute_dtype, kl_terms, resolve_chunk, scan_blocks, slice_t, teacher_rows
-from core.ops.chunked_attention import block_keys, selection_mask, visible_rows
+from core.ops.chunked_attention import block_keys, visible_rows
+from core.ops.masked_attention import selection_mask
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk
 
 METRICS = ("kl", "recall", "overlap", "recall_oracle", "recall_recent", "recall_random", "kl_uniform")

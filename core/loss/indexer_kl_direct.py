@@ -27,7 +27,8 @@ import jax.numpy as jnp
 
 from core.loss.indexer_kl import (check_teacher, compute_dtype, kl_rows, per_valid_row, resolve_chunk, scan_blocks,
                                   slice_t, teacher_input, teacher_rows)
-from core.ops.chunked_attention import Keys, RowQueries, sliding_window_mask
+from core.ops.chunked_attention import Keys, RowQueries
+from core.ops.masked_attention import sliding_window_mask
 
 
 @functools.partial(jax.tree_util.register_dataclass,

@@ -75,8 +75,8 @@ from jax.ad_checkpoint import checkpoint_name
 from core.loss.indexer_kl import csa_indexer_loss_streamed, csa_indexer_loss_tap
 from core.loss.indexer_kl_direct import csa_indexer_loss, whole_teacher
 from core.model.layers import Compressor, RMSNorm, apply_rope, dense_init, param, rms_normalize
-from core.ops.chunked_attention import (Keys, RowQueries, chunked_attention, compressed_visibility, masked_attention,
-                                        selected, sliding_window_mask)
+from core.ops.chunked_attention import Keys, RowQueries, chunked_attention
+from core.ops.masked_attention import compressed_visibility, masked_attention, selected, sliding_window_mask
 from core.ops.placement import einsum_after_cotangent, gather_weight, pin_rows
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked
 

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from core.eval import evaluate as ev, report
-from core.ops.chunked_attention import NEG, csa_visible
+from core.ops.chunked_attention import NEG
+from core.ops.masked_attention import csa_visible
 
 KS = (1, 4)
 # Jitted once per module: a handful of compiles instead of hundreds of eager per-op ones.

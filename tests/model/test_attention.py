@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from core.model.attention import Attention, AttentionImpl, AttentionSpec, Indexer, IndexerSpec, collect
-from core.ops.chunked_attention import compressed_visibility, softmax_attention
+from core.ops.masked_attention import compressed_visibility, softmax_attention
 from core.ops.topk import indexer_scores, select_topk
 from core.model.layers import rope_frequencies
 from tests import reference as ref
