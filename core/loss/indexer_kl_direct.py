@@ -5,8 +5,9 @@ teacher's inputs built whole (`WholeTeacher`: the main attention's queries [B, T
 compressed keys and, for the joint teacher, its raw keys, sinks and window mask), where the
 streamed loss (core/loss/indexer_kl.py `csa_indexer_loss_streamed`) builds each query block's own
 from the attention's `RowQueries` and `Keys`; `whole_teacher` builds one from the other. A layer
-takes this path where its loss cannot stream (T not a multiple of the W blocks) and in the masked
-reference mode; the tests hold the streamed loss against it.
+takes this path where its loss does not stream (T not a multiple of the W blocks, or the masked
+mode without csa_query_chunk_size: core/model/attention.py `loss_rows`); the tests hold the
+streamed loss against it.
 
 It shares the streamed loss's row machinery (core/loss/indexer_kl.py: `teacher_rows` per head
 group, `kl_rows` per query block, `scan_blocks`), so every head and query chunking equals the
