@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from core.eval.metrics import METRICS, random_rows
 from core.eval.rows import row_keys
 from core.model.attention import collect
-from core.ops.chunked_attention import NEG, selection_mask
+from core.ops.chunked_attention import NEG
+from core.ops.masked_attention import selection_mask
 from core.ops.topk import select_topk
 
 EPS = 1e-8  # the indexer loss's normaliser / log epsilon (DESIGN.md)

@@ -42,7 +42,7 @@ def _inputs(shape, ratio: int, topk: int, seed: int = 0):
     import jax
     import jax.numpy as jnp
 
-    from core.ops.chunked_attention import compressed_visibility
+    from core.ops.masked_attention import compressed_visibility
     from core.ops.topk import topk_mask
 
     b, t, h, d = shape

@@ -24,10 +24,11 @@ from typing import Sequence
 COMPONENTS = ("attention", "compressor", "indexer", "MoE", "mHC", "head", "optimizer", "other")
 HELPER, GLUE = "helper", "glue"  # frames that pass to the next one up (module docstring)
 
-# the visibility and selection masks (core/ops/chunked_attention.py), which the attention, the indexer's top-k, its
-# loss and the evaluation all build: helpers
-_MASKS = ("block_segment_ids", "block_last_positions", "block_first_positions", "csa_visible", "compressed_visibility",
-          "visible_rows", "sliding_window_mask", "window_rows", "selection_mask", "selected", "block_keys")
+# the visibility and selection masks, which the attention, the indexer's top-k, its loss and the evaluation all
+# build: helpers (the rules per set of rows in core/ops/chunked_attention.py, the dense masks in masked_attention.py)
+_MASKS = ("block_segment_ids", "block_last_positions", "block_first_positions", "visible_rows", "window_rows",
+          "block_keys")
+_DENSE_MASKS = ("csa_visible", "compressed_visibility", "sliding_window_mask", "selection_mask", "selected")
 _GLUE = (
     "errors", "process", "model/transformer", "model/params", "train/flops", "spec/platform", "spec/resolve",
     "parallel/chips", "parallel/peers", "parallel/collective_order", "parallel/xla_flags",
@@ -49,7 +50,8 @@ OWNERS = {
     **{f"model/attention:{name}": "indexer"  # the lightning indexer, which issue 60 merged into the attention's module
        for name in ("Indexer", "IndexerSpec", "indexer_queries", "local_gradient_loss", "local_gradient_surrogate")},
     **{f"ops/chunked_attention:{name}": HELPER for name in _MASKS},
-    "ops/topk": "indexer", "loss/indexer_kl": "indexer", "model/indexer_init": "indexer",
+    "ops/masked_attention": "attention", **{f"ops/masked_attention:{name}": HELPER for name in _DENSE_MASKS},
+    "ops/topk": "indexer", "loss/indexer_kl": "indexer", "loss/indexer_kl_direct": "indexer", "model/indexer_init": "indexer",
     "model/layers": HELPER, "model/layers:compress": "compressor", "model/layers:Compressor": "compressor",
     "model/moe": "MoE", "ops/grouped_matmul": "MoE", "ops/expert_parallel": "MoE", "ops/batched_experts": "MoE",
     "model/block": "mHC",  # the block wires the sublayers (their frames are inner); its own maths is the mHC

@@ -34,8 +34,10 @@ import jax.numpy as jnp
 
 from core.config.schema import load_config
 from core.errors import ConfigError
-from core.loss.indexer_kl import WholeTeacher, csa_indexer_loss, csa_indexer_loss_streamed
-from core.ops.chunked_attention import Keys, RowQueries, csa_visible, selection_mask
+from core.loss.indexer_kl import csa_indexer_loss_streamed
+from core.loss.indexer_kl_direct import WholeTeacher, csa_indexer_loss
+from core.ops.chunked_attention import Keys, RowQueries
+from core.ops.masked_attention import csa_visible, selection_mask
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk
 
 SHAPE_MODELS = {"flash": "deepseek4-284b", "tiny": "deepseek4-tiny"}

@@ -43,8 +43,9 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from core.loss.indexer_kl import EPS, Spec, compute_dtype, kl_terms, resolve_chunk, scan_blocks, slice_t, teacher_rows
-from core.ops.chunked_attention import block_keys, selection_mask, visible_rows
+from core.loss.indexer_kl import EPS, compute_dtype, kl_terms, resolve_chunk, scan_blocks, slice_t, teacher_rows
+from core.ops.chunked_attention import block_keys, visible_rows
+from core.ops.masked_attention import selection_mask
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk
 
 METRICS = ("kl", "recall", "overlap", "recall_oracle", "recall_recent", "recall_random", "kl_uniform")
@@ -163,7 +164,7 @@ def layer_sums(index: IndexerInputs, queries, compressed_bwd, positions, segment
     dtype = compute_dtype(kv_bwd)
     kv_bwd = kv_bwd.astype(dtype)
     heads = jax.eval_shape(lambda q, pos: q.rows(0, 1, pos), queries, positions[:, :1]).shape[2]
-    spec = Spec(head_chunk=resolve_chunk(head_chunk, heads, "head_chunk", "query heads"), query_chunk=qc, joint=False)
+    teacher_chunk = resolve_chunk(head_chunk, heads, "head_chunk", "query heads")
     heads_i = index.weights_bti.shape[2]
     index_chunk = resolve_chunk(head_chunk, heads_i, "head_chunk", "indexer heads")
 
@@ -174,7 +175,7 @@ def layer_sums(index: IndexerInputs, queries, compressed_bwd, positions, segment
         scores_btw = indexer_scores(q_btid, index.keys_bwd, slice_t(index.weights_bti, t0, qc), visible_btw,
                                     head_chunk=index_chunk)
         query_bthd = jax.lax.stop_gradient(queries.rows(t0, qc, pos_bt)).astype(dtype)
-        psum_btw = teacher_rows(spec, query_bthd, kv_bwd, visible_btw)
+        psum_btw = teacher_rows(query_bthd, kv_bwd, visible_btw, head_chunk=teacher_chunk)
         sums = block_sums(psum_btw, scores_btw, visible_btw, random_rows(keys_b, t0, qc, num_blocks), ks)
         return jax.tree.map(jnp.add, acc, sums)
 

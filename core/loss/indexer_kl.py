@@ -7,12 +7,12 @@ the KL(P || student) averaged over the rows that have anything allowed, times `s
 
 Two entry points, one maths:
 
-- `csa_indexer_loss(index_scores, teacher, allowed, ...)`: the scores [B,T,W] and the teacher's
-  inputs (`WholeTeacher`) are given whole.
-- `csa_indexer_loss_streamed(index, queries, keys, positions, segment_ids, ...)`:
+- `csa_indexer_loss_streamed(index, queries, keys, positions, segment_ids, ...)`, here:
   computed from the indexer's and the teacher's inputs, each query block building its own
   queries, visibility, indexer scores, top-k selection, teacher rows and KL, so neither [B,T,W]
   nor [B,H,T,W] is ever materialised; peak memory grows with the chunk sizes, linearly in T.
+- `csa_indexer_loss(index_scores, teacher, allowed, ...)` (core/loss/indexer_kl_direct.py): the
+  scores [B,T,W] and the teacher's inputs (`WholeTeacher`) are given whole.
 
 Both chunk the teacher over head groups (`head_chunk`) and query blocks (`query_chunk`) with
 `lax.scan`; every combination equals the direct computation to float32 rounding. They share
@@ -21,9 +21,7 @@ the row machinery, first in this module: per query block of qc rows and head gro
 `kl_terms`) the [B, qc, W] rows of one block; `scan_blocks` runs a block function over the query
 blocks with `lax.scan` (a plain call for a single block). The streamed loss builds its target from
 the main attention's own queries (per run of rows) and keys, as the attention takes them
-(core.ops.chunked_attention's `RowQueries` and `Keys`); `WholeTeacher` holds the same inputs built
-whole, as the direct loss takes them, and `whole_teacher` builds one from the other.
-`csa_indexer_loss_tap` is the dense streamed loss run block by block inside the chunked
+(core.ops.chunked_attention's `RowQueries` and `Keys`). `csa_indexer_loss_tap` is the dense streamed loss run block by block inside the chunked
 attention's scan, its teacher rows read off the attention's own logits, its gradient taken in the
 forward.
 
@@ -39,62 +37,18 @@ so the gradient is the exact derivative of the value. Exactly zero reaches the t
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from core.ops.chunked_attention import (ChunkTap, Keys, NEG, RowQueries, block_last_positions, block_segment_ids,
-                                        sliding_window_mask, visible_rows, window_rows)
+                                        visible_rows, window_rows)
 from core.ops.topk import IndexerInputs, indexer_scores, topk_mask
 
 TEACHERS = ("compressed", "joint")
 EPS = 1e-8  # DESIGN.md's epsilon in the teacher normalisation and in log(P + eps)
-
-
-class Spec(NamedTuple):
-    """Static (hashable) settings of one loss call."""
-
-    head_chunk: int    # heads per scan step (already resolved: divides H and HI)
-    query_chunk: int   # query positions per scan step (already resolved: divides T)
-    joint: bool        # joint teacher: softmax normaliser includes window keys and the sink
-    topk: int | None = None   # streamed only: sparse selection
-    window: int = 0           # streamed only: sliding window S for the joint teacher
-    index_chunk: int = 0      # streamed only: indexer heads per scan step (divides HI)
-    inputs_grad: bool = True  # streamed only: the gradient reaches the indexer queries' per-token inputs
-
-
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["query_bthd", "compressed_bwd", "raw_bsd", "sink_h", "window_bts"],
-                   meta_fields=["kind"])
-@dataclasses.dataclass(frozen=True)
-class WholeTeacher:
-    """The teacher's inputs built whole, as the direct loss takes them (detached there).
-
-    The direct loss is given arrays, and an arbitrary window mask, where the streamed loss builds
-    its queries and window rows per block from the attention's `RowQueries` and `Keys`
-    (`whole_teacher` builds one from those). kind "joint" needs raw_bsd, sink_h and window_bts; the
-    compressed teacher ignores them.
-    """
-
-    query_bthd: Any            # main-attention queries [B, T, H, D], scaled by D^-1/2
-    compressed_bwd: Any        # main compressed keys [B, W, D]
-    raw_bsd: Any = None        # joint: raw window keys [B, T, D], shared by all heads
-    sink_h: Any = None         # joint: per-head sink logit [H]
-    kind: str = "compressed"
-    window_bts: Any = None     # joint: bool [B, T, S=T], raw key s in query t's window
-
-
-def whole_teacher(queries: RowQueries, keys: Keys, kind: str, positions_bt, segment_ids_bt) -> WholeTeacher:
-    """The streamed loss's teacher (the attention's queries per run of rows, its keys) built whole:
-    every row's queries and, for the joint teacher, the window mask of the batch."""
-    joint = kind == "joint"
-    window_bts = sliding_window_mask(positions_bt, segment_ids_bt, keys.window) if joint else None
-    return WholeTeacher(queries.whole(positions_bt).inputs, keys.compressed_bwd, keys.raw_bsd if joint else None,
-                        keys.sink_h if joint else None, kind, window_bts)
 
 
 def resolve_chunk(chunk: int, size: int, name: str, what: str) -> int:
@@ -153,8 +107,9 @@ def _head_group_probs(q_bthd, kv_bwd, allowed_btw, raw_kv_bsd, window_bts, sink_
     return jnp.sum(jnp.where(mask_bthw, jnp.exp(logits_bthw - lse_bth[..., None]), 0.0), axis=2)
 
 
-def teacher_rows(spec: Spec, q_bthd, kv_bwd, allowed_btw, raw_kv_bsd=None, window_bts=None, sink_h=None):
-    """sum_h P_h[t, :] over all heads, scanning over head groups of `spec.head_chunk`.
+def teacher_rows(q_bthd, kv_bwd, allowed_btw, raw_kv_bsd=None, window_bts=None, sink_h=None, *, head_chunk: int = 0):
+    """sum_h P_h[t, :] over all heads, scanning over head groups of `head_chunk` heads (0: all at once;
+    it divides H).
 
     Shapes:
       1. per group g: logits_bthw = q[:, :, g] . kv     [B, T, hc, W]  (hc = head_chunk)
@@ -162,7 +117,7 @@ def teacher_rows(spec: Spec, q_bthd, kv_bwd, allowed_btw, raw_kv_bsd=None, windo
       3. acc_btw += sum over the group's heads
     """
     heads = q_bthd.shape[2]
-    hc = spec.head_chunk
+    hc = head_chunk or heads
     if hc == heads:
         return _head_group_probs(q_bthd, kv_bwd, allowed_btw, raw_kv_bsd, window_bts, sink_h)
 
@@ -249,31 +204,35 @@ def _indexer_vjp(q_btid, k_bwd, w_bti, visible_btw, grad_btw, head_chunk: int):
     return grads
 
 
-def _stream_block(spec: Spec, t0, inputs, block_masks, with_grad: bool, psum_btw=None):
-    """One query block: visibility, scores, selection, teacher rows (unless given: `psum_btw`, the
-    attention's), KL (and its pull-back to the block's indexer queries, k_I and w_I).
+def _stream_block(inputs, block_masks, t0, psum_btw=None, *, with_grad: bool, rows: int, index_chunk: int,
+                  head_chunk: int = 0, topk: int | None = None, joint_window: int = 0):
+    """One query block of `rows` rows at t0: visibility, scores, selection (the block's own top-`topk`, or
+    every visible block for None), teacher rows (unless given: `psum_btw`, the attention's; the joint
+    teacher's over its window of `joint_window` tokens, 0 for the compressed teacher; `head_chunk`
+    heads at a time), KL (and its pull-back to the block's indexer queries, k_I and w_I, `index_chunk`
+    indexer heads at a time).
     """
     (queries_i, k_idx, w_idx), (query, kv, raw_kv, sink), positions, segment_ids = inputs
     seg_bw, last_bw = block_masks
-    qc = spec.query_chunk
+    qc = rows
     pos_bt, seg_bt = slice_t(positions, t0, qc), slice_t(segment_ids, t0, qc)
     w_blk = slice_t(w_idx, t0, qc)
     q_blk = queries_i.rows(t0, qc, pos_bt)
     visible_btw = visible_rows(pos_bt, seg_bt, seg_bw, last_bw)
     pull = None
-    if with_grad and spec.index_chunk == q_blk.shape[2]:  # one group: keep its residuals, no recompute
+    if with_grad and index_chunk == q_blk.shape[2]:  # one group: keep its residuals, no recompute
         scores_btw, pull = jax.vjp(lambda q, k, w: indexer_scores(q, k, w, visible_btw), q_blk, k_idx, w_blk)
     else:
-        scores_btw = indexer_scores(q_blk, k_idx, w_blk, visible_btw, head_chunk=spec.index_chunk)
+        scores_btw = indexer_scores(q_blk, k_idx, w_blk, visible_btw, head_chunk=index_chunk)
     allowed_btw = visible_btw
-    if spec.topk is not None:
-        allowed_btw = topk_mask(scores_btw, visible_btw, spec.topk)  # visible only
+    if topk is not None:
+        allowed_btw = topk_mask(scores_btw, visible_btw, topk)  # visible only
     if psum_btw is None:
         window_bts = None
-        if spec.joint:
-            window_bts = window_rows(pos_bt, seg_bt, positions, segment_ids, spec.window)
+        if joint_window:
+            window_bts = window_rows(pos_bt, seg_bt, positions, segment_ids, joint_window)
         query_btd = query.rows(t0, qc, pos_bt).astype(kv.dtype)
-        psum_btw = teacher_rows(spec, query_btd, kv, allowed_btw, raw_kv, window_bts, sink)
+        psum_btw = teacher_rows(query_btd, kv, allowed_btw, raw_kv, window_bts, sink, head_chunk=head_chunk)
     kl, n, grad_btw = kl_rows(scores_btw, psum_btw, allowed_btw, with_grad)
     if not with_grad:
         return kl, n, None
@@ -281,7 +240,7 @@ def _stream_block(spec: Spec, t0, inputs, block_masks, with_grad: bool, psum_btw
     if pull is not None:
         grads = pull(grad_btw)
     else:
-        grads = _indexer_vjp(q_blk, k_idx, w_blk, visible_btw, grad_btw, spec.index_chunk)
+        grads = _indexer_vjp(q_blk, k_idx, w_blk, visible_btw, grad_btw, index_chunk)
     return kl, n, grads
 
 
@@ -304,11 +263,12 @@ def _init(index, positions, dtype, with_grad: bool):
     return jnp.zeros((), dtype), jnp.int32(0), grads
 
 
-def _accumulate(spec: Spec, inputs, block_masks, with_grad: bool, carry, t0, psum_btw=None):
-    """`carry` after the block at row t0 (`_stream_block`): sums, and each block's rows put in place."""
+def _accumulate(block, carry, t0, psum_btw=None):
+    """`carry` after the block at row t0 (`block`: `_stream_block` bound to its inputs and settings):
+    sums, and each block's rows put in place."""
     kl, n, grads = carry
-    kl_j, n_j, grads_j = _stream_block(spec, t0, inputs, block_masks, with_grad, psum_btw)
-    if with_grad:  # accumulate in (at least) float32 whatever the inputs' dtype
+    kl_j, n_j, grads_j = block(t0, psum_btw)
+    if grads is not None:  # accumulate in (at least) float32 whatever the inputs' dtype
         grads_j = jax.tree.map(lambda g, z: g.astype(z.dtype), grads_j, grads)
         dq, dk, dw = grads
         put = lambda acc, g: jax.lax.dynamic_update_slice_in_dim(acc, g, t0, axis=1)  # noqa: E731
@@ -316,10 +276,10 @@ def _accumulate(spec: Spec, inputs, block_masks, with_grad: bool, carry, t0, psu
     return kl + kl_j, n + n_j, grads
 
 
-def _finish(spec: Spec, carry, index, positions):
+def _finish(carry, index, positions, *, inputs_grad: bool = True):
     """(mean KL over valid rows, its gradients as `IndexerInputs` or None) from the last carry.
 
-    d q_I's rows reach the queries' params (and, unless `spec.inputs_grad` is false, their
+    d q_I's rows reach the queries' params (and, unless `inputs_grad` is false, their
     per-token inputs) through one pull-back over every row: the params' gradient is one sum over
     T, not one per block (under a mesh, one reduction over the devices' rows, not one per block)."""
     kl, n, grads = carry
@@ -329,7 +289,7 @@ def _finish(spec: Spec, carry, index, positions):
         return kl * inv, None
     dq_btid, dk, dw = grads
     fn = lambda per_token, params: queries_i.fn(per_token, params, positions)  # noqa: E731
-    if spec.inputs_grad:
+    if inputs_grad:
         dq_in, dq_params = jax.vjp(fn, queries_i.inputs, queries_i.params)[1](dq_btid)
     else:
         dq_in = jnp.zeros_like(queries_i.inputs)
@@ -340,29 +300,34 @@ def _finish(spec: Spec, carry, index, positions):
     return kl * inv, IndexerInputs(RowQueries(queries_i.fn, dq_in, dq_params), dk, dw)
 
 
-def _streamed_pass(spec: Spec, inputs, with_grad: bool):
+def _streamed_pass(inputs, with_grad: bool, *, rows: int, head_chunk: int, index_chunk: int, topk: int | None,
+                   joint_window: int):
     """(mean KL over valid rows, its gradients ((d q inputs, d q params), d k_idx, d w_idx) or None)."""
     index, teacher, positions, segment_ids = inputs
     t = positions.shape[1]
     block_masks = _block_masks(positions, segment_ids, index[1].shape[1])
-    qc = spec.query_chunk
-    block = lambda carry, t0: _accumulate(spec, inputs, block_masks, with_grad, carry, t0)  # noqa: E731
-    carry = scan_blocks(block, _init(index, positions, teacher[1].dtype, with_grad), t // qc, qc)
-    return _finish(spec, carry, index, positions)
+    block = functools.partial(_stream_block, inputs, block_masks, with_grad=with_grad, rows=rows,
+                              index_chunk=index_chunk, head_chunk=head_chunk, topk=topk, joint_window=joint_window)
+    carry = scan_blocks(functools.partial(_accumulate, block), _init(index, positions, teacher[1].dtype, with_grad),
+                        t // rows, rows)
+    return _finish(carry, index, positions)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _streamed_mean_kl(spec, index, teacher, positions, segment_ids):
-    return _streamed_pass(spec, (index, teacher, positions, segment_ids), with_grad=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _streamed_mean_kl(rows, head_chunk, index_chunk, topk, joint_window, index, teacher, positions, segment_ids):
+    return _streamed_pass((index, teacher, positions, segment_ids), False, rows=rows, head_chunk=head_chunk,
+                          index_chunk=index_chunk, topk=topk, joint_window=joint_window)[0]
 
 
-def _streamed_fwd(spec, index, teacher, positions, segment_ids):
-    loss, grads = _streamed_pass(spec, (index, teacher, positions, segment_ids), with_grad=True)
+def _streamed_fwd(rows, head_chunk, index_chunk, topk, joint_window, index, teacher, positions, segment_ids):
+    loss, grads = _streamed_pass((index, teacher, positions, segment_ids), True, rows=rows, head_chunk=head_chunk,
+                                 index_chunk=index_chunk, topk=topk, joint_window=joint_window)
     grads = jax.tree.map(lambda g: checkpoint_name(g, "indexer_loss_grads"), grads)
     return loss, (grads, teacher)
 
 
-def _streamed_bwd(spec, res, g):
+def _streamed_bwd(rows, head_chunk, index_chunk, topk, joint_window, res, g):
+    del rows, head_chunk, index_chunk, topk, joint_window
     grads, teacher = res
     zeros = jax.tree.map(jnp.zeros_like, teacher)
     return jax.tree.map(lambda x: (g * x).astype(x.dtype), grads), zeros, None, None
@@ -418,16 +383,14 @@ def csa_indexer_loss_streamed(index: IndexerInputs, queries: RowQueries, keys: K
     if num_blocks == 0 or t % num_blocks:
         raise ValueError(f"T={t} must be a multiple of the W={num_blocks} compressed blocks")
     joint = check_teacher(teacher, keys.raw_bsd, keys.sink_h, keys.window > 0, "window > 0")
-    spec = Spec(
-        head_chunk=resolve_chunk(head_chunk, _heads(queries, positions), "head_chunk", "query heads"),
-        query_chunk=resolve_chunk(query_chunk, t, "query_chunk", "query positions"),
-        joint=joint, topk=topk, window=keys.window if joint else 0,
-        index_chunk=resolve_chunk(head_chunk, heads_i, "head_chunk", "indexer heads"),
-    )
+    teacher_chunk = resolve_chunk(head_chunk, _heads(queries, positions), "head_chunk", "query heads")
+    rows = resolve_chunk(query_chunk, t, "query_chunk", "query positions")
+    index_chunk = resolve_chunk(head_chunk, heads_i, "head_chunk", "indexer heads")
     raw_kv, sink = (keys.raw_bsd, keys.sink_h) if joint else (None, None)
     dtype = compute_dtype(*jax.tree.leaves(queries), keys.compressed_bwd, raw_kv, sink)
     teacher_inputs = tuple(teacher_input(x, dtype) for x in (queries, keys.compressed_bwd, raw_kv, sink))
-    loss = _streamed_mean_kl(spec, index, teacher_inputs, positions, segment_ids)
+    loss = _streamed_mean_kl(rows, teacher_chunk, index_chunk, topk, keys.window if joint else 0, index, teacher_inputs,
+                             positions, segment_ids)
     return jnp.asarray(scale, loss.dtype) * loss
 
 
@@ -457,112 +420,19 @@ def csa_indexer_loss_tap(index: IndexerInputs, positions, segment_ids, *, teache
         raise ValueError(f"T={t} must be a multiple of the W={num_blocks} compressed blocks")
     if teacher not in TEACHERS:
         raise ValueError(f"teacher={teacher!r} is unknown: use one of {', '.join(TEACHERS)}")
-    spec = Spec(head_chunk=0, query_chunk=resolve_chunk(query_chunk, t, "query_chunk", "query positions"),
-                joint=teacher == "joint", index_chunk=resolve_chunk(head_chunk, _heads(index.queries, positions),
-                                                                    "head_chunk", "indexer heads"),
-                inputs_grad=False)
+    rows = resolve_chunk(query_chunk, t, "query_chunk", "query positions")
+    index_chunk = resolve_chunk(head_chunk, _heads(index.queries, positions), "head_chunk", "indexer heads")
     inputs = (index, (None,) * 4, positions, segment_ids)
-    masks = _block_masks(positions, segment_ids, num_blocks)
+    block = functools.partial(_stream_block, inputs, _block_masks(positions, segment_ids, num_blocks), with_grad=True,
+                              rows=rows, index_chunk=index_chunk)  # the teacher rows given: the attention's
     dtype = compute_dtype(index.keys_bwd, index.weights_bti)
 
     def step(carry, t0, psum_btw):
-        return _accumulate(spec, inputs, masks, True, carry, t0, psum_btw.astype(dtype))
+        return _accumulate(block, carry, t0, psum_btw.astype(dtype))
 
     def finish(carry):
-        loss, grads = _finish(spec, carry, index, positions)
+        loss, grads = _finish(carry, index, positions, inputs_grad=False)
         factor = jnp.asarray(scale, loss.dtype)
         return factor * loss, jax.tree.map(lambda g: (factor * g).astype(g.dtype), grads)
 
     return ChunkTap(teacher, _init(index, positions, dtype, True), step), finish
-
-
-# ----------------------------------------------------------------------------- the direct loss, on given scores
-
-
-def _scores_pass(spec: Spec, scores, allowed, window, teacher, with_grad: bool):
-    """(mean KL over valid rows, its gradient w.r.t. the scores or None), scanning query blocks.
-
-    teacher = (q, kv, raw_kv, sink), the detached teacher inputs (raw_kv, sink None unless joint).
-    """
-    q, kv, raw_kv, sink = teacher
-    b, t, w = scores.shape
-    qc = spec.query_chunk
-
-    def block(carry, t0):
-        kl, n, grad_btw = carry
-        allowed_blk = slice_t(allowed, t0, qc)
-        win_blk = None if window is None else slice_t(window, t0, qc)
-        psum = teacher_rows(spec, slice_t(q, t0, qc), kv, allowed_blk, raw_kv, win_blk, sink)
-        kl_j, n_j, grad_j = kl_rows(slice_t(scores, t0, qc), psum, allowed_blk, with_grad)
-        if with_grad:
-            grad_btw = jax.lax.dynamic_update_slice_in_dim(grad_btw, grad_j, t0, axis=1)
-        return kl + kl_j, n + n_j, grad_btw
-
-    dtype = q.dtype
-    init = (jnp.zeros((), dtype), jnp.int32(0), jnp.zeros((b, t, w), dtype) if with_grad else None)
-    kl, n, grad_btw = scan_blocks(block, init, t // qc, qc)
-    inv = per_valid_row(n, dtype)
-    return kl * inv, (None if grad_btw is None else grad_btw * inv)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _mean_kl(spec, scores, allowed, window, q, kv, raw_kv, sink):
-    return _scores_pass(spec, scores, allowed, window, (q, kv, raw_kv, sink), with_grad=False)[0]
-
-
-def _mean_kl_fwd(spec, scores, allowed, window, q, kv, raw_kv, sink):
-    loss, grad_btw = _scores_pass(spec, scores, allowed, window, (q, kv, raw_kv, sink), with_grad=True)
-    return loss, (grad_btw.astype(scores.dtype), (q, kv, raw_kv, sink))
-
-
-def _mean_kl_bwd(spec, res, g):
-    grad_btw, teacher_inputs = res
-    zeros = jax.tree.map(jnp.zeros_like, teacher_inputs)
-    return (g.astype(grad_btw.dtype) * grad_btw, None, None, *zeros)
-
-
-_mean_kl.defvjp(_mean_kl_fwd, _mean_kl_bwd)
-
-
-def csa_indexer_loss(index_scores, teacher: WholeTeacher, allowed, *, scale=1.0, head_chunk: int = 0,
-                     query_chunk: int = 0):
-    """KL(teacher || softmax(index_scores)) over allowed blocks, mean over valid rows, times scale.
-
-    Args:
-      index_scores: indexer scores I [B, T, W] (values outside `allowed` are ignored).
-      teacher: the main attention's inputs, built whole (detached here): queries [B, T, H, D]
-        already scaled by D^-1/2, compressed keys [B, W, D], and for kind "joint" the raw window
-        keys [B, T, D] shared by all heads, the per-head sink logits [H] and the bool window mask
-        [B, T, T]. kind "compressed": softmax over allowed blocks; "joint": each head's normaliser
-        is the log-sum-exp over window keys, allowed blocks and its sink.
-      allowed: bool [B, T, W]: visible (dense) or visible & selected (sparse).
-      scale: indexer_loss_scaling_factor.
-      head_chunk: heads per scan step (0 = all; must divide H).
-      query_chunk: query positions per scan step (0 = all; must divide T).
-
-    Returns:
-      A float32 scalar (float64 for float64 inputs under jax_enable_x64); gradient only to
-      `index_scores` (exactly zero to every teacher input).
-
-    Shapes (per query block of qc rows, per head group of hc heads):
-      1. logits_bthw = query . compressed_kv      [B, qc, hc, W]
-      2. psum_btw += per-head softmax over allowed blocks, summed over the group's heads
-      3. P = psum / (sum_w psum + 1e-8); KL rows vs log_softmax(I) over allowed   [B, qc, W]
-      4. loss = scale * sum KL / max(#valid, 1)
-    """
-    query, compressed_kv = teacher.query_bthd, teacher.compressed_bwd
-    raw_kv, window_mask, sink = teacher.raw_bsd, teacher.window_bts, teacher.sink_h
-    t = index_scores.shape[1]
-    joint = check_teacher(teacher.kind, raw_kv, sink, window_mask is not None, "window_bts")
-    spec = Spec(
-        head_chunk=resolve_chunk(head_chunk, query.shape[2], "head_chunk", "query heads"),
-        query_chunk=resolve_chunk(query_chunk, t, "query_chunk", "query positions"),
-        joint=joint,
-    )
-    if not joint:
-        raw_kv, window_mask, sink = None, None, None
-    dtype = compute_dtype(index_scores, query, compressed_kv, raw_kv, sink)
-    teacher_inputs = [teacher_input(x, dtype) for x in (query, compressed_kv, raw_kv, sink)]
-    window_mask = None if window_mask is None else window_mask.astype(bool)
-    loss = _mean_kl(spec, index_scores, allowed.astype(bool), window_mask, *teacher_inputs)
-    return jnp.asarray(scale, dtype) * loss

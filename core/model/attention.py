@@ -45,7 +45,7 @@ layer call:
 
 Either mode builds the whole [B, T, W] scores and [B, T, H, D] teacher queries where the indexer
 loss cannot stream (T not a multiple of the W blocks), which then takes the direct path
-(core.loss.indexer_kl). The training forward is the selection and the loss; what else reads the
+(core.loss.indexer_kl_direct). The training forward is the selection and the loss; what else reads the
 indexer (the evaluation's metrics, core/eval/metrics.py; the indexer's scores and teacher inputs,
 `collect`) is a probe: the layer hands it an `IndexerView` of its call and puts its result in aux.
 
@@ -72,10 +72,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from core.loss.indexer_kl import csa_indexer_loss, csa_indexer_loss_streamed, csa_indexer_loss_tap, whole_teacher
+from core.loss.indexer_kl import csa_indexer_loss_streamed, csa_indexer_loss_tap
+from core.loss.indexer_kl_direct import csa_indexer_loss, whole_teacher
 from core.model.layers import Compressor, RMSNorm, apply_rope, dense_init, param, rms_normalize
-from core.ops.chunked_attention import (Keys, RowQueries, chunked_attention, compressed_visibility, masked_attention,
-                                        selected, sliding_window_mask)
+from core.ops.chunked_attention import Keys, RowQueries, chunked_attention
+from core.ops.masked_attention import compressed_visibility, masked_attention, selected, sliding_window_mask
 from core.ops.placement import einsum_after_cotangent, gather_weight, pin_rows
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked
 
@@ -389,7 +390,7 @@ class Attention(nnx.Module):
     def _indexer_loss(self, index: IndexerInputs, teacher: tuple[RowQueries, Keys], positions_bt, segment_ids_bt,
                       whole, topk, rows: int):
         """The layer's scaled indexer loss: streamed in blocks of `rows` query rows, or with rows 0
-        the direct loss on the whole (scores, allowed) (core.loss.indexer_kl)."""
+        the direct loss on the whole (scores, allowed) (core.loss.indexer_kl_direct)."""
         s = self.spec
         if rows:
             return csa_indexer_loss_streamed(index, *teacher, positions_bt, segment_ids_bt, teacher=s.teacher,

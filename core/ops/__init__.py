@@ -1,7 +1,8 @@
 """Pure, jit-safe maths that both the model and the losses use: functions of arrays and static ints.
 
 Modules: chunked_attention (visibility from positions and segment ids; banded window, gathered top-k,
-chunked visible blocks), fused_attention (the same
+chunked visible blocks), masked_attention (the dense masks and the attention over them: the reference),
+fused_attention (the same
 attention as Pallas TPU kernels, forward and backward), topk (indexer scores,
 top-k block selection), grouped_matmul (the
 megablox kernels with per-pass tiles, slot permutations), batched_experts (the experts as batched

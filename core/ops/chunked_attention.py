@@ -1,15 +1,15 @@
-"""Attention over window raw keys, compressed entries and a sink: the visibility masks, the masked
-reference and the query-chunked path (DESIGN.md, "Visibility", "Attention" and "Memory").
+"""Attention over window raw keys, compressed entries and a sink: the visibility rules and the
+query-chunked path (DESIGN.md, "Visibility", "Attention" and "Memory").
 
-The visibility masks derive from `positions` and `segment_ids`. Every batch row is a packed
-sequence of documents: segment_ids >= 1 are real tokens, 0 is padding; positions restart at 0 at
-each document start. All masks are boolean; callers mask logits with `NEG` (a large finite
-negative) so a fully masked row is 0, never NaN.
+Visibility derives from `positions` and `segment_ids`. Every batch row is a packed sequence of
+documents: segment_ids >= 1 are real tokens, 0 is padding; positions restart at 0 at each document
+start. `visible_rows` (compressed blocks) and `window_rows` (raw keys) are the rules for any set of
+query rows; all masks are boolean, and logits are masked with `NEG` (a large finite negative) so a
+fully masked row is 0, never NaN.
 
-`softmax_attention` is the formula with dense boolean masks ([B, T, S] window, [B, T, W] blocks),
-logits [B, H, T, T] and [B, H, T, W]; `masked_attention` builds those masks from the packing and
-calls it. `chunked_attention` computes the same without any [T, T] or [T, W]-over-all-queries
-tensor. Its queries are cut into chunks of C positions (T padded up to a multiple of C with
+The dense formulation, every query's masks and logits at once, is the reference
+(core/ops/masked_attention.py `masked_attention`). `chunked_attention` computes the same without
+any [T, T] or [T, W]-over-all-queries tensor. Its queries are cut into chunks of C positions (T padded up to a multiple of C with
 padding tokens, segment 0, which see nothing and are sliced off) and a `lax.scan` runs one chunk
 at a time; the chunk body is `jax.checkpoint`ed, so the backward pass recomputes it and keeps
 nothing of chunk size between steps. Per chunk, at once:
@@ -29,8 +29,8 @@ nothing of chunk size between steps. Per chunk, at once:
 
 and the parts merge in one softmax by log-sum-exp (one max over every part and the sink, one
 sum of exponentials), so a fully masked part adds exactly 0. Visibility follows DESIGN.md to
-the letter from positions and segment ids: the window test is `sliding_window_mask`'s and the
-block test `csa_visible`'s; the band only assumes what DESIGN.md states, that positions count up
+the letter from positions and segment ids: the window test is `window_rows` and the block test
+`visible_rows`; the band only assumes what DESIGN.md states, that positions count up
 by one inside a document, so the keys of a query's window are among its S - 1 predecessors.
 
 Queries arrive as `RowQueries`: a pure function of per-token inputs (e.g. the low-rank c_q) run
@@ -88,76 +88,22 @@ def block_first_positions(positions, ratio: int):
     return positions.reshape(b, t // ratio, ratio)[..., 0]
 
 
-def csa_visible(positions, segment_ids, ratio: int = 4):
-    """Which compressed blocks each query may see.
-
-    Block w is visible to query t iff seg_block[w] == seg[t] >= 1 and the block's last token
-    position <= positions[t]: a block appears once complete, so t < ratio - 1 sees none.
-
-    Args:
-      positions: int [B, T], restarting at 0 per document.
-      segment_ids: int [B, T], >= 1 real, 0 padding.
-      ratio: tokens per block (4 for CSA, 128 for HCA).
-
-    Returns:
-      bool [B, T, T // ratio].
-    """
-    return visible_rows(positions, segment_ids, block_segment_ids(segment_ids, ratio),
-                        block_last_positions(positions, ratio))
-
-
-def compressed_visibility(positions_bt, segment_ids_bt, ratio: int):
-    """bool [B, T, T // ratio]: csa_visible, also when T is not a multiple of `ratio`.
-
-    Trailing tokens that do not fill a block form no entry (the compressor drops them).
-    """
-    t = positions_bt.shape[1]
-    pad = (-t) % ratio
-    if pad:  # padding tokens (segment 0) make the extra block invisible; it is then dropped
-        positions_bt = jnp.pad(positions_bt, ((0, 0), (0, pad)))
-        segment_ids_bt = jnp.pad(segment_ids_bt, ((0, 0), (0, pad)))
-    return csa_visible(positions_bt, segment_ids_bt, ratio)[:, :t, : t // ratio]
-
-
 def visible_rows(pos_bt, seg_bt, seg_bw, last_bw):
-    """csa_visible's rule for any set of query rows (all of them, or one query chunk) against the
-    blocks' segment ids and last positions: bool [B, t, W]."""
+    """Which compressed blocks each of a set of query rows (all of them, or one query chunk) may see,
+    from the blocks' segment ids and last positions: bool [B, t, W].
+
+    Block w is visible to query t iff seg_block[w] == seg[t] >= 1 and the block's last token position
+    <= positions[t]: a block appears once complete, so t < ratio - 1 sees none."""
     same_doc_btw = (seg_bw[:, None, :] == seg_bt[:, :, None]) & (seg_bt[:, :, None] >= 1)
     return same_doc_btw & (last_bw[:, None, :] <= pos_bt[:, :, None])
 
 
-def sliding_window_mask(positions, segment_ids, window: int):
-    """Raw key s is in query t's window iff same document and 0 <= pos[t] - pos[s] < window.
-
-    Returns:
-      bool [B, T, S] with S = T (raw key positions).
-    """
-    return window_rows(positions, segment_ids, positions, segment_ids, window)
-
-
 def window_rows(pos_bt, seg_bt, pos_bs, seg_bs, window: int):
-    """sliding_window_mask's rule for any set of query rows against any set of raw keys (every key,
-    or one chunk's band): bool [B, t, s]."""
+    """Which raw keys of a set (every key, or one chunk's band) are in each query row's window: key s
+    is in query t's iff same document and 0 <= pos[t] - pos[s] < window. bool [B, t, s]."""
     same_doc_bts = (seg_bt[:, :, None] == seg_bs[:, None, :]) & (seg_bt[:, :, None] >= 1)
     delta_bts = pos_bt[:, :, None] - pos_bs[:, None, :]
     return same_doc_bts & (delta_bts >= 0) & (delta_bts < window)
-
-
-def selection_mask(idx_btk, valid_btk, num_blocks: int):
-    """bool [B, T, W]: True at the valid selected blocks.
-
-    A scatter of the top-k indices (distinct per row, so invalid slots never clear a valid one):
-    a one-hot formulation would materialise [B, T, k, W], k times the mask itself (k = 512 at V4-Flash).
-    """
-    b, t, _ = idx_btk.shape
-    rows_btw = jnp.zeros((b, t, num_blocks), jnp.bool_)
-    return rows_btw.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], idx_btk].set(valid_btk)
-
-
-def selected(selection, num_blocks: int):
-    """bool [B, T, W]: a selection's blocks, whichever its form: (indices, validity) through
-    `selection_mask`, or the mask itself."""
-    return selection_mask(*selection, num_blocks) if isinstance(selection, tuple) else selection
 
 
 # ----------------------------------------------------------------------------- queries, keys and chunks
@@ -270,8 +216,6 @@ def _identity_out(o_bthd, positions_bt):
     return o_bthd
 
 
-
-
 def num_chunks(t: int, chunk: int) -> tuple[int, int]:
     """(chunk size c, number of chunks n) for T positions: c = min(chunk, T), n = ceil(T / c)."""
     c = max(1, min(chunk, t))
@@ -379,74 +323,17 @@ def merged_softmax(q_bchd, sink_h, parts, teacher: str | None = None):
     return o_bchd, psum_bcu
 
 
-def softmax_attention(q_bthd, kv_bsd, window_bts, sink_h, ckv_bwd=None, allowed_btw=None):
-    """Window raw keys + allowed compressed entries + per-head sink in one softmax, dense masks.
-
-    Args:
-      q_bthd: queries [B, T, H, D], RoPE applied and already scaled by D^-1/2.
-      kv_bsd: raw keys = values [B, S=T, D].
-      window_bts: bool [B, T, S], raw key s in query t's window.
-      sink_h: per-head sink logit [H]; adds exp(sink) to the denominator only.
-      ckv_bwd: compressed entries [B, W, D] (keys = values), or None (SWA).
-      allowed_btw: bool [B, T, W], which entries query t attends.
-
-    Returns:
-      o_bthd [B, T, H, D] in q's dtype. A row with no allowed key returns 0 (the sink takes all).
-
-    Shapes:
-      1. logits_bhts = q . kv,  logits_bhtw = q . ckv            (float32, masked with NEG)
-      2. p = exp(logit - mx) / (sum exp(logit - mx) + exp(sink - mx)),  mx = max(logits, sink)
-      3. o_bthd = p_bhts . kv + p_bhtw . ckv
-    """
-    acc = jnp.promote_types(q_bthd.dtype, jnp.float32)
-    q = q_bthd.astype(acc)
-    keys = [(kv_bsd.astype(acc), window_bts)]
-    if ckv_bwd is not None:
-        keys.append((ckv_bwd.astype(acc), allowed_btw))
-    logits = [jnp.where(mask[:, None], jnp.einsum("bthd,bsd->bhts", q, k), NEG) for k, mask in keys]
-    sink_bht = jnp.broadcast_to(sink_h.astype(acc)[None, :, None], logits[0].shape[:3])
-    mx_bht = jax.lax.stop_gradient(
-        jnp.maximum(sink_bht, jnp.max(jnp.concatenate(logits, axis=-1), axis=-1)))
-    exps = [jnp.where(mask[:, None], jnp.exp(l - mx_bht[..., None]), 0.0)
-            for l, (_, mask) in zip(logits, keys)]
-    denom_bht = jnp.exp(sink_bht - mx_bht) + sum(jnp.sum(e, axis=-1) for e in exps)
-    o_bthd = sum(jnp.einsum("bhts,bsd->bthd", e, k) for e, (k, _) in zip(exps, keys))
-    return (o_bthd / jnp.transpose(denom_bht, (0, 2, 1))[..., None]).astype(q_bthd.dtype)
-
-
-def masked_attention(queries: RowQueries, keys: Keys, positions_bt, segment_ids_bt, selection=None, out_fn=None):
-    """The reference: every query at once, with dense [B, T, S] and [B, T, W] masks.
-
-    Args:
-      queries: the layer's queries (built whole here).
-      keys: raw keys, sink, compressed entries and their visibility rules.
-      positions_bt, segment_ids_bt: int [B, T], where each token of the packed batch sits
-        (positions restart at 0 per document; segment ids >= 1 real tokens, 0 padding).
-      selection: CSA's top-k blocks per query (core.ops.topk), as (idx int32 [B, T, k], valid bool
-        [B, T, k]) or as a mask bool [B, T, W]; None for every visible block.
-      out_fn: (o [B, T, H, D], positions [B, T]) -> per-token output; None keeps o.
-
-    Returns:
-      out_fn(o_bthd, positions): `softmax_attention` with allowed = visible (& selected).
-    """
-    window_bts = sliding_window_mask(positions_bt, segment_ids_bt, keys.window)
-    allowed_btw = None
-    if keys.compressed_bwd is not None:
-        allowed_btw = compressed_visibility(positions_bt, segment_ids_bt, keys.ratio)
-        if selection is not None:
-            allowed_btw = allowed_btw & selected(selection, allowed_btw.shape[-1])
-    o_bthd = softmax_attention(queries.of(queries.inputs, positions_bt), keys.raw_bsd, window_bts,
-                               keys.sink_h, keys.compressed_bwd, allowed_btw)
-    return (out_fn or _identity_out)(o_bthd, positions_bt)
-
-
 def chunked_attention(queries: RowQueries, keys: Keys, positions_bt, segment_ids_bt, selection=None, out_fn=None, *,
                       chunk: int, tap=None):
-    """`masked_attention` one query chunk at a time, without a [T, T] or [T, W] tensor.
+    """The attention (core.ops.masked_attention's `masked_attention`) one query chunk at a time, without a
+    [T, T] or [T, W] tensor.
 
     Args:
-      queries, keys, positions_bt, segment_ids_bt, selection: as in `masked_attention`; the queries
-        are built per chunk.
+      queries: the layer's queries, built per chunk.
+      keys: raw keys, sink, compressed entries and their visibility rules.
+      positions_bt, segment_ids_bt: int [B, T], where each token of the packed batch sits.
+      selection: CSA's top-k blocks per query (core.ops.topk), as (idx int32 [B, T, k], valid bool
+        [B, T, k]) or as a mask bool [B, T, W]; None for every visible block.
       out_fn: (o [B, C, H, D] in q's dtype, positions [B, C]) -> per-token output, run per chunk;
         None keeps o.
       chunk: query positions per scan step C (static; T need not be a multiple).

@@ -1,7 +1,7 @@
 """`softmax_attention` for one layer as two Pallas TPU kernels (forward, backward) under a custom VJP
 (DESIGN.md, "Attention").
 
-Computes what `core.ops.chunked_attention.softmax_attention` computes, window raw keys + allowed
+Computes what `core.ops.masked_attention.softmax_attention` computes, window raw keys + allowed
 compressed entries + a per-head sink in one softmax, without any [T, T] or [T, W] logits in HBM and
 without the query-chunked path's layout copies: the kernels read q [B, T, H, D] and write
 o [B, T, H, D] in place, a block of tq tokens at a time, their H heads folded into R = tq H rows
@@ -483,7 +483,7 @@ def check_kernel_shapes(heads: int, head_dim: int) -> None:
 
 def fused_layer_attention(queries, keys, positions_bt, segment_ids_bt, selection=None, out_fn=None, *,
                           block_q: int = 16):
-    """`masked_attention`'s contract (core.ops.chunked_attention) through `fused_attention`: the
+    """`masked_attention`'s contract (core.ops.masked_attention) through `fused_attention`: the
     `attention: fused` implementation of a layer.
 
     Args:
@@ -491,7 +491,7 @@ def fused_layer_attention(queries, keys, positions_bt, segment_ids_bt, selection
       keys: the layer's `Keys` (raw keys, sink, compressed entries and their visibility rule).
       positions_bt, segment_ids_bt: int [B, T].
       selection: CSA's top-k as a mask bool [B, T, W] or as (indices, validity) (its mask:
-        core.ops.chunked_attention.selected), or None for every visible entry.
+        core.ops.masked_attention.selected), or None for every visible entry.
       out_fn: (o [B, T, H, D], positions [B, T]) -> per-token output, run once; None keeps o.
       block_q: query tokens per grid step.
 
@@ -502,7 +502,7 @@ def fused_layer_attention(queries, keys, positions_bt, segment_ids_bt, selection
     """
     from jax.sharding import PartitionSpec as P
 
-    from core.ops.chunked_attention import compressed_visibility, selected
+    from core.ops.masked_attention import compressed_visibility, selected
     from core.ops.placement import BATCH_AXES, HEADS_AXIS, divisible_prefix, mesh_platform_of
 
     q_bthd = queries.of(queries.inputs, positions_bt)

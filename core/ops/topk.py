@@ -3,7 +3,7 @@
 `indexer_scores` is I[t,w] = sum_i weights[t,i] * ReLU(q_I[t,i] . k_I[w]) over visible blocks;
 `select_topk` keeps the k best visible blocks per row (k_eff = min(k, #visible), ties to the lower
 index) as a selection, (indices int32 [B, T, k], validity bool [B, T, k]); `topk_mask` gives the same
-blocks as a mask bool [B, T, W], the other form a selection takes (core.ops.chunked_attention's
+blocks as a mask bool [B, T, W], the other form a selection takes (core.ops.masked_attention's
 `selected` reads either as a mask, `selection_mask` turns indices into one);
 `select_topk_chunked` does scoring and selection per query chunk, so [B, T, W] scores never live
 at once. Scores and selection are float32 whatever the compute dtype. The model's `Indexer`, the

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from core.loss.indexer_kl import Spec, kl_rows, teacher_rows
+from core.loss.indexer_kl import kl_rows, teacher_rows
 from core.model.attention import collect
 from core.model.indexer_init import LayerStats, TeacherWeights, teacher_indexer
 from core.model.layers import apply_rope
@@ -124,8 +124,7 @@ def _kl_step(model, tokens, positions, segment_ids):
 
     def layer(a):
         q_bthd, kv_bwd, scores_btw, visible_btw = a
-        spec = Spec(head_chunk=q_bthd.shape[2], query_chunk=q_bthd.shape[1], joint=False)
-        psum_btw = teacher_rows(spec, q_bthd.astype(jnp.float32), kv_bwd.astype(jnp.float32), visible_btw)
+        psum_btw = teacher_rows(q_bthd.astype(jnp.float32), kv_bwd.astype(jnp.float32), visible_btw)
         kls = jnp.stack([kl_rows(c * scores_btw, psum_btw, visible_btw, False)[0] for c in TEMPERATURES])
         return kls, kl_rows(jnp.zeros_like(scores_btw), psum_btw, visible_btw, False)[0]
     return jax.lax.map(layer, tuple(aux[k] for k in ("teacher_query", "compressed_kv", "index_scores", "visible")))

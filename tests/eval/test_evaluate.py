@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from core.eval import evaluate as ev, report
-from core.ops.chunked_attention import NEG, csa_visible
+from core.ops.chunked_attention import NEG
+from core.ops.masked_attention import csa_visible
 
 KS = (1, 4)
 # Jitted once per module: a handful of compiles instead of hundreds of eager per-op ones.
@@ -133,9 +134,8 @@ def test_kl_is_nonnegative_and_zero_without_visible_blocks():
 
 @pytest.mark.parametrize("seed", [14, 15])
 def test_mean_kl_is_the_dense_indexer_loss(x64, seed):
-    """Mean row KL over valid rows = core.loss.indexer_kl.csa_indexer_loss(allowed=visible, scale=1)."""
-    from core.loss.indexer_kl import csa_indexer_loss
-    from core.loss.indexer_kl import WholeTeacher
+    """Mean row KL over valid rows = core.loss.indexer_kl_direct.csa_indexer_loss(allowed=visible, scale=1)."""
+    from core.loss.indexer_kl_direct import WholeTeacher, csa_indexer_loss
 
     (q, kv, scores, vis, _), _ = _packed_case(seed)
     q, kv, scores, vis = map(jnp.asarray, (q, kv, scores, vis))

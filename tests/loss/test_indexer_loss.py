@@ -18,8 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.test_util import check_grads
 
-from core.loss.indexer_kl import WholeTeacher, csa_indexer_loss, csa_indexer_loss_streamed
-from core.ops.chunked_attention import Keys, RowQueries, csa_visible, selection_mask, sliding_window_mask
+from core.loss.indexer_kl import csa_indexer_loss_streamed
+from core.loss.indexer_kl_direct import WholeTeacher, csa_indexer_loss
+from core.ops.chunked_attention import Keys, RowQueries
+from core.ops.masked_attention import csa_visible, selection_mask, sliding_window_mask
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk
 
 RATIO, WINDOW, TOPK = 4, 5, 2

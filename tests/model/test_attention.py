@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from core.model.attention import Attention, AttentionImpl, AttentionSpec, Indexer, IndexerSpec, collect
-from core.ops.chunked_attention import compressed_visibility, softmax_attention
+from core.ops.masked_attention import compressed_visibility, softmax_attention
 from core.ops.topk import indexer_scores, select_topk
 from core.model.layers import rope_frequencies
 from tests import reference as ref
@@ -257,8 +257,7 @@ def test_layer_indexer_loss_wiring():
     Covers both teachers and both stages; the joint teacher also needs the raw window keys and
     the sinks, passed through by the layer.
     """
-    from core.loss.indexer_kl import csa_indexer_loss
-    from core.loss.indexer_kl import WholeTeacher
+    from core.loss.indexer_kl_direct import WholeTeacher, csa_indexer_loss
 
     variants = {("compressed", 0, False), ("compressed", 8, False), ("joint", 0, True), ("joint", 8, True)}
     base, _ = make_layer(spec(4), jnp.float32, seed=3)

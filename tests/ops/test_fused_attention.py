@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from core.ops.chunked_attention import compressed_visibility, sliding_window_mask, softmax_attention
+from core.ops.masked_attention import compressed_visibility, sliding_window_mask, softmax_attention
 from core.ops.fused_attention import fused_attention, key_block
 
 D = 128

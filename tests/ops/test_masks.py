@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from core.ops.chunked_attention import NEG, block_segment_ids, csa_visible, selection_mask, sliding_window_mask
+from core.ops.chunked_attention import NEG, block_segment_ids
+from core.ops.masked_attention import csa_visible, selection_mask, sliding_window_mask
 from core.ops.topk import indexer_scores, select_topk
 
 visible = jax.jit(csa_visible, static_argnums=2)

@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 from core.model.attention import Attention, collect
-from core.ops.chunked_attention import (Keys, RowQueries, band_run, chunked_attention, compressed_visibility,
-                                        selection_mask, sliding_window_mask, softmax_attention)
+from core.ops.chunked_attention import Keys, RowQueries, band_run, chunked_attention
+from core.ops.masked_attention import compressed_visibility, selection_mask, sliding_window_mask, softmax_attention
 from core.ops.topk import IndexerInputs, indexer_scores, select_topk, select_topk_chunked, topk_mask
 from core.spec.resolve import resolve
 from tests.attention_memory import layer_train_temp_bytes

@@ -24,7 +24,8 @@ import numpy as np
 from core.bench.train import component_flops, sweep_config
 from core.config.schema import load_config
 from core.config.stages import stage_of
-from core.ops.chunked_attention import band_run, compressed_visibility, num_chunks, sliding_window_mask
+from core.ops.chunked_attention import band_run, num_chunks
+from core.ops.masked_attention import compressed_visibility, sliding_window_mask
 from core.spec.platform import resolve_config
 from core.train.flops import Area, COMPONENTS, causal_area, live_parts, model_flops_per_step, step_matmuls
 from tests.conftest import resolved
