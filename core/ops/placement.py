@@ -119,8 +119,32 @@ def gather_weight(w: jax.Array, heads_axis: int | None = None) -> jax.Array:
 
     For a weight that a loop reads at every step (a query projection in the indexer's top-k chunks
     and the streamed loss's blocks): gathered once before the loop. Left sharded, XLA gathers it
-    again in each step (an all-reduce of the whole weight per block on a TPU)."""
+    again in each step (an all-reduce of the whole weight per block on a TPU).
+
+    On a GPU its gradient is left free (`gathered_free_cotangent`): XLA:GPU otherwise all-reduces
+    the whole weight gradient over every device (across hosts) before slicing the weight's shard."""
+    if mesh_platform_of(jax.sharding.get_abstract_mesh()) == "gpu":
+        return gathered_free_cotangent(w, heads_axis)
     return _constrain(w, False, heads_axis)
+
+
+def gathered_free_cotangent(w: jax.Array, heads_axis: int | None = None) -> jax.Array:
+    """`gather_weight`'s value with its cotangent unconstrained: the gradient reaches the weight's own
+    sharding by a reduce-scatter (within a host, then across hosts over a 1/n shard) instead of an
+    all-reduce of the whole gradient over every device. Values and gradients are `gather_weight`'s."""
+
+    @jax.custom_vjp
+    def gather(w):
+        return _constrain(w, False, heads_axis)
+
+    def fwd(w):
+        return gather(w), None
+
+    def bwd(_, g):
+        return (g,)
+
+    gather.defvjp(fwd, bwd)
+    return gather(w)
 
 
 def mesh_platform_of(mesh) -> str:

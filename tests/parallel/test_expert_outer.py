@@ -11,6 +11,8 @@ the inputs are tests/model/test_expert_parallel.py's; the exchange runs in its X
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,17 @@ def test_experts_split_over_both_axes_every_other_weight_within_expert(worker):
     assert "expert_outer" in specs["batch"][0][0] and specs["batch"][1] == 1
     assert worker["mesh_axes"] == ["data", "fsdp", "tensor", "expert_outer", "expert"]
     assert worker["mesh_axes_without"] == ["data", "fsdp", "tensor", "expert"], "a size-1 expert_outer stays out"
+
+
+def test_a_gathered_weights_free_cotangent_reaches_its_shard_without_a_whole_all_reduce(worker):
+    """core.ops.placement.gathered_free_cotangent (gather_weight's form on a GPU): the loss and the weight's
+    gradient equal one device's, and the compiled gradient holds no all-reduce of the whole weight
+    gradient, which the constrained gather_weight's does (its sum over every device before the slice)."""
+    got = worker["free_cotangent"]
+    for what, (diff, scale) in got["diffs"].items():
+        assert diff <= 1e-5 * max(1.0, scale), f"{what}: max |diff| = {diff:.3e} (scale {scale:.2e})"
+    assert got["whole_all_reduces"]["constrained"] > 0, "the constrained gather should all-reduce the whole gradient"
+    assert got["whole_all_reduces"]["free"] == 0, "the free cotangent should reach the shard without one"
 
 
 def _mesh(sizes):
@@ -108,7 +121,55 @@ def _specs():
     return out, list(mesh.axis_names), list(_mesh({"expert": 8}).axis_names)
 
 
+def _elements(dims: str) -> int:
+    return math.prod(int(n) for n in dims.split(","))
+
+
+def _group_size(line: str) -> int:
+    """Devices in each replica group of a collective written as replica_groups=mesh['axis_0'=a, ...] {'axis_i', ...}."""
+    mesh, axes = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line).groups()
+    sizes = dict(re.findall(r"'(axis_\d+)'=(\d+)", mesh))
+    return math.prod(int(sizes[a]) for a in re.findall(r"'(axis_\d+)'", axes))
+
+
+def _free_cotangent():
+    """A projection through a gathered weight w [R, H, D] (R over `expert`, as W_qb's q_lora) of batch-split
+    rows, on expert_outer 2 x expert 4: gather_weight's constrained and free-cotangent forms against one
+    device, and the all-reduces of w's whole gradient shape in each compiled gradient."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from core.ops import placement
+    from tests.model.test_expert_parallel import _diff
+
+    r, h, d = 16, 4, 8
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(8, 32, r)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(r, h, d)), jnp.float32)
+
+    def loss(gather):
+        return lambda w, x: jnp.sum(jnp.tanh(jnp.einsum("btr,rhd->bthd", x, gather(w, heads_axis=1))))
+
+    v0, g0 = jax.value_and_grad(loss(lambda w, heads_axis: w))(w, x)
+    mesh = _mesh({"expert_outer": 2, "expert": 4})
+    ws = jax.device_put(w, NamedSharding(mesh, PartitionSpec("expert")))
+    xs = jax.device_put(x, NamedSharding(mesh, PartitionSpec(("expert_outer", "expert"))))
+    out, diffs = {}, {}
+    for name, gather in (("constrained", placement.gather_weight), ("free", placement.gathered_free_cotangent)):
+        step = jax.jit(jax.value_and_grad(loss(gather)), out_shardings=(None, ws.sharding))
+        with jax.set_mesh(mesh):
+            text = step.lower(ws, xs).compile().as_text()
+            v1, g1 = step(ws, xs)
+        diffs[f"{name} loss"], diffs[f"{name} d w"] = _diff(v1, v0), _diff(g1, g0)
+        out[name] = sum(1 for line in text.splitlines() if "all-reduce(" in line and _group_size(line) == 8
+                        and any(_elements(shape) == r * h * d for shape in re.findall(r"f32\[([\d,]+)\]", line.split("all-reduce(")[0])))
+    return {"diffs": diffs, "whole_all_reduces": out}
+
+
 if __name__ == "__main__":
     results = {name: _case(sizes, impl) for name, (sizes, impl) in CASES.items()}
     results["specs"], results["mesh_axes"], results["mesh_axes_without"] = _specs()
+    results["free_cotangent"] = _free_cotangent()
     print(json.dumps(results))
