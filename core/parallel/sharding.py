@@ -85,8 +85,11 @@ def logical_to_spec(axes: Sequence[str | None] | None, shape: Sequence[int], mes
         raise ValueError(f"logical axes {tuple(axes)} do not match the array's shape {tuple(shape)}: one name per dimension.")
     spec = nn.logical_to_mesh_axes(tuple(axes), rules)
     names = [() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry) for entry in spec]
-    # a weight's mesh axis of size 1 splits nothing: left out, the rule (fsdp, expert) on a mesh without
-    # expert devices gives `fsdp`'s spec (the batch keeps its three axes, as batch_sharding spells them)
+    # an axis the mesh leaves out (expert_outer) is dropped first: the experts' rule on a mesh without it is
+    # `expert`'s alone, as it was; then a weight's mesh axis of size 1 splits nothing: left out, the rule
+    # (fsdp, expert) on a mesh without expert devices gives `fsdp`'s spec (the batch keeps its axes, as
+    # batch_sharding spells them)
+    names = [entry if logical == "batch" else tuple(a for a in entry if a in mesh.shape) for logical, entry in zip(axes, names)]
     names = [entry if logical == "batch" or len(entry) < 2 else tuple(a for a in entry if mesh.shape.get(a, 1) > 1)
              for logical, entry in zip(axes, names)]
     entries = [divisible_prefix(dim, entry, mesh) for dim, entry in zip(shape, names)]
