@@ -163,10 +163,12 @@ class Config:
     ici_fsdp_parallelism: int
     ici_tensor_parallelism: int
     ici_expert_parallelism: int
+    ici_expert_outer_parallelism: int   # experts and batch split, every other weight replicated (core/parallel/mesh.py)
     dcn_data_parallelism: int
     dcn_fsdp_parallelism: int
     dcn_tensor_parallelism: int
     dcn_expert_parallelism: int
+    dcn_expert_outer_parallelism: int
 
     # ---- derived values (MaxText's short names of base_* fields; not fields themselves)
     emb = property(operator.attrgetter("base_emb_dim"))

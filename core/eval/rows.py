@@ -62,7 +62,7 @@ def batch_rows(eval_set: EvalSet, mesh) -> int:
     """Rows per step: `eval_set.batch_rows`, which must split over the mesh's batch shards, or one per shard."""
     from core.ops.placement import BATCH_AXES
 
-    shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in BATCH_AXES)
+    shards = 1 if mesh is None else math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES)
     if eval_set.batch_rows is not None and eval_set.batch_rows < 1:
         raise ConfigError(f"--batch-rows {eval_set.batch_rows} must be at least 1 (or left out: one per shard).")
     rows = eval_set.batch_rows or shards

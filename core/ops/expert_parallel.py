@@ -1,8 +1,9 @@
 """Expert parallelism that moves tokens, not weights (DESIGN.md, "Expert parallelism").
 
-Inside `jax.shard_map` over the mesh, with P = the `expert` axis size, E_l = E / P experts per
-device (experts are sharded over `expert` on their leading axis) and n tokens per device, each
-device runs, once per call:
+Inside `jax.shard_map` over the mesh, with P = the devices the experts split over (`expert`, times
+`expert_outer` where the mesh has it: core/ops/placement.py's EXPERT_AXES; "`expert`" below is
+both), E_l = E / P experts per device (experts are sharded over them on their leading axis) and n
+tokens per device, each device runs, once per call:
 
 1. Its n tokens arrive routed (idx, weights: computed on their own device, outside). Their
    S = n k slots are sorted by global expert (`SlotOrder`): the slots for device d are then one
@@ -59,7 +60,7 @@ from jax.sharding import PartitionSpec as P
 
 from core.ops.batched_experts import kept_first
 from core.ops.grouped_matmul import SlotOrder
-from core.ops.placement import BATCH_AXES, EXPERT_AXIS, MLP_AXIS, expert_axis_size, token_shards
+from core.ops.placement import BATCH_AXES, MLP_AXIS, expert_axes, expert_axis_size, token_shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,12 +110,12 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 
 
 def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, emulated: bool,
-                    block: int):
-    """`lax.ragged_all_to_all` over `expert`, or its emulation (`emulated_ragged_all_to_all`) on XLA:CPU."""
+                    block: int, axis_name="expert"):
+    """`lax.ragged_all_to_all` over the experts' axes, or its emulation (`emulated_ragged_all_to_all`) on XLA:CPU."""
     args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
     if emulated:
-        return emulated_ragged_all_to_all(*args, axis_name=EXPERT_AXIS, block=block)
-    return jax.lax.ragged_all_to_all(*args, axis_name=EXPERT_AXIS)
+        return emulated_ragged_all_to_all(*args, axis_name=axis_name, block=block)
+    return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
 
 
 def _exclusive_cumsum(a, axis=-1):
@@ -171,10 +172,14 @@ def expert_parallel_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf,
     cap = (local_experts * expert_capacity(n, k, num_experts, devices, exchange.capacity_factor) if exchange.per_expert
            else capacity(n, k, num_experts, devices, exchange.capacity_factor))
 
+    # the experts' axes, outer-major as the experts are laid out (one name where one axis splits them)
+    split = expert_axes(mesh)
+    ep = split[0] if len(split) == 1 else split
+
     def per_device(x_nm, idx_nk, weights_nk, w1, w2, w3):
-        me = jax.lax.axis_index(EXPERT_AXIS)
+        me = jax.lax.axis_index(ep)
         slots = SlotOrder(idx_nk, num_experts)
-        counts_pe = checkpoint_name(jax.lax.all_gather(slots.group_sizes, EXPERT_AXIS), "moe_routing")  # [P_src, E]
+        counts_pe = checkpoint_name(jax.lax.all_gather(slots.group_sizes, ep), "moe_routing")  # [P_src, E]
         kept_dse = _kept_counts(counts_pe, devices, local_experts, cap, exchange.per_expert)
         if exchange.per_expert:  # each destination's kept slots first: the prefix of its block that is sent
             slots = slots.permuted(kept_first(slots.group_sizes, kept_dse[:, me], local_experts, slots_n))
@@ -189,7 +194,7 @@ def expert_parallel_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf,
 
         def send(a, rows, offsets):
             return ragged_exchange(a, jnp.zeros((rows, *a.shape[1:]), a.dtype), *offsets,
-                                   emulated=exchange.emulated, block=block)
+                                   emulated=exchange.emulated, block=block, axis_name=ep)
 
         recv_cm, recv_c = send(x_sm, cap, out), send(weights_s, cap, out)
         ends = jnp.cumsum(kept_dse[me].reshape(-1))                                       # [src * E_l]
@@ -209,8 +214,8 @@ def expert_parallel_experts(x_btm, idx_btk, weights_btk, w1_emf, w2_efm, w3_emf,
     # check_vma off: a Pallas kernel's output type says nothing of how it varies over the mesh's axes
     run = jax.shard_map(
         per_device, mesh=mesh, out_specs=(P(tokens, None), P()), check_vma=False,
-        in_specs=(P(tokens, None), P(tokens, None), P(tokens, None), P(EXPERT_AXIS, None, mlp_axis),
-                  P(EXPERT_AXIS, mlp_axis, None), P(EXPERT_AXIS, None, mlp_axis)))
+        in_specs=(P(tokens, None), P(tokens, None), P(tokens, None), P(ep, None, mlp_axis),
+                  P(ep, mlp_axis, None), P(ep, None, mlp_axis)))
     y_nm, dropped = run(x_btm.reshape(b * t, m), idx_btk.reshape(b * t, k).astype(jnp.int32),
                         weights_btk.reshape(b * t, k), w1_emf, w2_efm, w3_emf)
     return y_nm.reshape(b, t, m), dropped

@@ -47,8 +47,11 @@ import jax.extend
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-BATCH_AXES = ("data", "fsdp", "expert")   # the `batch` rule's mesh axes: a batch's rows, and the MoE's tokens
+BATCH_AXES = ("data", "fsdp", "expert_outer", "expert")   # the `batch` rule's mesh axes: a batch's rows, and the MoE's tokens
 EXPERT_AXIS = "expert"                    # the experts' leading axis ("experts" -> "expert")
+# expert_outer: the experts and the batch split over it, every other weight replicated (a mesh holds it
+# only where it is above 1); experts' leading axis over EXPERT_AXES, outer-major
+EXPERT_AXES = ("expert_outer", EXPERT_AXIS)
 MLP_AXIS = "tensor"                       # the experts' hidden axis ("mlp" -> "tensor")
 HEADS_AXIS = MLP_AXIS  # the `heads` rule's mesh axis ("heads" -> "tensor"), as the experts' hidden axis
 
@@ -58,11 +61,16 @@ def token_shards(mesh) -> int:
     return math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names)
 
 
+def expert_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes the routed experts split over: EXPERT_AXES that `mesh` holds above 1 (none on one device)."""
+    if mesh is None or mesh.empty:
+        return ()
+    return tuple(a for a in EXPERT_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+
+
 def expert_axis_size(mesh) -> int:
-    """Size of the mesh's `expert` axis (1 without a mesh or without the axis)."""
-    if mesh is None or mesh.empty or EXPERT_AXIS not in mesh.axis_names:
-        return 1
-    return mesh.shape[EXPERT_AXIS]
+    """Devices the routed experts split over: the product of the mesh's EXPERT_AXES (1 without a mesh)."""
+    return math.prod(mesh.shape[a] for a in expert_axes(mesh))
 
 
 def platform_name(platform: str) -> str:
@@ -76,7 +84,9 @@ def divisible_prefix(size: int, names, mesh):
     dimension its mesh axes do not divide stays replicated over them (core.parallel.sharding)."""
     kept, ways = [], 1
     for name in names:
-        if name not in mesh.shape or size % (ways * mesh.shape[name]):
+        if name not in mesh.shape:  # an axis the mesh leaves out (expert_outer) splits nothing
+            continue
+        if size % (ways * mesh.shape[name]):
             break
         kept.append(name)
         ways *= mesh.shape[name]
@@ -109,8 +119,32 @@ def gather_weight(w: jax.Array, heads_axis: int | None = None) -> jax.Array:
 
     For a weight that a loop reads at every step (a query projection in the indexer's top-k chunks
     and the streamed loss's blocks): gathered once before the loop. Left sharded, XLA gathers it
-    again in each step (an all-reduce of the whole weight per block on a TPU)."""
+    again in each step (an all-reduce of the whole weight per block on a TPU).
+
+    On a GPU its gradient is left free (`gathered_free_cotangent`): XLA:GPU otherwise all-reduces
+    the whole weight gradient over every device (across hosts) before slicing the weight's shard."""
+    if mesh_platform_of(jax.sharding.get_abstract_mesh()) == "gpu":
+        return gathered_free_cotangent(w, heads_axis)
     return _constrain(w, False, heads_axis)
+
+
+def gathered_free_cotangent(w: jax.Array, heads_axis: int | None = None) -> jax.Array:
+    """`gather_weight`'s value with its cotangent unconstrained: the gradient reaches the weight's own
+    sharding by a reduce-scatter (within a host, then across hosts over a 1/n shard) instead of an
+    all-reduce of the whole gradient over every device. Values and gradients are `gather_weight`'s."""
+
+    @jax.custom_vjp
+    def gather(w):
+        return _constrain(w, False, heads_axis)
+
+    def fwd(w):
+        return gather(w), None
+
+    def bwd(_, g):
+        return (g,)
+
+    gather.defvjp(fwd, bwd)
+    return gather(w)
 
 
 def mesh_platform_of(mesh) -> str:

@@ -26,6 +26,18 @@ from jax.sharding import AxisType, Mesh
 from core.errors import ClusterError, ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
+# An axis a mesh holds only where its size is above 1 (every other mesh's programs stay as they were):
+# the routed experts and the batch split over it as over `expert`, every other weight is replicated
+# across it and its gradient all-reduced there (core/parallel/sharding.py). With expert_outer across
+# hosts and expert within each, the other weights are sharded within a host and cross the hosts' network
+# once a step, as a gradient; the tokens' exchange spans both.
+EXPERT_OUTER_AXIS = "expert_outer"
+CONFIG_AXES = ("data", "fsdp", "tensor", EXPERT_OUTER_AXIS, "expert")   # the ici_*/dcn_* keys, in mesh order
+
+
+def mesh_axes(sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """The axis names of a mesh of `sizes` (over CONFIG_AXES): MESH_AXES, and expert_outer where above 1."""
+    return tuple(a for a in CONFIG_AXES if a in MESH_AXES or sizes.get(a, 1) > 1)
 
 # Environment variables that ask for a multi-process run without command-line flags.
 DISTRIBUTED_ENV = "DSV4_DISTRIBUTED"
@@ -60,16 +72,16 @@ def plan_mesh(cfg, num_devices: int, num_granules: int = 1) -> tuple[dict[str, i
       num_devices: all devices of the run.
       num_granules: TPU slices, else processes; devices within one talk over ICI/NVLink.
     Returns:
-      (ici, dcn): dicts over MESH_AXES; the mesh axis size is ici[a] * dcn[a].
+      (ici, dcn): dicts over CONFIG_AXES; the mesh axis size is ici[a] * dcn[a].
     Raises:
       ConfigError: when the products cannot match the devices.
     """
     if num_devices % num_granules:
         raise ConfigError(f"{num_devices} devices do not split evenly over {num_granules} hosts/slices: give every process the same number of devices.")
     per_granule = num_devices // num_granules
-    ici = _fill("ici_", {a: getattr(cfg, f"ici_{a}_parallelism") for a in MESH_AXES}, per_granule, "devices",
+    ici = _fill("ici_", {a: getattr(cfg, f"ici_{a}_parallelism") for a in CONFIG_AXES}, per_granule, "devices",
                 "in this run" if num_granules == 1 else f"in each of the {num_granules} processes or TPU slices")
-    dcn = _fill("dcn_", {a: getattr(cfg, f"dcn_{a}_parallelism") for a in MESH_AXES}, num_granules,
+    dcn = _fill("dcn_", {a: getattr(cfg, f"dcn_{a}_parallelism") for a in CONFIG_AXES}, num_granules,
                 "processes or TPU slices", "in this run (dcn_* spans hosts, ici_* the devices within one)")
     return ici, dcn
 
@@ -92,19 +104,20 @@ def make_mesh(cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
       cfg: a Config with the ici_* / dcn_* parallelism keys.
       devices: the devices to use (tests pass a subset, e.g. one device).
     Returns:
-      a Mesh with axes MESH_AXES (all `AxisType.Auto`).
+      a Mesh with axes `mesh_axes` (MESH_AXES, and expert_outer where above 1; all `AxisType.Auto`).
     """
     devices = list(jax.devices() if devices is None else devices)
     granules, process_is_granule = _granules(devices)
     ici, dcn = plan_mesh(cfg, len(devices), granules)
-    ici_shape = [ici[a] for a in MESH_AXES]
+    names = mesh_axes({a: ici[a] * dcn[a] for a in CONFIG_AXES})
+    ici_shape = [ici[a] for a in names]
     if granules > 1:
         array = mesh_utils.create_hybrid_device_mesh(
-            ici_shape, [dcn[a] for a in MESH_AXES], devices, process_is_granule=process_is_granule,
+            ici_shape, [dcn[a] for a in names], devices, process_is_granule=process_is_granule,
             allow_split_physical_axes=True)
     else:
         array = mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
-    return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return Mesh(array, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def mesh_platform(mesh: Mesh) -> str:

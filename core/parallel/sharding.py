@@ -19,7 +19,9 @@ in core/parallel/mesh.py.
 Deviations from MaxText: `batch` also spans `expert` (MaxText's `activation_batch` does too),
 so expert-parallel devices split the batch instead of repeating the attention work, and every
 weight but the routed experts shards its `embed` (or LoRA rank) over `expert` as over `fsdp`
-(MaxText's `embed` rule), so a mesh of expert devices holds one copy of the model; and a
+(MaxText's `embed` rule), so a mesh of expert devices holds one copy of the model; the experts and
+the batch also split over `expert_outer` (core/parallel/mesh.py), which every other weight is
+replicated across (hybrid sharding: sharded within a host, replicated across hosts); and a
 dimension that its mesh axes do not divide is replicated along them instead of rejected (the
 single shared K=V head, a 4-head toy on tensor=8): correct, only less memory-frugal.
 """
@@ -44,7 +46,7 @@ T = TypeVar("T")
 # Logical axis -> mesh axis (or axes, or None = replicated); flax's rule format.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", BATCH_AXES),
-    ("experts", "expert"),  # before embed's, which would otherwise take `expert` from an expert weight
+    ("experts", ("expert_outer", "expert")),  # before embed's, which would otherwise take `expert` from an expert weight
     ("embed", ("fsdp", "expert")),  # every other weight over the expert devices too (MaxText's embed rule)
     ("embed", "fsdp"),  # an expert weight's embed, its experts already on `expert`
     ("vocab", "tensor"),
@@ -83,8 +85,11 @@ def logical_to_spec(axes: Sequence[str | None] | None, shape: Sequence[int], mes
         raise ValueError(f"logical axes {tuple(axes)} do not match the array's shape {tuple(shape)}: one name per dimension.")
     spec = nn.logical_to_mesh_axes(tuple(axes), rules)
     names = [() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry) for entry in spec]
-    # a weight's mesh axis of size 1 splits nothing: left out, the rule (fsdp, expert) on a mesh without
-    # expert devices gives `fsdp`'s spec (the batch keeps its three axes, as batch_sharding spells them)
+    # an axis the mesh leaves out (expert_outer) is dropped first: the experts' rule on a mesh without it is
+    # `expert`'s alone, as it was; then a weight's mesh axis of size 1 splits nothing: left out, the rule
+    # (fsdp, expert) on a mesh without expert devices gives `fsdp`'s spec (the batch keeps its axes, as
+    # batch_sharding spells them)
+    names = [entry if logical == "batch" else tuple(a for a in entry if a in mesh.shape) for logical, entry in zip(axes, names)]
     names = [entry if logical == "batch" or len(entry) < 2 else tuple(a for a in entry if mesh.shape.get(a, 1) > 1)
              for logical, entry in zip(axes, names)]
     entries = [divisible_prefix(dim, entry, mesh) for dim, entry in zip(shape, names)]
@@ -204,11 +209,11 @@ def shard_bytes(x: Any) -> int:
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batch rows (axis 0) split over BATCH_AXES; every other axis replicated."""
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    return NamedSharding(mesh, PartitionSpec(tuple(a for a in BATCH_AXES if a in mesh.axis_names)))
 
 
 def _batch_shards(mesh: Mesh) -> int:
-    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+    return math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES)
 
 
 def local_batch_slice(mesh: Mesh, global_batch: int) -> slice:

@@ -161,11 +161,12 @@ def device_mesh(cfg, devices: Sequence[Any]):
     from jax.experimental import mesh_utils
     from jax.sharding import AxisType, Mesh
 
-    from core.parallel.mesh import MESH_AXES, plan_mesh
+    from core.parallel.mesh import mesh_axes, plan_mesh
 
     ici, _ = plan_mesh(cfg, len(devices), 1)
-    array = mesh_utils.create_device_mesh([ici[a] for a in MESH_AXES], list(devices), allow_split_physical_axes=True)
-    return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    names = mesh_axes(ici)
+    array = mesh_utils.create_device_mesh([ici[a] for a in names], list(devices), allow_split_physical_axes=True)
+    return Mesh(array, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def lower_plan(specs, target: tg.Target):

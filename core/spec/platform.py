@@ -46,12 +46,12 @@ def _moe_impl(cfg, platform: str, axes) -> str:
     a GPU (drop-free, `batched` would pad every expert to the worst case): XLA:GPU expands `lax.ragged_dot`
     into one dense matmul over every group (each row times all G local experts' weights: G times the
     FLOPs, the rows copied G times; docs/scaling.md#expert-parallelism)."""
-    if platform == "gpu" and cfg.moe_capacity_factor > 0 and _split(cfg, axes, ("expert",)) > 1:
+    if platform == "gpu" and cfg.moe_capacity_factor > 0 and _split(cfg, axes, ("expert_outer", "expert")) > 1:
         return "batched"
     if platform != "tpu":
         return "tiled"
     whole = _split(cfg, axes, ("expert", "fsdp", "tensor")) == 1
-    return "gmm" if whole or _split(cfg, axes, ("expert",)) > 1 else "tiled"
+    return "gmm" if whole or _split(cfg, axes, ("expert_outer", "expert")) > 1 else "tiled"
 
 
 def _split(cfg, axes, names) -> int:

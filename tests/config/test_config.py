@@ -77,8 +77,8 @@ def test_model_file_stage_section_applies_after_the_preset(tmp_path):
     assert C.load_config(str(path)).dcn_fsdp_parallelism == 1  # no stage: the section is not applied
     assert C.load_config(str(path), ["learning_rate=0.5"], stage="sparse").learning_rate == 0.5
     flash = C.load_config("deepseek4-284b", ["max_target_length=4096"], stage="sparse")
-    # the experts over every GPU of every host: the tokens cross the hosts, not the weights
-    assert (flash.dcn_data_parallelism, flash.dcn_fsdp_parallelism, flash.dcn_expert_parallelism) == (1, 1, -1)
+    # the experts over every GPU of every host (expert_outer across them): the tokens cross the hosts, not the weights
+    assert (flash.dcn_data_parallelism, flash.dcn_fsdp_parallelism, flash.dcn_expert_outer_parallelism) == (1, 1, -1)
     warm = C.load_config("deepseek4-284b", ["max_target_length=4096"], stage="warmup")
     assert warm.dcn_data_parallelism == -1  # the frozen experts data-parallel across hosts
     for stage in (warm, flash):  # the experts stay on their devices, each receiving at most its tokens' slots

@@ -152,7 +152,7 @@ def _assert_same(got: list[dict], want: list[dict], what: str) -> None:
 def test_plan_mesh_fills_the_minus_one_axis():
     from core.parallel.mesh import plan_mesh
 
-    ones = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
+    ones = {"data": 1, "fsdp": 1, "tensor": 1, "expert_outer": 1, "expert": 1}
     assert plan_mesh(_cfg("data8"), 8) == ({**ones, "data": 8}, ones)
     assert plan_mesh(_cfg("fsdp4_tensor2"), 8) == ({**ones, "fsdp": 4, "tensor": 2}, ones)
     ici, dcn = plan_mesh(_cfg("data8", mesh=(["ici_data_parallelism=1", "ici_fsdp_parallelism=-1"], 1)), 16, 2)

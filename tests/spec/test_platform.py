@@ -94,6 +94,10 @@ def test_moe_is_batched_on_a_gpu_under_expert_parallelism_with_a_capacity():
     assert sparse.moe_capacity_factor == 1.0
     assert resolve_config(sparse, "gpu", {**one, "expert": 64}).moe_impl == "batched"
     assert resolve_config(sparse, "gpu").moe_impl == "batched"  # the keys fill expert
+    # expert_outer splits the experts too (h200x64's expert_outer 8 x expert 8), alone as well
+    assert resolve_config(sparse, "gpu", {**one, "expert_outer": 8, "expert": 8}).moe_impl == "batched"
+    assert resolve_config(sparse, "gpu", {**one, "expert_outer": 8}).moe_impl == "batched"
+    assert resolve_config(sparse, "tpu", {**one, "expert_outer": 8}).moe_impl == "gmm"
     assert resolve_config(sparse, "gpu", one).moe_impl == "tiled"  # one GPU: nothing exchanged
     drop_free = load_config("deepseek4-284b", ["max_target_length=4096", "moe_capacity_factor=0"], stage="sparse")
     assert resolve_config(drop_free, "gpu", {**one, "expert": 64}).moe_impl == "tiled"
