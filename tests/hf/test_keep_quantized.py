@@ -36,7 +36,10 @@ from tests.hf_checkpoints import SMALL, write_official
 
 pytestmark = pytest.mark.slow  # two imports and two warm-ups through the CLI, each compiled: the file starts early
 runner = CliRunner()
-# 128-token rows (HCA's block), one row, k below the 32 blocks of a row
+# The source: tests/hf_checkpoints.py's SMALL at four layers, the hash-routed SWA layer and three CSA layers
+# (a stacked scan segment): every held kind (FP8 projections, FP4 experts), the indexer and the scan.
+KEPT = dict(SMALL, num_hidden_layers=4, compress_ratios=[0, 4, 4, 4], num_hash_layers=1)
+# 128-token rows, one row, k below the 32 blocks of a row
 WARMUP = ("--steps", "5", "dataset_type=synthetic", "max_target_length=128", "per_device_batch_size=1",
           "indexer_topk=8", "enable_tensorboard=false")
 # official weight -> (dsv4 logical path of the held parameter, routed expert or None), written from the notes
@@ -48,7 +51,7 @@ _HELD = re.compile(r"layers\.(\d+)\.(attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.shar
 def work(tmp_path_factory):
     """(work dir, source dir, {name: (shard, header entry)} of the source)."""
     work = tmp_path_factory.mktemp("keepq")
-    write_official(work / "src", SMALL, seed=5)
+    write_official(work / "src", KEPT, seed=5)
     return work, work / "src", read_source(work / "src")[1]
 
 
@@ -237,7 +240,7 @@ def test_bad_inputs_are_one_line_exit_2(work, runs, tmp_path):
     result = runner.invoke(app, ["import-hf", str(tmp_path / "tf"), "-o", str(tmp_path / "x"), "--keep-quantized"])
     _one_line_error(result, "transformers layout", "without --keep-quantized")
     # experts in FP8 (convert.py --expert-dtype fp8): dsv4 holds them as FP4 only
-    write_official(tmp_path / "fp8experts", SMALL, seed=1, experts="fp8")
+    write_official(tmp_path / "fp8experts", KEPT, seed=1, experts="fp8")
     result = runner.invoke(app, ["import-hf", str(tmp_path / "fp8experts"), "-o", str(tmp_path / "y"),
                                  "--keep-quantized"])
     _one_line_error(result, r"^error: tensor layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight is F8_E4M3", "FP4 e2m1",

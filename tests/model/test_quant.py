@@ -133,10 +133,14 @@ def _held_model(cfg, abstract: bool = False):
     return nnx.eval_shape(make) if abstract else make()
 
 
+HELD_LAYERS = ("compress_ratios=[0,4,4]", "base_num_decoder_layers=3")
+
+
 @pytest.fixture(scope="module")
 def held_tiny():
-    """(warm-up config, a concrete tiny model holding its frozen weights released)."""
-    cfg = tiny_config("warmup", "dataset_type=synthetic")
+    """(warm-up config, a concrete tiny model holding its frozen weights released): three layers (the
+    hash-routed SWA layer, then two CSA layers, scanned), every released format and the scanned path."""
+    cfg = tiny_config("warmup", "dataset_type=synthetic", *HELD_LAYERS)
     return cfg, _held_model(cfg)
 
 
@@ -268,7 +272,7 @@ def test_checkpoints_bridge_released_and_float_weights(held_tiny, tmp_path):
             assert np.array_equal(np.asarray(a), np.asarray(b)), k
         elif not k.endswith("/scales"):
             assert np.array_equal(np.asarray(got[k]), np.asarray(want_held[k])), k
-    sparse = tiny_config("sparse")
+    sparse = tiny_config("sparse", *HELD_LAYERS)
     with pytest.raises(ConfigError, match=r"^dsv4 sparse trains layers/\S+, which the checkpoint holds in the "
                        r"released FP8/FP4 format: re-import it without --keep-quantized") as err:
         _restore(tmp_path / "held", sparse, plain, mask_matcher(sparse.trainable_parameters_mask,
