@@ -64,3 +64,47 @@ def test_the_collective_options_reach_the_tpu_compile():
     assert "xla_tpu_enable_async_collective_fusion" in out["options"], out
     assert out["with_options"] == "ok", out
     assert "xla_tpu_enable_async_collective_fusion" in out["spoiled"], out
+
+
+GATHER_CHILD = r"""
+import json, re
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from core.plan import targets as tg
+from core.train.program import jit_step
+from tests.conftest import tiny_config
+
+devices = tg.compile_devices(tg.parse_target("v5p-128"))
+mesh = Mesh(np.array(devices).reshape(-1), ("fsdp",))
+# a layer scan over a stacked weight split over all 64 chips (as V4-Flash's `embed` over `expert`), with its
+# gradient: each layer's weight gathered in the loop, forward and backward
+stacked = jax.ShapeDtypeStruct((2, 4096, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "fsdp")))
+rows = jax.ShapeDtypeStruct((64, 256, 4096), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+
+def loss(ws, x):
+    layer = lambda h, w: (jnp.tanh(jnp.einsum("btr,mr->btm", jnp.einsum("btm,mr->btr", h, w), w)), None)
+    return jnp.mean(jax.lax.scan(layer, x, ws)[0].astype(jnp.float32) ** 2)
+
+def collectives(jit):
+    text = jit(jax.grad(loss)).lower(stacked, rows).compile().as_text()
+    return {op: len(re.findall(rf" {op}(?:-start)?\(", text)) for op in ("all-gather", "all-reduce")}
+
+out = {"default": collectives(jax.jit),
+       "step": collectives(lambda f: jit_step(f, tiny_config().xla_backend_optimization_level, mesh))}
+print("__RESULT__" + json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # libtpu's start-up in a child process, two compiles for 64 chips
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install "dsv4[tpu]"')
+def test_a_weight_read_in_a_layer_scan_is_all_gathered_on_v5p_128():
+    """On 64 chips libtpu by default gathers a sharded weight as an all-reduce of the shard placed in
+    zeros (twice an all-gather's bytes on the links); under the step's options
+    (`xla_tpu_prefer_async_allgather_to_allreduce`) as an all-gather, the gradient's reduction alone an
+    all-reduce."""
+    from tests.conftest import tpu_child
+
+    out = tpu_child(GATHER_CHILD, "v5p-128", timeout=600)
+    assert out["default"]["all-gather"] == 0 and out["default"]["all-reduce"] >= 2, out
+    assert out["step"]["all-gather"] >= 1 and out["step"]["all-reduce"] < out["default"]["all-reduce"], out
