@@ -4,9 +4,7 @@ MaxText's v5p recipes (benchmarks/maxtext_v5p_model_configs.py, whose flag sets 
 benchmarks/xla_flags_library.py) compile their DeepSeek and Mixtral programs with libtpu's
 asynchronous collective fusion for all-gathers (`CF_FOR_ALL_GATHER`), its data-parallel all-reduce
 optimisation (`DATA_PARALLEL_OVERLAP`) and, in the host-offload recipes, the all-gathers of the
-backward pipelined ahead of their layer (`xla_tpu_enable_ag_backward_pipelining`); with Google's
-tpu-recipes (their LIBTPU_INIT_ARGS), the all-gathers kept as all-gathers
-(`xla_tpu_prefer_async_allgather_to_allreduce`). The training step
+backward pipelined ahead of their layer (`xla_tpu_enable_ag_backward_pipelining`). The training step
 takes them as compile options on a TPU (core/train/program.py `step_compiler_options`), so the run's
 compile and `dsv4 plan`'s (the same jitted step) schedule the collectives alike. libtpu refuses an
 option it does not know, so a compile that succeeds has read every one. Left out: the recipes'
@@ -28,10 +26,6 @@ TPU_COLLECTIVE_OPTIONS: dict[str, str] = {
     "xla_tpu_data_parallel_opt_different_sized_ops": "true",
     # the backward's all-gathers pipelined (HOST_OFFLOAD_FLAGS' scheduler option)
     "xla_tpu_enable_ag_backward_pipelining": "true",
-    # a weight's gather as an all-gather: by default libtpu writes the SPMD partitioner's gathers (and
-    # shard_map's `lax.all_gather`) as an all-reduce of the shard placed in zeros, twice an all-gather's
-    # bytes on the links; tpu-recipes' training recipes set it beside `xla_enable_async_all_gather`
-    "xla_tpu_prefer_async_allgather_to_allreduce": "true",
 }
 
 
