@@ -54,6 +54,10 @@ def kept_bytes_per_row(specs: Resolved) -> int:
 # measured (docs/benchmarks.md#why-the-defaults; far less where the layers are not scanned). Under
 # `projections` and `experts` the policy names what is kept, and XLA keeps it.
 KEPT_SHARE_SCREEN = {"none": 0.6, "projections": 1.0, "experts": 1.0}
+# The policies whose screen counts the parameters' gradient too: what they name is kept through the whole
+# backward, at whose end every gradient is live beside it. `none`'s share is a measured fraction of the
+# peak, gradient included (`$S` without remat fits one chip; its screen with the gradient would not).
+SCREEN_WITH_GRADIENT = ("projections", "experts")
 REMAT_TRIALS = ("none", "projections", "experts")  # auto's candidates on a TPU, fastest first; `full` needs no compile
 # a GPU's: `projections` offloads the layer inputs to the host, whose link the step-time model does not price
 GPU_REMAT_TRIALS = ("none", "experts")
@@ -66,30 +70,41 @@ def offloaded_bytes_per_row(cfg) -> int:
     return cfg.num_layers * width
 
 
-def remat_worth_compiling(specs: Resolved, mesh_axes, usable_bytes: int) -> bool:
-    """Whether the step of `specs`' remat_policy (one of REMAT_TRIALS) may fit one device of
-    `usable_bytes`, before compiling it: False where no gradient crosses the layers (the warm-up:
-    layer remat changes nothing, `core.spec.resolve.crosses_layers`), else whether the parameters
-    and AdamW's moments per device (`state_bytes_needed` on an abstract mesh of `mesh_axes`) plus
-    KEPT_SHARE_SCREEN of what the backward keeps on the device for the rows a device holds
-    (`kept_bytes_per_row`, less `offloaded_bytes_per_row` under `projections`) fit. A screen, not the
-    verdict: XLA:TPU recomputes what it must to fit its limit by itself, so the compile decides
-    (`remat_that_fits`); the screen spares a compile that cannot fit (V4-Flash's 43 layers at full
-    size without remat) or would change nothing."""
+def screen_bytes(specs: Resolved, mesh_axes) -> int:
+    """The screen's figure of one device's bytes for the step of `specs`' remat_policy (one of
+    REMAT_TRIALS) on an abstract mesh of `mesh_axes`: the parameters and AdamW's moments
+    (`state_bytes_needed`), the trainable parameters' gradient in their dtype where the policy is one
+    of SCREEN_WITH_GRADIENT, plus KEPT_SHARE_SCREEN of what the backward keeps on the device for the
+    rows a device holds (`kept_bytes_per_row`, less `offloaded_bytes_per_row` under `projections`).
+    Under the named policies a lower bound of the compiled step's total (tests/train/test_remat_auto.py)."""
     cfg = specs.cfg
-    if not crosses_layers(cfg):
-        return False
     names = tuple(mesh_axes)
     mesh = AbstractMesh(tuple(mesh_axes[n] for n in names), names, axis_types=(AxisType.Auto,) * len(names))
     model, _ = program.abstract_model_and_optimizer(specs)
-    state = memory.state_bytes_needed(abstract_state(nnx.state(model), mesh), config_matcher(cfg), cfg.mu_dtype,
-                                      cfg.nu_dtype)
+    state = abstract_state(nnx.state(model), mesh)
+    trainable = config_matcher(cfg)
+    need = memory.state_bytes_needed(state, trainable, cfg.mu_dtype, cfg.nu_dtype)
+    if cfg.remat_policy in SCREEN_WITH_GRADIENT:
+        need += sum(memory.state_bytes_per_device(leaf.get_value()) for path, leaf in nnx.to_flat_state(state)
+                    if isinstance(leaf, nnx.Param) and trainable(path))
     shards = math.prod(mesh_axes.get(a, 1) for a in BATCH_AXES)
     rows = cfg.per_device_batch_size * math.prod(mesh_axes.values()) // max(shards, 1)  # a device's batch shard
     kept = kept_bytes_per_row(specs)  # traced here on the CPU, where nothing is offloaded
     if cfg.remat_policy == "projections":
         kept -= offloaded_bytes_per_row(cfg)
-    return state + KEPT_SHARE_SCREEN[cfg.remat_policy] * rows * kept <= usable_bytes
+    return int(need + KEPT_SHARE_SCREEN[cfg.remat_policy] * rows * kept)
+
+
+def remat_worth_compiling(specs: Resolved, mesh_axes, usable_bytes: int) -> bool:
+    """Whether the step of `specs`' remat_policy (one of REMAT_TRIALS) may fit one device of
+    `usable_bytes`, before compiling it: False where no gradient crosses the layers (the warm-up:
+    layer remat changes nothing, `core.spec.resolve.crosses_layers`), else whether `screen_bytes` fit.
+    A screen, not the verdict: XLA:TPU recomputes what it must to fit its limit by itself, so the
+    compile decides (`remat_that_fits`); the screen spares a compile that cannot fit (V4-Flash's 43
+    layers at full size without remat, or with `projections` on v5p-128) or would change nothing."""
+    if not crosses_layers(specs.cfg):
+        return False
+    return screen_bytes(specs, mesh_axes) <= usable_bytes
 
 
 def remat_candidates(asked: str, specs: Resolved, mesh_axes, usable_bytes: int | None) -> tuple[str, ...]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 
+import jax
 import pytest
+from flax import nnx
 
 from core.config.schema import load_config
 from core.spec.platform import resolve_config
@@ -155,3 +157,23 @@ def test_the_plan_for_a_tpu_takes_no_remat_where_it_fits():
 
     auto = plan("deepseek4-tiny", "sparse", "v5e-1", (*SMALL, "remat_policy=auto"), top=1, analytic=False)
     assert auto["fits"] and auto["remat_policy"] == "none", auto.get("error")
+
+
+@pytest.mark.parametrize("policy", ["projections", "experts"])
+def test_the_screen_of_a_named_policy_counts_the_gradient_and_stays_under_the_compile(policy):
+    """Under `projections` and `experts` the screen adds the trainable parameters' gradient to the state and
+    what the policy keeps, and stays a lower bound of the compiled step's total: it never rules out a step
+    that fits. Without the gradient `projections` passed V4-Flash's screen on v5p-128 and compiled over it."""
+    asked, cfg, mesh = _configs("remat_policy=auto")
+    specs = cfg.replace(remat_policy=policy)
+    total, _ = _compiled_total(specs, mesh)
+    screen = remat.screen_bytes(specs, dict(mesh.shape))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(remat, "SCREEN_WITH_GRADIENT", ())
+        without = remat.screen_bytes(specs, dict(mesh.shape))
+    model, _ = program.abstract_model_and_optimizer(specs)
+    params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert 0 < screen - without <= params, (screen, without, params)  # the gradient: at most every parameter's
+    assert without < screen <= total, (without, screen, total)
+    assert remat.remat_worth_compiling(specs, dict(mesh.shape), total)
+    assert not remat.remat_worth_compiling(specs, dict(mesh.shape), screen - 1)
