@@ -4,17 +4,10 @@ tells them apart from those that receive a record holding one."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import runpy
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("config_reach", ROOT / "tools" / "config_reach.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "config_reach.py"
 
 
 @dataclasses.dataclass
@@ -37,10 +30,11 @@ def test_finds_the_receivers_of_a_config_through_every_call():
         preflight.topk_warning(cfg)
         flops.COMPONENTS.index("head")  # no Config passed: nothing
 
-    found = _tool().receivers(call, Config)
+    receivers = runpy.run_path(str(TOOL))["receivers"]
+    found = receivers(call, Config)
     assert {"core/train/flops.py", "core/config/stages.py", "core/train/preflight.py"} <= set(found["receives"])
     assert {"model_flops_per_step", "layer_matmuls"} <= found["receives"]["core/train/flops.py"], found
     assert not found["holds"], found["holds"]
 
-    held = _tool().receivers(lambda: (_takes(_Holder(cfg), scale=2), _takes(_Holder(None))), Config, roots=("tests/",))
+    held = receivers(lambda: (_takes(_Holder(cfg), scale=2), _takes(_Holder(None))), Config, roots=("tests/",))
     assert held == {"receives": {}, "holds": {"tests/test_config_reach.py": {"_takes"}}}, held
