@@ -123,6 +123,13 @@ def tiny_config(stage: str | None = None, *overrides: str, **options):
     return load_config("deepseek4-tiny", [*TINY_OVERRIDES, *overrides], stage=stage, options=options or None)
 
 
+def tiny_data(*overrides: str):
+    """`tiny_config(None, *overrides)`'s DataSpec (core.spec.resolve `data_spec`): what core/data reads."""
+    from core.spec.resolve import data_spec
+
+    return data_spec(tiny_config(None, *overrides))
+
+
 def resolved(cfg, mesh=None):
     """(`cfg` resolved for `mesh` as an entry point resolves it: core.spec.resolve, `mesh`); `mesh`
     by default the run's own (`make_mesh(cfg)`)."""

@@ -15,14 +15,14 @@ from core.checkpoint import store as ckpt
 from core.config.schema import load_config
 from core.data.batches import train_batches, eval_batches
 from core.model.attention import collect
-from core.spec.resolve import resolve
+from core.spec.resolve import data_spec, resolve
 from tests.dense_eval import dense_teacher, row_kl  # the dense reference of core/eval/metrics.py
 
 path = sys.argv[1]
 cfg = load_config("deepseek4-tiny", sys.argv[2:], stage="warmup", options={"steps": 100})
 _, d, step = ckpt.resolve_checkpoint(path)
 model, _, meta = ckpt.restore_model(d, step, resolve(cfg, jax.default_backend()).model)
-batch = next(iter(eval_batches(cfg, 4, 1)))
+batch = next(iter(eval_batches(data_spec(cfg), 4, 1)))
 arr = [jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids")]
 
 @nnx.jit
@@ -43,7 +43,7 @@ for i, layer in enumerate(cfg.csa_layers):
     print(f"layer {layer:2d} kl {k:.4f} kl_u {ku:.4f} cap {1-k/ku:+.3f} score_std {np.nanmean(std[many]):.3f} const_rows {dead:.3f} allzero {zero:.3f}")
 
 # gradient magnitudes of the indexer loss (warm-up scale) on one train batch
-tb = next(iter(train_batches(cfg, 4)))
+tb = next(iter(train_batches(data_spec(cfg), 4)))
 targ = [jnp.asarray(tb[k]) for k in ("tokens", "positions", "segment_ids")]
 filt = nnx.All(nnx.Param, nnx.PathContains("indexer"))
 @nnx.jit

@@ -47,14 +47,14 @@ def main() -> None:
     from core.train.materialise import build
     from core.train.step import step_fn
     from core.parallel.mesh import make_mesh
-    from core.spec.resolve import resolve
+    from core.spec.resolve import data_spec, resolve
 
     cfg = load_config("deepseek4-tiny", [*SHAPE, *args.overrides], stage=args.stage)
     mesh = make_mesh(cfg)
     specs = resolve(cfg, "cpu", mesh.shape)
     setup = build(specs, mesh)
     graphdef, state = nnx.split((setup.model, setup.optimizer))
-    batch = shard_batch(next(train_batches(cfg, setup.batch_size)), setup.mesh)
+    batch = shard_batch(next(train_batches(data_spec(cfg), setup.batch_size)), setup.mesh)
     tied = order.tied
     out = {"stage": args.stage, "devices": setup.mesh.size}
     try:

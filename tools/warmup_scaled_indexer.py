@@ -2,7 +2,7 @@
 
     .venv/bin/python tools/warmup_scaled_indexer.py SRC OUTPUT STEPS SCALE [KEY=VALUE ...]
 
-SCALE 0 is the warm-up from an indexer with weights_init="zeros" (core.model.attention.Indexer): the
+SCALE 0 is the warm-up from an indexer with weights_init="zeros" (core.model.layers.Indexer): the
 pre-training stage never reads or trains the indexer, so its checkpoint with weights_proj zeroed
 is what a pre-training with that init would have written. Prints step, indexer_loss, grad_norm,
 step time every 10 steps; OUTPUT is an ordinary warm-up run (dsv4 eval-indexer OUTPUT).

@@ -26,7 +26,7 @@ from core.eval.evaluate import evaluate_indexer
 from core.loss.indexer_kl import EPS
 from core.model.attention import collect
 from core.model.indexer_init import principal_maps
-from core.spec.resolve import resolve
+from core.spec.resolve import data_spec, resolve
 from core.train.indexer_init import calibration_batches, layer_stats, teacher_init
 
 src, overrides = sys.argv[1], sys.argv[2:]
@@ -35,11 +35,11 @@ cfg = load_config(model_name, overrides, stage="warmup")
 specs = resolve(cfg, jax.default_backend())
 model, _, _ = ckpt.restore_model(src, None, specs.model)
 cfg = specs.cfg
-calibration = calibration_batches(train_batches(cfg, cfg.per_device_batch_size * jax.device_count()), cfg.indexer_init_batches)
+calibration = calibration_batches(train_batches(data_spec(cfg), cfg.per_device_batch_size * jax.device_count()), cfg.indexer_init_batches)
 
 
 def held_out(label):
-    r = evaluate_indexer(model, specs, eval_batches(cfg, cfg.per_device_batch_size, 4)).overall["by_k"][0]
+    r = evaluate_indexer(model, specs, eval_batches(data_spec(cfg), cfg.per_device_batch_size, 4)).overall["by_k"][0]
     print(f"{label:8s} held-out kl_captured {r['all']['kl_captured']:.4f}  gain@{cfg.indexer_topk} "
           f"{r['informative']['gain']:.4f}", flush=True)
 
@@ -55,7 +55,7 @@ def bound(ranks):
         maps.append({r: principal_maps(ck, st.q_m2[:n, :n] / st.tokens, r)[:2] for r in ranks})
     fwd = nnx.jit(lambda m, *a: m(*a, mode="eval_dense", probe=collect)[1])
     kl, kl_u = np.zeros(len(ranks)), 0.0
-    for batch in eval_batches(cfg, cfg.per_device_batch_size, 4):
+    for batch in eval_batches(data_spec(cfg), cfg.per_device_batch_size, 4):
         aux = fwd(model, batch["tokens"], batch["positions"], batch["segment_ids"])
         qs, ks, vis = (np.asarray(aux[k], np.float64) for k in ("teacher_query", "compressed_kv", "visible"))
         for layer in range(qs.shape[0]):

@@ -47,7 +47,7 @@ _GLUE = (
 # "module" or "module:name" -> component, HELPER or GLUE
 OWNERS = {
     "model/attention": "attention", "ops/chunked_attention": "attention", "ops/fused_attention": "attention",
-    **{f"model/attention:{name}": "indexer"  # the lightning indexer, which issue 60 merged into the attention's module
+    **{f"model/layers:{name}": "indexer"  # the lightning indexer's parameters and projections
        for name in ("Indexer", "IndexerSpec", "indexer_queries", "local_gradient_loss", "local_gradient_surrogate")},
     **{f"ops/chunked_attention:{name}": HELPER for name in _MASKS},
     "ops/masked_attention": "attention", **{f"ops/masked_attention:{name}": HELPER for name in _DENSE_MASKS},
@@ -64,7 +64,7 @@ OWNERS = {
 MODULES = {m for m in OWNERS if ":" not in m}  # the core modules of today
 HELPERS = {m for m in MODULES if OWNERS[m] == HELPER}
 # modules merged into others since a trace was recorded (issue 60's moves) -> the module their code lives in now
-RENAMED = {"model/compressor": "model/layers", "model/indexer": "model/attention", "ops/moe_dispatch": "model/moe",
+RENAMED = {"model/compressor": "model/layers", "model/indexer": "model/layers", "ops/moe_dispatch": "model/moe",
            "loss/indexer_kl_rows": "loss/indexer_kl", "loss/indexer_kl_streamed": "loss/indexer_kl",
            "model/mhc": "model/block", "ops/rope": "model/layers", "ops/masks": "ops/chunked_attention",
            "ops/order": "ops/placement"}

@@ -54,7 +54,7 @@ from core.parallel.chips import matmul_ceiling, peak_flops, utilization
 from core.parallel.mesh import make_mesh
 from core.parallel.sharding import shard_batch
 from core.process import tune_garbage_collector
-from core.spec.resolve import Resolved, resolve
+from core.spec.resolve import Resolved, data_spec, resolve
 from core.train import program, remat
 from core.train.flops import model_flops_per_step
 from core.train.materialise import build
@@ -200,7 +200,7 @@ def compiled_shape(specs: Resolved, mesh, batches: int) -> dict[str, Any]:
     cfg = specs.cfg
     setup = build(specs, mesh)
     graphdef, state = nnx.split((setup.model, setup.optimizer))
-    data = train_batches(cfg, setup.batch_size)
+    data = train_batches(data_spec(cfg), setup.batch_size)
     drawn = [shard_batch(next(data), setup.mesh) for _ in range(batches)]
     start = time.perf_counter()
     step_program = program.StepProgram.of(specs, graphdef, state, setup.mesh)

@@ -160,13 +160,13 @@ class TrainBatches:
     tokenises only its own `rows`, and any number of processes yields one process's global batches.
     """
 
-    def __init__(self, cfg, batch_size: int, rows: range | None = None):
-        tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.vocab_size)
-        self.batch_size, self.length = batch_size, cfg.max_target_length
+    def __init__(self, spec, batch_size: int, rows: range | None = None):
+        tokenizer = load_tokenizer(spec.tokenizer_path, spec.vocab_size)
+        self.batch_size, self.length = batch_size, spec.max_target_length
         self.rows = range(batch_size) if rows is None else rows
-        self.documents = Documents(cfg, "train")
-        self.fingerprint = {**data_fingerprint(cfg), "contents": self.documents.identity}
-        self._allow_change = cfg.allow_data_change
+        self.documents = Documents(spec, "train")
+        self.fingerprint = {**data_fingerprint(spec), "contents": self.documents.identity}
+        self._allow_change = spec.allow_data_change
         self._texts = _RowTexts(self.documents, batch_size)
         self._rows = {r: _RowStream(tokenizer, self.length, self._texts, r, self.fingerprint["source"])
                       for r in self.rows}
@@ -215,12 +215,12 @@ class TrainBatches:
 class SyntheticBatches:
     """Uniform random tokens, one document per row; row r of batch n depends only on (seed, n, r)."""
 
-    def __init__(self, cfg, batch_size: int, split: str = "train", rows: range | None = None):
-        self.batch_size, self.length, self.vocab = batch_size, cfg.max_target_length, cfg.vocab_size
+    def __init__(self, spec, batch_size: int, split: str = "train", rows: range | None = None):
+        self.batch_size, self.length, self.vocab = batch_size, spec.max_target_length, spec.vocab_size
         self.rows = range(batch_size) if rows is None else rows
-        self.seed = [cfg.data_shuffle_seed, 0 if split == "train" else 1]
-        self.fingerprint = {**data_fingerprint(cfg), "contents": data_identity.SYNTHETIC}
-        self._allow_change = cfg.allow_data_change
+        self.seed = [spec.data_shuffle_seed, 0 if split == "train" else 1]
+        self.fingerprint = {**data_fingerprint(spec), "contents": data_identity.SYNTHETIC}
+        self._allow_change = spec.allow_data_change
         self._step = 0
 
     def __iter__(self) -> "SyntheticBatches":
@@ -260,9 +260,9 @@ def merge_positions(states: list[dict[str, Any]]) -> dict[str, Any]:
 class _EvalPacker(_Packer):
     """One pass over the evaluation documents in stored order."""
 
-    def __init__(self, cfg, batch_size: int):
-        super().__init__(load_tokenizer(cfg.tokenizer_path, cfg.vocab_size), batch_size, cfg.max_target_length)
-        self._texts = Documents(cfg, "eval").epoch(0, 0, shuffle=False)
+    def __init__(self, spec, batch_size: int):
+        super().__init__(load_tokenizer(spec.tokenizer_path, spec.vocab_size), batch_size, spec.max_target_length)
+        self._texts = Documents(spec, "eval").epoch(0, 0, shuffle=False)
 
     def _next_text(self) -> str | None:
         return next(self._texts, None)
@@ -277,12 +277,12 @@ class _EvalPacker(_Packer):
             yield out
 
 
-def data_fingerprint(cfg) -> dict[str, Any]:
+def data_fingerprint(spec) -> dict[str, Any]:
     """The data settings a saved position is only meaningful for."""
     keys = ("dataset_type", "hf_path", "hf_name", "hf_data_files", "hf_split", "hf_eval_split",
             "hf_text_column", "hf_streaming", "tokenizer_path", "eval_holdout_fraction", "data_shuffle_seed")
-    fp = {k: getattr(cfg, k) for k in keys}
-    fp["source"] = cfg.hf_path or ("synthetic" if cfg.dataset_type == "synthetic" else "embedded pydoc topics")
+    fp = {k: getattr(spec, k) for k in keys}
+    fp["source"] = spec.hf_path or ("synthetic" if spec.dataset_type == "synthetic" else "embedded pydoc topics")
     return fp
 
 
@@ -298,31 +298,31 @@ def _check_fingerprint(state: dict[str, Any], fingerprint: dict[str, Any], allow
                                         allow=allow_change)
 
 
-def train_batches(cfg, batch_size: int, rows: range | None = None) -> TrainBatches | SyntheticBatches:
-    """The training batch stream of `cfg` (global `batch_size` rows of `max_target_length`).
+def train_batches(spec, batch_size: int, rows: range | None = None) -> TrainBatches | SyntheticBatches:
+    """The training batch stream of `spec` (global `batch_size` rows of `max_target_length`).
 
     Args:
-      cfg: the run's config.
+      spec: the run's data (core.spec.resolve.DataSpec, `data_spec(cfg)`).
       batch_size: rows of the global batch.
       rows: the rows this process reads (`core.parallel.sharding.local_batch_slice`); default all.
     Returns:
       an iterator of dicts of int32 [len(rows), max_target_length] arrays (`BATCH_KEYS`) with
       `state()` / `restore(state)`.
     """
-    if cfg.dataset_type == "synthetic":
-        return SyntheticBatches(cfg, batch_size, rows=rows)
-    return TrainBatches(cfg, batch_size, rows)
+    if spec.dataset_type == "synthetic":
+        return SyntheticBatches(spec, batch_size, rows=rows)
+    return TrainBatches(spec, batch_size, rows)
 
 
-def eval_batches(cfg, batch_size: int, max_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+def eval_batches(spec, batch_size: int, max_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Held-out batches in a fixed order (same keys as training); the last batch may hold padding.
 
     Stops when the evaluation documents run out or after `max_batches`. Synthetic data yields
     `max_batches` (default 1) batches from a seed stream disjoint from training's.
     """
-    if cfg.dataset_type == "synthetic":
-        synthetic = SyntheticBatches(cfg, batch_size, split="eval")
+    if spec.dataset_type == "synthetic":
+        synthetic = SyntheticBatches(spec, batch_size, split="eval")
         for _ in range(max_batches or 1):
             yield next(synthetic)
         return
-    yield from _EvalPacker(cfg, batch_size).batches(max_batches)
+    yield from _EvalPacker(spec, batch_size).batches(max_batches)

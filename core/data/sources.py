@@ -136,7 +136,7 @@ def _quiet_datasets():
     return datasets
 
 
-def _load_split(cfg, split: str, files: list[str] | None):
+def _load_split(spec, split: str, files: list[str] | None):
     """A datasets.Dataset / IterableDataset of `split` (or of local `files`), text column only."""
     datasets = _quiet_datasets()
     try:
@@ -144,65 +144,65 @@ def _load_split(cfg, split: str, files: list[str] | None):
             builder = _BUILDERS[Path(files[0]).suffix]
             extra = {"sample_by": "paragraph"} if builder == "text" else {}
             ds = datasets.load_dataset(builder, data_files={"train": files}, split="train",
-                                       streaming=cfg.hf_streaming, **extra)
+                                       streaming=spec.hf_streaming, **extra)
         else:
-            ds = datasets.load_dataset(cfg.hf_path, cfg.hf_name or None, data_files=cfg.hf_data_files or None,
-                                       split=split, streaming=cfg.hf_streaming)
+            ds = datasets.load_dataset(spec.hf_path, spec.hf_name or None, data_files=spec.hf_data_files or None,
+                                       split=split, streaming=spec.hf_streaming)
     except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ValueError...)
-        raise DataError(f"hf_path={cfg.hf_path!r} (split {split!r}) cannot be loaded: "
+        raise DataError(f"hf_path={spec.hf_path!r} (split {split!r}) cannot be loaded: "
                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}.") from None
     columns = ds.column_names or []
-    if cfg.hf_text_column not in columns:
-        raise DataError(f"hf_text_column={cfg.hf_text_column!r} is not a column of {cfg.hf_path!r}: "
+    if spec.hf_text_column not in columns:
+        raise DataError(f"hf_text_column={spec.hf_text_column!r} is not a column of {spec.hf_path!r}: "
                         f"choose one of {', '.join(columns) or '(none)'}.")
-    return ds.select_columns([cfg.hf_text_column])
+    return ds.select_columns([spec.hf_text_column])
 
 
 class Documents:
-    """The train or eval documents of a config, as an epoch-ordered text stream.
+    """The train or eval documents of a `DataSpec` (core.spec.resolve), as an epoch-ordered text stream.
 
     Map-style sources index texts directly; streaming sources are read in order through a
     seeded shuffle buffer, so resuming replays the epoch's stream up to the saved document.
     """
 
-    def __init__(self, cfg, split: str):
-        self.column = cfg.hf_text_column
-        self.seed = cfg.data_shuffle_seed
+    def __init__(self, spec, split: str):
+        self.column = spec.hf_text_column
+        self.seed = spec.data_shuffle_seed
         self.split = split
         self.streaming = False
         self._stream = None
         self._every = 0
         self._orders: dict[int, np.ndarray] = {}
         self._texts: Sequence[Any]
-        if not cfg.hf_path:
+        if not spec.hf_path:
             texts = embedded_documents()
             self.identity = data_identity.texts_identity(texts, f"pydoc_data.topics (Python {sys.version.split()[0]})")
-            self._texts, self._index = texts, self._holdout(len(texts), cfg, split, "the embedded text")
+            self._texts, self._index = texts, self._holdout(len(texts), spec, split, "the embedded text")
             self.column = None
             return
-        use_eval_split = split == "eval" and cfg.hf_eval_split
-        files = _local_files(cfg.hf_path)
-        if cfg.hf_eval_split and files is not None:
-            raise DataError(f"hf_eval_split={cfg.hf_eval_split!r} applies to hub datasets; for local files "
+        use_eval_split = split == "eval" and spec.hf_eval_split
+        files = _local_files(spec.hf_path)
+        if spec.hf_eval_split and files is not None:
+            raise DataError(f"hf_eval_split={spec.hf_eval_split!r} applies to hub datasets; for local files "
                             "leave it empty and set eval_holdout_fraction.")
-        ds = _load_split(cfg, cfg.hf_eval_split if use_eval_split else cfg.hf_split, files)
+        ds = _load_split(spec, spec.hf_eval_split if use_eval_split else spec.hf_split, files)
         self.identity = data_identity.files_identity(files) if files is not None else data_identity.dataset_identity(ds)
-        if cfg.hf_streaming:
+        if spec.hf_streaming:
             self.streaming, self._stream = True, ds
-            if not use_eval_split and not cfg.hf_eval_split:
-                self._every = max(2, round(1 / cfg.eval_holdout_fraction)) if cfg.eval_holdout_fraction > 0 else 0
+            if not use_eval_split and not spec.hf_eval_split:
+                self._every = max(2, round(1 / spec.eval_holdout_fraction)) if spec.eval_holdout_fraction > 0 else 0
                 if split == "eval" and not self._every:
                     raise DataError("no evaluation documents: set hf_eval_split or eval_holdout_fraction > 0.")
             return
         self._texts = ds
-        self._index = (np.arange(len(ds)) if use_eval_split or cfg.hf_eval_split
-                       else self._holdout(len(ds), cfg, split, repr(cfg.hf_path)))
+        self._index = (np.arange(len(ds)) if use_eval_split or spec.hf_eval_split
+                       else self._holdout(len(ds), spec, split, repr(spec.hf_path)))
         if len(self._index) == 0:
-            raise DataError(f"hf_path={cfg.hf_path!r} has no {split} documents: give a non-empty dataset.")
+            raise DataError(f"hf_path={spec.hf_path!r} has no {split} documents: give a non-empty dataset.")
 
     @staticmethod
-    def _holdout(n: int, cfg, split: str, what: str) -> np.ndarray:
-        n_eval = min(n - 1, max(1, round(n * cfg.eval_holdout_fraction))) if cfg.eval_holdout_fraction > 0 else 0
+    def _holdout(n: int, spec, split: str, what: str) -> np.ndarray:
+        n_eval = min(n - 1, max(1, round(n * spec.eval_holdout_fraction))) if spec.eval_holdout_fraction > 0 else 0
         if split == "eval" and n_eval <= 0:
             raise DataError(f"{what} has {n} document(s): no evaluation documents can be held out; "
                             "set eval_holdout_fraction > 0 or use more documents.")

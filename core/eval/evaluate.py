@@ -43,7 +43,7 @@ from core.loss.lm import chunked_lm_loss, compute_head
 from core.model.transformer import abstract
 from core.parallel.mesh import make_mesh, mesh_platform
 from core.parallel.sharding import batch_sharding, shard_batch
-from core.spec.resolve import resolve
+from core.spec.resolve import data_spec, resolve
 from core.train import program
 
 
@@ -316,7 +316,7 @@ class Evaluation:
         result = evaluate_indexer(self.model, self.specs, data, ks=self.ks, seed=self.eval_set.seed, mesh=self.mesh,
                                   on_progress=on_progress)
         if not result.batches:
-            raise DataError(f"the evaluation data of {data_fingerprint(self.cfg)['source']!r} is empty: give held-out "
+            raise DataError(f"the evaluation data of {data_fingerprint(data_spec(self.cfg))['source']!r} is empty: give held-out "
                             "documents (hf_eval_split=..., a larger eval_holdout_fraction, or more data).")
         return dataclasses.replace(result, context={**self.context, "eval_rows": result.rows // self.cfg.max_target_length})
 
@@ -350,7 +350,7 @@ def prepare(path, *, step: int | None = None, overrides: Sequence[str] = (), eva
     model, _, meta = ckpt.restore_model(ckpt_dir, step, specs.model, mesh=mesh)
     context = {"checkpoint": str(ckpt_dir / str(step)), "step": step, "stage": meta.get("stage"),
                "model_name": cfg.model_name, "batch_size": batch, "max_target_length": cfg.max_target_length,
-               "data": data_fingerprint(cfg)["source"], "frozen_weights": cfg.frozen_weights}
+               "data": data_fingerprint(data_spec(cfg))["source"], "frozen_weights": cfg.frozen_weights}
     return Evaluation(specs, ks, eval_set, mesh, batch, -(-eval_set.rows // batch), model, context)
 
 

@@ -20,6 +20,7 @@ from typing import Iterator
 import numpy as np
 
 from core.data.batches import BATCH_KEYS, eval_batches
+from core.spec.resolve import data_spec
 from core.errors import ConfigError
 
 EVAL_KEYS = BATCH_KEYS + ("rows",)  # an eval batch: the training batch's arrays and each row's index
@@ -79,7 +80,7 @@ def row_batches(cfg, rows: int, batch: int) -> Iterator[tuple[dict[str, np.ndarr
     "rows" [B], each row's index in the evaluation set. The last batch is filled up with padding
     rows (all zeros but their index).
     """
-    source = eval_batches(cfg, 1, rows)
+    source = eval_batches(data_spec(cfg), 1, rows)
     first = 0
     while first < rows:
         got = [row for _, row in zip(range(min(batch, rows - first)), source)]

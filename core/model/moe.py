@@ -4,8 +4,9 @@ Semantics follow the official DeepSeek-V4 inference code (`inference/model.py`, 
 `MoE`):
 
 - Router scores s = sqrt(softplus(x W_r)) in float32. Learned-routing layers pick the top-k of
-  s + bias; the bias steers selection only and is never differentiated: it is a `RouterBias`
-  variable, updated after each step by `update_router_bias` (bias_e += rate * sign(mean - load_e)).
+  s + bias; the bias steers selection only and is never differentiated: it is an `nnx.BatchStat`
+  (Flax's kind for state moved by the batches, not by the optimizer), updated after each step by
+  `update_router_bias` (bias_e += rate * sign(mean - load_e)) from the batch's expert load.
 - Hash-routed layers (the first `first_num_hash_layers`) take the experts from a fixed
   token-id -> experts table (`HashTable`, int32 [V, k], not a parameter) but still weight them by
   the router's scores, so they keep a router weight and have no bias (as in the checkpoints).
@@ -142,10 +143,6 @@ class MoESpec:
             t = self.gmm_tiles
             return GmmTiling(tuple(t[0:3]), tuple(t[3:6]), tuple(t[6:9]))
         return auto_gmm_tiling(self.emb, self.mlp)
-
-
-class RouterBias(nnx.Variable):
-    """Expert-selection bias [E]: changed only by `update_router_bias`, never by gradients."""
 
 
 class HashTable(nnx.Variable):
@@ -516,7 +513,7 @@ def router(spec: MoESpec, *, seed_for_hash_table: int, rngs, param_dtype=jnp.flo
         table = hash_table(seed_for_hash_table, spec.vocab_size, spec.num_experts, spec.k)
         return nnx.Dict(weight=weight, tid2eid=HashTable(table, out_sharding=(None, None), eager_sharding=False),
                         bias=None)
-    bias = (RouterBias(jnp.zeros((spec.num_experts,), jnp.float32), out_sharding=(None,), eager_sharding=False)
+    bias = (nnx.BatchStat(jnp.zeros((spec.num_experts,), jnp.float32), out_sharding=(None,), eager_sharding=False)
             if spec.use_bias else None)
     return nnx.Dict(weight=weight, tid2eid=None, bias=bias)
 

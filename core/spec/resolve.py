@@ -13,7 +13,8 @@ the model and the step are built from (DESIGN.md, "The model"; the stage table).
               batch's shape and the compile options
 
 Called where a run (core/train/preflight.py), the planner, a benchmark or the evaluation starts,
-once the mesh is known; everything below takes the specs. The specs refuse an `auto` (an unresolved
+once the mesh is known; everything below takes the specs. The batches' source is a `DataSpec` of its
+own (`data_spec`), no part of the step's program: core/data reads it, never the Config. The specs refuse an `auto` (an unresolved
 key fails where its spec is made, naming it).
 """
 
@@ -136,6 +137,32 @@ def optimizer_spec(cfg) -> OptimizerSpec:
         learning_rate=cfg.learning_rate, final_fraction=cfg.cosine_learning_rate_final_fraction,
         warmup_fraction=cfg.warmup_steps_fraction, schedule_steps=schedule_steps(cfg),
         trainable=tuple(cfg.trainable_parameters_mask), frozen=tuple(cfg.frozen_parameters_mask))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """What core/data reads the batches from: the config's data keys, each under its key's name
+    (docs/configuration.md), and the row's length and vocabulary."""
+
+    dataset_type: str          # hf | synthetic
+    hf_path: str
+    hf_name: str
+    hf_data_files: str
+    hf_split: str
+    hf_eval_split: str
+    hf_text_column: str
+    hf_streaming: bool
+    tokenizer_path: str
+    eval_holdout_fraction: float
+    data_shuffle_seed: int
+    allow_data_change: bool    # resume although the data contents' identity changed
+    vocab_size: int
+    max_target_length: int
+
+
+def data_spec(cfg) -> DataSpec:
+    """The DataSpec of `cfg`."""
+    return DataSpec(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(DataSpec)})
 
 
 def step_spec(cfg) -> StepSpec:

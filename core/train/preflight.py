@@ -39,7 +39,7 @@ from core.errors import CheckpointError, ConfigError
 from core.model import quant
 from core.model.params import mask_matcher
 from core.model.transformer import Transformer
-from core.spec.resolve import Resolved, Specs, resolve
+from core.spec.resolve import Resolved, Specs, data_spec, resolve
 from core.parallel.mesh import describe_mesh, make_mesh, mesh_platform
 from core.parallel.sharding import abstract_state, local_batch_slice
 from core.train import memory, program, remat, resume_checks, step_guard
@@ -134,7 +134,7 @@ def preflight(cfg: Config, stage: str, run_dir: Path, init_from: str | Path | No
         kept = tuple(r for r in run_files.read_metrics(run_dir, notices) if r.get("step", -1) <= resumed.step)
     rows = cfg.per_device_batch_size * jax.device_count()
     local = local_batch_slice(mesh, rows)  # this process reads and tokenises its own rows only
-    data = train_batches(cfg, rows, range(local.start, local.stop))
+    data = train_batches(data_spec(cfg), rows, range(local.start, local.stop))
     if resumed is not None:  # changed data stops a resume before the model is built
         notices += data.check(dict(resumed.data))
     abstract = program.abstract_model_and_optimizer(specs)

@@ -56,7 +56,7 @@ from core.train.materialise import Materialised, materialise
 from core.train.memory import step_memory_note
 from core.train.outputs import open_outputs
 from core.train.preflight import Preflight, fit_remat, preflight
-from core.train.run_lock import claim, releases_lock_on_error
+from core.train.run_lock import claim
 from core.train.step import METRIC_KEYS
 from core.train.stop import StopRequest
 from core.train.write_errors import quiet_write_errors, tree_bytes
@@ -153,25 +153,26 @@ class Trainer:
     arrived; `summary()` describes the result.
     """
 
-    @releases_lock_on_error
     def __init__(self, cfg, *, stage: str, run_dir: str | Path, init_from: str | Path | None = None):
         self.stage, self.run_dir = stage, Path(run_dir)
         self.lock = claim(self.run_dir, f"dsv4 {stage}")
-        plan = fit_remat(cfg.remat_policy, preflight(cfg, stage, self.run_dir, init_from))
-        # the step compiles while the model builds
-        ahead = program.compile_ahead(plan.specs, plan.mesh, plan.abstract) if plan.run.compile_ahead else None
-        made = materialise(plan.specs, plan.mesh, plan.labels, plan.abstract, plan.source, plan.data,
-                           teacher_init_batches=plan.run.teacher_init_batches)
-        self.outputs = open_outputs(
-            self.run_dir, config_text=plan.run.config_text, kept_metrics=plan.kept_metrics, start_step=made.start_step,
-            state_bytes=tree_bytes(made.state), max_checkpoints=plan.run.max_checkpoints,
-            async_save=plan.run.async_checkpointing, tensorboard=plan.run.enable_tensorboard)
-        self.specs, self.settings, self.data, self.setup = plan.specs, plan.run, plan.data, made.setup
-        self.graphdef, self.state, self.start_step = made.graphdef, made.state, made.start_step
-        self.last_saved = made.start_step - 1 if made.start_step else None  # the checkpoint resumed from
-        self._step_fn = ready(ahead, plan.specs, made.graphdef, made.state, plan.mesh,
-                              lambda: peers.kept(self.last_saved))
-        self.info = describe(plan, made, stage, self.run_dir, init_from, self._step_fn)
+        with self.lock.undone_on_error():  # a run that fails while it starts leaves no trace
+            plan = fit_remat(cfg.remat_policy, preflight(cfg, stage, self.run_dir, init_from))
+            # the step compiles while the model builds
+            ahead = program.compile_ahead(plan.specs, plan.mesh, plan.abstract) if plan.run.compile_ahead else None
+            made = materialise(plan.specs, plan.mesh, plan.labels, plan.abstract, plan.source, plan.data,
+                               teacher_init_batches=plan.run.teacher_init_batches)
+            self.outputs = open_outputs(
+                self.run_dir, config_text=plan.run.config_text, kept_metrics=plan.kept_metrics,
+                start_step=made.start_step, state_bytes=tree_bytes(made.state),
+                max_checkpoints=plan.run.max_checkpoints, async_save=plan.run.async_checkpointing,
+                tensorboard=plan.run.enable_tensorboard)
+            self.specs, self.settings, self.data, self.setup = plan.specs, plan.run, plan.data, made.setup
+            self.graphdef, self.state, self.start_step = made.graphdef, made.state, made.start_step
+            self.last_saved = made.start_step - 1 if made.start_step else None  # the checkpoint resumed from
+            self._step_fn = ready(ahead, plan.specs, made.graphdef, made.state, plan.mesh,
+                                  lambda: peers.kept(self.last_saved))
+            self.info = describe(plan, made, stage, self.run_dir, init_from, self._step_fn)
 
     def _save(self, step: int, row: dict[str, Any], data: dict[str, Any]) -> None:
         """Checkpoint `step` (checked already) with `data`, the data position after its batch."""

@@ -7,11 +7,11 @@ names the holder (pid and command) for the next process's message.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
-import functools
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Iterator
 
 import jax
 
@@ -68,25 +68,19 @@ class RunLock:
         self._file.close()  # closing the descriptor drops the flock
         self._file = None
 
+    @contextlib.contextmanager
+    def undone_on_error(self) -> Iterator["RunLock"]:
+        """Within: an exception releases the lock with `undo` and propagates (a run that fails while it
+        starts leaves no trace)."""
+        try:
+            yield self
+        except BaseException:
+            self.release(undo=True)
+            raise
+
 
 def claim(run_dir: str | Path, command: str) -> RunLock:
     """Phase: the run directory's lock, held by process 0 alone (the one writer of the run's plain
     files, core/train/outputs.py); the other processes hold an unacquired lock, whose release does nothing."""
     lock = RunLock(run_dir, command)
     return lock.acquire() if jax.process_index() == 0 else lock
-
-
-def releases_lock_on_error(init: Callable[..., None]) -> Callable[..., None]:
-    """Decorate an `__init__` that sets `self.lock`: a failing constructor releases the lock."""
-
-    @functools.wraps(init)
-    def wrapper(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            init(self, *args, **kwargs)
-        except BaseException:
-            lock = getattr(self, "lock", None)
-            if lock is not None:
-                lock.release(undo=True)
-            raise
-
-    return wrapper

@@ -18,7 +18,7 @@ part of the backward pass (in the warm-up only the indexer's own small backward 
 parameters get an explicit zero gradient for the optimizer's tree and stay bitwise unchanged.
 
 Router biases are not trained by gradients: after each step every learned-routing layer's
-`RouterBias` moves by `routed_bias_update_rate` towards balance, unless that router is frozen
+bias (an `nnx.BatchStat`) moves by `routed_bias_update_rate` towards balance, unless that router is frozen
 (neither its weight nor its bias matches the mask: the warm-up's '.*indexer.*' freezes them all).
 
 A step whose total loss or gradient norm is non-finite is not applied, and one whose updated
@@ -41,7 +41,6 @@ from flax import nnx
 from core import tree
 from core.errors import ConfigError
 from core.loss.lm import lm_loss_from_hidden
-from core.model.moe import RouterBias
 from core.model.params import mask_matcher
 from core.spec.resolve import OptimizerSpec, Specs, StepSpec
 from core.train import step_guard
@@ -133,7 +132,7 @@ def step_fn(specs: Specs, graphdef):
     grad_filter = nnx.All(nnx.Param, lambda path, _: trainable(path))
     frozen_filter = nnx.All(nnx.Param, nnx.Not(grad_filter))
     # A router bias moves unless its router is frozen: neither it nor the router weight is trainable.
-    fixed_bias = nnx.All(RouterBias, lambda path, _: not (trainable(path) or trainable((*path[:-1], "weight"))))
+    fixed_bias = nnx.All(nnx.BatchStat, lambda path, _: not (trainable(path) or trainable((*path[:-1], "weight"))))
     schedule, rate = learning_rate_schedule(spec.optimizer), spec.bias_update_rate
     guard = spec.abort_on_nan or spec.abort_on_inf
 

@@ -219,7 +219,8 @@ def test_every_core_module_has_a_component_or_is_named_glue():
     assert of([str(core / "ops" / "rope.py"), attention]) == "attention"  # a module since merged, as recorded
     assert of([layers, attention], ["compress.<locals>.pool", "Attention.__call__"]) == "compressor"
     assert of([layers, attention], ["apply_rope", "Attention.__call__"]) == "attention"
-    assert of([attention], ["Indexer.inputs"]) == "indexer"
+    assert of([layers], ["Indexer.inputs"]) == "indexer"
+    assert of([layers, attention], ["local_gradient_loss", "Attention._index"]) == "indexer"
     assert of([str(core / "model" / "indexer.py")], ["Indexer.inputs"]) == "indexer"  # its module before the merge
     assert of([masks, topk], ["visible_rows", "select_topk_chunked.<locals>.body"]) == "indexer"
     assert of([masks, attention], ["chunked_attention.<locals>.body", "Attention.__call__"]) == "attention"

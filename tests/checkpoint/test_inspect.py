@@ -50,7 +50,6 @@ def abstract_expectations(run: Path) -> dict:
     from core.checkpoint import store as ckpt
     from core import tree
     from core.model.transformer import Transformer
-    from core.model.moe import RouterBias
     from core.train.optimizer import make_optimizer
     from core.spec.resolve import optimizer_spec
 
@@ -59,7 +58,7 @@ def abstract_expectations(run: Path) -> dict:
     optimizer = nnx.eval_shape(lambda m: nnx.Optimizer(m, make_optimizer(optimizer_spec(cfg)), wrt=nnx.Param), model)
     params = {p: math.prod(x.shape) for p, x in tree.flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
     indexer = {p: "indexer" in p.split("/") for p in params}  # the warm-up mask '.*indexer.*'
-    biases = sum(math.prod(x.shape) for x in tree.flatten(nnx.to_pure_dict(nnx.state(model, RouterBias))).values())
+    biases = sum(math.prod(x.shape) for x in tree.flatten(nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))).values())
     return {
         "model": {p: (tuple(x.shape), str(x.dtype)) for p, x in tree.flatten(nnx.to_pure_dict(nnx.state(model))).items()},
         "parameters": sum(params.values()) + biases,  # the official inventory: nnx.Params + router biases

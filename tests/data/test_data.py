@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.conftest import tiny_config
+from tests.conftest import tiny_data
 from core.data import batches as data
 from core.data import sources as data_sources
 from core.errors import DataError
@@ -74,7 +74,7 @@ def _check_row_invariants(b, length):
 
 
 def test_embedded_default_packs_documents_in_shuffled_order():
-    cfg = tiny_config()
+    cfg = tiny_data()
     stream = data.train_batches(cfg, BATCH)
     batches = [next(stream) for _ in range(40)]
     for b in batches[:3]:
@@ -92,7 +92,7 @@ def test_embedded_default_packs_documents_in_shuffled_order():
 @pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "txt"])
 def test_local_files_stream_over_epochs_and_hold_out_eval(tmp_path, kind):
     path, texts = _docs_file(tmp_path, kind=kind)
-    cfg = tiny_config(None, f"hf_path={path}", "eval_holdout_fraction=0.25")
+    cfg = tiny_data(f"hf_path={path}", "eval_holdout_fraction=0.25")
     stream = data.train_batches(cfg, BATCH)
     batches = [next(stream) for _ in range(30)]
     for b in batches[:4]:
@@ -117,7 +117,7 @@ def test_directory_and_glob_sources(tmp_path):
     for i in range(3):
         (tmp_path / "d" / f"part{i}.jsonl").write_text(json.dumps({"text": f"part {i}"}) + "\n")
     for hf_path in (tmp_path / "d", tmp_path / "d" / "part*.jsonl"):
-        docs = data_sources.Documents(tiny_config(None, f"hf_path={hf_path}", "eval_holdout_fraction=0"), "train")
+        docs = data_sources.Documents(tiny_data(f"hf_path={hf_path}", "eval_holdout_fraction=0"), "train")
         assert sorted(docs.epoch(0, 0, shuffle=False)) == ["part 0", "part 1", "part 2"]
 
 
@@ -127,7 +127,7 @@ def test_restored_position_continues_exactly(tmp_path, source):
     if extra is None:
         path, _ = _docs_file(tmp_path, n=7)
         extra = [f"hf_path={path}", f"hf_streaming={source == 'streaming'}"]
-    cfg = tiny_config(None, *extra)
+    cfg = tiny_data(*extra)
     straight = data.train_batches(cfg, BATCH)
     for _ in range(5):
         next(straight)
@@ -143,7 +143,7 @@ def test_restored_position_continues_exactly(tmp_path, source):
 
 def test_streaming_holds_out_every_nth_document(tmp_path):
     path, texts = _docs_file(tmp_path, n=10)
-    cfg = tiny_config(None, f"hf_path={path}", "hf_streaming=true", "eval_holdout_fraction=0.2")
+    cfg = tiny_data(f"hf_path={path}", "hf_streaming=true", "eval_holdout_fraction=0.2")
     eval_docs = list(data_sources.Documents(cfg, "eval").epoch(0, 0, shuffle=False))
     train_docs = list(data_sources.Documents(cfg, "train").epoch(0, 0, shuffle=True))
     assert eval_docs == [texts[4], texts[9]]
@@ -151,7 +151,7 @@ def test_streaming_holds_out_every_nth_document(tmp_path):
 
 
 def test_synthetic_batches():
-    cfg = tiny_config(None, "dataset_type=synthetic")
+    cfg = tiny_data("dataset_type=synthetic")
     b = next(data.train_batches(cfg, BATCH))
     assert b["tokens"].max() < cfg.vocab_size and b["tokens"].dtype == np.int32
     np.testing.assert_array_equal(b["tokens"][:, 1:], b["targets"][:, :-1])
@@ -167,7 +167,7 @@ def test_hf_tokenizer_file(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     path, _ = _docs_file(tmp_path, n=3)
-    cfg = tiny_config(None, f"hf_path={path}", f"tokenizer_path={tmp_path / 'tokenizer.json'}", "eval_holdout_fraction=0")
+    cfg = tiny_data(f"hf_path={path}", f"tokenizer_path={tmp_path / 'tokenizer.json'}", "eval_holdout_fraction=0")
     b = next(data.train_batches(cfg, 1))
     # <s> "document" "0" ":" -> [UNK] x3, then "lorem ipsum"; </s> closes each document
     assert b["tokens"][0, :6].tolist() == [3, 0, 0, 0, 1, 2]
@@ -183,16 +183,16 @@ def test_hf_tokenizer_file(tmp_path):
 ])
 def test_bad_inputs_are_one_line_data_errors(tmp_path, override, needle):
     path, _ = _docs_file(tmp_path, n=3)
-    cfg = tiny_config(None, f"hf_path={path}", override)
+    cfg = tiny_data(f"hf_path={path}", override)
     with pytest.raises(DataError) as e:
         next(data.train_batches(cfg, BATCH))
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
 def test_restore_refuses_other_data_settings(tmp_path):
-    stream = data.train_batches(tiny_config(), BATCH)
+    stream = data.train_batches(tiny_data(), BATCH)
     next(stream)
-    other = data.train_batches(tiny_config(None, "data_shuffle_seed=1"), BATCH)
+    other = data.train_batches(tiny_data("data_shuffle_seed=1"), BATCH)
     with pytest.raises(DataError, match="data_shuffle_seed"):
         other.restore(stream.state())
 
@@ -216,7 +216,7 @@ def test_any_process_count_gives_the_same_global_batches_and_positions(tmp_path,
     if extra is None:
         path, _ = _docs_file(tmp_path, n=9)
         extra = [f"hf_path={path}", "hf_streaming=true", "eval_holdout_fraction=0"]
-    cfg = tiny_config(None, *extra)
+    cfg = tiny_data(*extra)
     one = data.train_batches(cfg, ROWS)
     want = [next(one) for _ in range(12)]  # crosses epochs on the small file
     for processes in (2, 4):
@@ -239,7 +239,7 @@ def test_any_process_count_gives_the_same_global_batches_and_positions(tmp_path,
 @pytest.mark.parametrize("streaming", [False, True])
 def test_a_process_tokenises_only_the_documents_of_its_rows(tmp_path, monkeypatch, streaming):
     path, texts = _docs_file(tmp_path, n=16)
-    cfg = tiny_config(None, f"hf_path={path}", f"hf_streaming={streaming}", "eval_holdout_fraction=0")
+    cfg = tiny_data(f"hf_path={path}", f"hf_streaming={streaming}", "eval_holdout_fraction=0")
     tokenised = []
     ids = data.document_ids
     monkeypatch.setattr(data, "document_ids", lambda tok, text: tokenised.append(text) or ids(tok, text))
@@ -255,20 +255,20 @@ def test_a_process_tokenises_only_the_documents_of_its_rows(tmp_path, monkeypatc
 
 
 def test_a_position_for_another_global_batch_is_refused():
-    stream = data.train_batches(tiny_config(), ROWS)
+    stream = data.train_batches(tiny_data(), ROWS)
     next(stream)
     with pytest.raises(DataError, match="global batch of 4 rows, not 2 rows"):
-        data.train_batches(tiny_config(), 2).restore(stream.state())
+        data.train_batches(tiny_data(), 2).restore(stream.state())
     old = {"epoch": 0, "document": 3, "offset": 5, "data": stream.state()["data"]}  # one stream for all rows
     with pytest.raises(DataError, match="an older dsv4"):
-        data.train_batches(tiny_config(), ROWS).restore(old)
-    notices = data.train_batches(tiny_config(None, "allow_data_change=true"), ROWS).check(old)
+        data.train_batches(tiny_data(), ROWS).restore(old)
+    notices = data.train_batches(tiny_data("allow_data_change=true"), ROWS).check(old)
     assert any("starts from its beginning" in n for n in notices)
 
 
 def test_too_few_documents_for_the_rows_is_one_line(tmp_path):
     path, _ = _docs_file(tmp_path, n=3)
-    cfg = tiny_config(None, f"hf_path={path}", "eval_holdout_fraction=0")
+    cfg = tiny_data(f"hf_path={path}", "eval_holdout_fraction=0")
     with pytest.raises(DataError, match="row 3 of the 4-row global batch") as e:
         for _ in range(50):
             next(data.train_batches(cfg, ROWS))

@@ -10,11 +10,11 @@ import pytest
 from core.data import batches as data
 from core.data.prefetch import Prefetch
 from core.errors import DataError
-from tests.conftest import tiny_config
+from tests.conftest import tiny_data
 
 
 def test_prefetched_batches_and_positions_equal_the_stream_read_in_turn():
-    cfg = tiny_config(None)
+    cfg = tiny_data()
     straight = data.train_batches(cfg, 3)
     want = [(next(straight), straight.state()) for _ in range(5)]
     with Prefetch(data.train_batches(cfg, 3), 5, depth=2) as feed:
@@ -25,7 +25,7 @@ def test_prefetched_batches_and_positions_equal_the_stream_read_in_turn():
 
 
 def test_a_resume_from_a_prefetched_position_continues_the_stream():
-    cfg = tiny_config(None)
+    cfg = tiny_data()
     with Prefetch(data.train_batches(cfg, 3), 4) as feed:
         next(feed)
         _, position = next(feed)  # the thread has read further ahead by now; the position is batch 2's

@@ -341,7 +341,7 @@ def _value(v):
 def _indexer_pair(seed=3):
     from flax import nnx
 
-    from core.model.attention import Indexer, IndexerSpec
+    from core.model.layers import Indexer, IndexerSpec
     from core.model.layers import rope_frequencies
 
     rope = rope_frequencies(4, 50.0)
@@ -389,7 +389,7 @@ def test_zero_weights_init_is_a_uniform_student_and_changes_nothing_else(x64):
 def test_unknown_weights_init_raises():
     from flax import nnx
 
-    from core.model.attention import Indexer, IndexerSpec
+    from core.model.layers import Indexer, IndexerSpec
     from core.model.layers import rope_frequencies
 
     with pytest.raises(ValueError, match="weights_init='normal' is unknown"):

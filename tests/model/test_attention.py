@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from core.model.attention import Attention, AttentionImpl, AttentionSpec, Indexer, IndexerSpec, collect
+from core.model.attention import Attention, AttentionImpl, AttentionSpec, collect
+from core.model.layers import Indexer, IndexerSpec
 from core.ops.masked_attention import compressed_visibility, softmax_attention
 from core.ops.topk import indexer_scores, select_topk
 from core.model.layers import rope_frequencies

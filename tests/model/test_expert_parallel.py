@@ -453,6 +453,7 @@ def _training_and_eval():
 
     from core.checkpoint import run_files
     from core.data.batches import train_batches
+    from core.spec.resolve import data_spec
     from core.eval.evaluate import evaluate_checkpoint
     from core.eval.rows import EvalSet
     from core.model import moe
@@ -464,7 +465,7 @@ def _training_and_eval():
         run_dir = Path(tmp) / "run"
         trainer = Trainer(cfg, stage="warmup", run_dir=run_dir)
         [row] = list(trainer.run())
-        batch = next(train_batches(cfg, trainer.setup.batch_size))                  # the step's batch
+        batch = next(train_batches(data_spec(cfg), trainer.setup.batch_size))                  # the step's batch
         model, _ = nnx.merge(trainer.graphdef, trainer.state)
         expected = _expected_dropped(model, batch["tokens"], cfg.num_experts_per_tok, cfg.num_experts, 8)
         training = {"row_dropped": row["moe_dropped"], "expected_dropped": expected,

@@ -17,7 +17,7 @@ from flax import nnx
 from core.config.schema import load_config
 from core.model.attention import collect
 from core.model.transformer import Transformer, layer_plan, param_counts
-from core.model.moe import HashTable, RouterBias
+from core.model.moe import HashTable
 from core.spec.resolve import resolve
 
 SMALL = ["vocab_size=512", "sliding_window_size=8", "indexer_topk=4", "first_num_hash_layers=1",
@@ -128,7 +128,7 @@ def random_model(cfg, seed):
         if isinstance(var, HashTable):
             noise = rng.random(var.shape[:-1] + (cfg.num_experts,))
             value = np.argsort(noise, axis=-1)[..., : var.shape[-1]].astype(np.int32)
-        elif isinstance(var, RouterBias) or name in ("attn_sink", "ape", "base"):
+        elif isinstance(var, nnx.BatchStat) or name in ("attn_sink", "ape", "base"):
             value = 0.3 * rng.standard_normal(var.shape)
         elif name == "scale":
             value = 0.05 + 0.05 * rng.random(var.shape)

@@ -288,7 +288,7 @@ def test_bias_and_table_are_not_params():
         paths = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(m, nnx.Param))}
         assert "gate/weight" in paths and not any("bias" in p or "tid2eid" in p for p in paths), paths
         assert not any("indexer" in p for p in paths)
-    assert isinstance(learned.gate.bias, moe.RouterBias) and not isinstance(learned.gate.bias, nnx.Param)
+    assert isinstance(learned.gate.bias, nnx.BatchStat) and not isinstance(learned.gate.bias, nnx.Param)
     assert isinstance(hashed.gate.tid2eid, moe.HashTable) and not isinstance(hashed.gate.tid2eid, nnx.Param)
     # Gradients w.r.t. the parameters reach the router weight in hash layers too.
     x, tokens, valid = _inputs(jnp.float32)

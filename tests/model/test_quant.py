@@ -184,14 +184,14 @@ def test_warmup_on_held_weights_equals_its_float32_dequantisation_bitwise(held_t
     """5 warm-up steps of the real step: losses and indexer gradients bitwise equal (DESIGN.md)."""
     from core.data.batches import train_batches
     from core.train.optimizer import make_optimizer
-    from core.spec.resolve import optimizer_spec
+    from core.spec.resolve import data_spec, optimizer_spec
     from core.train import step as train_step
 
     cfg, held = held_tiny
     held = nnx.clone(held)
     f32 = nnx.clone(held)
     assert mq.dequantize_held(f32) and not _variables(f32, mq.Released) and _variables(held, mq.Released)
-    batches = train_batches(cfg, cfg.per_device_batch_size)
+    batches = train_batches(data_spec(cfg), cfg.per_device_batch_size)
     batches = [{k: jnp.asarray(v) for k, v in next(batches).items()} for _ in range(5)]
     trainable = train_step.config_matcher(cfg)
     grad_filter = nnx.All(nnx.Param, lambda path, _: trainable(path))

@@ -14,7 +14,7 @@ import pytest
 
 from core.errors import ClusterError, ConfigError
 from core.parallel import mesh as mesh_lib
-from core.spec.resolve import resolve
+from core.spec.resolve import data_spec, resolve
 from tests.conftest import tiny_config
 
 
@@ -253,7 +253,7 @@ def test_sigterm_saves_the_current_step_and_the_rerun_is_bitwise(tmp_path, monke
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
     import jax
 
-    data = train_batches(load_config("deepseek4-tiny", SMALL, stage="warmup"), jax.device_count())
+    data = train_batches(data_spec(load_config("deepseek4-tiny", SMALL, stage="warmup")), jax.device_count())
     for _ in range(5):  # steps 0..4 consumed five batches
         next(data)
     assert ckpt.read_checkpoint(run / "checkpoints", 4, items=()).data == json_round_trip(data.state())

@@ -62,7 +62,7 @@ EXPECTED = {
         "layers/0/attn/wkv": (("fsdp", "tensor"), (16, 16)),            # (embed, kv)
         "layers/0/attn/wq_b": (("fsdp", "tensor", None), (4, 2, 32)),   # (q_lora, heads, kv): fsdp on q_lora
         "layers/0/ffn/experts/w1": ((None, "fsdp", "tensor"), (16, 16, 32)),  # (experts, embed, mlp)
-        "layers/0/ffn/gate/bias": ((None,), (16,)),                     # RouterBias, replicated
+        "layers/0/ffn/gate/bias": ((None,), (16,)),                     # the router bias, replicated
         "norm/weight": ((None,), (64,)),
     },
     "data2_expert4": {
@@ -75,7 +75,7 @@ EXPECTED = {
         "layers/0/ffn/experts/w1": ((None, None, None), (16, 64, 64)),
     },
 }
-NO_MOMENTS = {"layers/0/ffn/gate/bias"}  # a RouterBias: moved by the load-balance rule, not by Adam
+NO_MOMENTS = {"layers/0/ffn/gate/bias"}  # the router bias: moved by the load-balance rule, not by Adam
 METRICS = ("total_loss", "lm_loss", "indexer_loss", "moe_lb_loss")
 _CLUSTER_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "DSV4_DISTRIBUTED",
                  "SLURM_JOB_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")

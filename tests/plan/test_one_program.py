@@ -22,6 +22,7 @@ def test_bench_and_plan_lower_the_training_commands_step(monkeypatch):
     from flax import nnx
 
     from core.data.batches import train_batches
+    from core.spec.resolve import data_spec
     from core.parallel.sharding import shard_batch
     from core.plan.compile import lower_plan
     from core.plan.targets import parse_target
@@ -35,7 +36,7 @@ def test_bench_and_plan_lower_the_training_commands_step(monkeypatch):
     specs, mesh = resolved(cfg)
     setup = build(specs, mesh)
     graphdef, state = nnx.split((setup.model, setup.optimizer))
-    batch = shard_batch(next(train_batches(cfg, setup.batch_size)), setup.mesh)
+    batch = shard_batch(next(train_batches(data_spec(cfg), setup.batch_size)), setup.mesh)
     train = _program(StepProgram.of(specs, graphdef, state, mesh).lower(state, batch))
     assert train[1] == (("xla_backend_optimization_level", 2),) and train[2], train[1:]
     assert "sdy.sharding" in train[0] and "tf.aliasing_output" in train[0]  # shardings and donation are in the text

@@ -18,7 +18,7 @@ from core.train import step as ts
 from core.data.batches import train_batches
 from core.parallel.sharding import shard_batch, state_shardings
 from core.train.materialise import build
-from core.spec.resolve import optimizer_spec
+from core.spec.resolve import data_spec, optimizer_spec
 from core.train.optimizer import make_optimizer
 from core.train.run import Trainer
 
@@ -34,7 +34,7 @@ def _jitted_rows(cfg) -> list[dict[str, float]]:
     graphdef, state = nnx.split((setup.model, setup.optimizer))
     # StepProgram.jit's jit outside its memo, as a new function: its own compile
     step = program.jit_step(ts.step_fn(specs, graphdef), specs.step.opt_level, mesh, state_shardings(state, mesh))
-    data, rows = train_batches(cfg, setup.batch_size), []
+    data, rows = train_batches(data_spec(cfg), setup.batch_size), []
     for _ in range(STEPS):
         state, metrics = step(state, shard_batch(next(data), setup.mesh))
         rows.append({k: float(v) for k, v in jax.device_get(metrics).items()})

@@ -29,7 +29,7 @@ from typer.testing import CliRunner
 from core.checkpoint import store as ckpt
 from core import tree
 from core.checkpoint import run_files
-from core.spec.resolve import resolve
+from core.spec.resolve import data_spec, resolve
 from dsv4cli.main import app
 from tests.conftest import resolved
 
@@ -158,7 +158,7 @@ def test_both_guard_forms_keep_a_diverged_state_and_apply_a_good_one_alike():
     cfg = load_config("deepseek4-tiny", [*shape, "learning_rate=1e30", "gradient_clipping_threshold=0"], stage="sparse")
     setup = build(*resolved(cfg))
     graphdef, state = nnx.split((setup.model, setup.optimizer))
-    batch = shard_batch(next(train_batches(cfg, setup.batch_size)), setup.mesh)
+    batch = shard_batch(next(train_batches(data_spec(cfg), setup.batch_size)), setup.mesh)
     bytes_of = lambda tree: [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]  # noqa: E731
     from tests.conftest import PRODUCT_FUSION
 

@@ -31,6 +31,7 @@ from core.train import run as train
 from core.errors import CheckpointError, ConfigError
 from core.train.handoff import is_indexer
 from core.data.batches import train_batches
+from core.spec.resolve import data_spec
 from core.train.indexer_init import calibration_batches, teacher_init
 from core.train.materialise import build, materialise
 from core.train.preflight import preflight
@@ -275,7 +276,7 @@ def test_teacher_step0_kl_is_below_the_random_start_and_only_the_indexer_changes
     model, _, _ = ckpt.restore_model(stage_chain["pretrain"][0], None, resolved(cfg, mesh)[0].model, mesh=mesh)
     before = _variables(model)
     assert all(not v.any() for k, v in before.items() if k.endswith("indexer/weights_proj"))  # the random start
-    batches = calibration_batches(train_batches(cfg, cfg.per_device_batch_size * jax.device_count()),
+    batches = calibration_batches(train_batches(data_spec(cfg), cfg.per_device_batch_size * jax.device_count()),
                                   cfg.indexer_init_batches, mesh)
     report = teacher_init(model, batches, mesh)
     assert len(report.layers) == len(cfg.csa_layers) and all(0 < t for t in report.temperature)
