@@ -39,7 +39,6 @@ def main() -> None:
 
     from core.config.schema import load_config
     from core.data.batches import train_batches
-    from core.ops import order
     from core.parallel.collective_order import at_risk_pairs
     from core.parallel.sharding import shard_batch
     from core.train import program
@@ -55,11 +54,11 @@ def main() -> None:
     setup = build(specs, mesh)
     graphdef, state = nnx.split((setup.model, setup.optimizer))
     batch = shard_batch(next(train_batches(data_spec(cfg), setup.batch_size)), setup.mesh)
-    tied = order.tied
+    tied = program.tied  # with_mesh enters program.tied(...), looked up when it runs
     out = {"stage": args.stage, "devices": setup.mesh.size}
     try:
         for name, untie in (("tied", False), ("untied", True)):
-            order.tied = (lambda on: tied(False)) if untie else tied  # with_mesh enters order.tied(...)
+            program.tied = (lambda on: tied(False)) if untie else tied
             step = program.jit_step(step_fn(specs, graphdef), specs.step.opt_level, setup.mesh,
                                     state_shardings(state, setup.mesh))
             compiled = step.lower(state, batch).compile()
@@ -77,7 +76,7 @@ def main() -> None:
                          "temp_mib": round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 2),
                          "median_step_s": round(sorted(times)[len(times) // 2], 4), "loss": float(metrics["total_loss"])}
     finally:
-        order.tied = tied
+        program.tied = tied
     print(json.dumps(out))
 
 
