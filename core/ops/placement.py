@@ -123,6 +123,7 @@ def gather_weight(w: jax.Array, heads_axis: int | None = None) -> jax.Array:
 
     On a GPU its gradient is left free (`gathered_free_cotangent`): XLA:GPU otherwise all-reduces
     the whole weight gradient over every device (across hosts) before slicing the weight's shard."""
+    # GPU only: on a TPU (libtpu, v5p-128) the free form compiles to the same whole all-reduce, no reduce-scatter
     if mesh_platform_of(jax.sharding.get_abstract_mesh()) == "gpu":
         return gathered_free_cotangent(w, heads_axis)
     return _constrain(w, False, heads_axis)
