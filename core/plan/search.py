@@ -2,11 +2,13 @@
 
 1. Enumerate (`candidates`): every ordered factorization of one granule's devices over
    (data, fsdp, tensor, expert) for ici_*, and of the granules (TPU slices, GPU hosts) for dcn_*, times the
-   per-device batches 1, 2, 4, ... up to `max_batch`. Kept where the model's sharding rules hold:
-   query heads divisible by tensor (the rules would replicate them, wasting the axis), routed
-   experts by expert (expert parallelism's exchange needs it), the global batch by the
-   data x fsdp x expert batch shards. Axes and the batch that the user's overrides set (to anything
-   but -1) stay fixed. On a GPU target the granules are its hosts of 8 GPUs (`Target.granules`).
+   per-device batches 1, 2, 4, ... up to `max_batch`. On a GPU target of several hosts the dcn_* include
+   expert_outer (the experts split across the hosts, every other weight replicated there: core/parallel/mesh.py).
+   Kept where the model's sharding rules hold: query heads divisible by tensor (the rules would replicate
+   them, wasting the axis), routed experts by expert_outer x expert (expert parallelism's exchange needs
+   it), the global batch by the data x fsdp x expert_outer x expert batch shards. Axes and the batch that
+   the user's overrides set (to anything but -1) stay fixed. On a GPU target the granules are its hosts of
+   8 GPUs (`Target.granules`).
 2. Prune without compiling: the exact per-device state (parameters, optimizer state, batch) from
    shapes and shardings on a `jax.sharding.AbstractMesh` (`report.state_bytes` over
    `program.abstract_inputs`, the plan's own count), in one child process for all candidates, against
@@ -36,14 +38,14 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from core.errors import ConfigError, DsvError, RunWriteError
-from core.parallel.mesh import MESH_AXES
+from core.parallel.mesh import CONFIG_AXES, EXPERT_OUTER_AXIS, MESH_AXES, mesh_axes
 from core.plan import compile as plan_compile
 from core.plan import report
 from core.plan import targets as tg
 from core.process import tune_garbage_collector
 from core.spec.resolve import resolve
 
-CACHE_LAYOUT = 1  # bump when a cache file's content changes meaning
+CACHE_LAYOUT = 2  # bump when a cache file's content changes meaning
 DEFAULT_CACHE = "runs/plan-cache"
 DEFAULT_MAX_BATCH = 8
 DEFAULT_TIMEOUT_S = 900.0
@@ -56,7 +58,7 @@ Progress = Callable[[int, int, str], None]
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One point of the search: ici_* and dcn_* sizes over MESH_AXES, and the per-device batch."""
+    """One point of the search: ici_* and dcn_* sizes over CONFIG_AXES, and the per-device batch."""
 
     ici: tuple[int, ...]
     dcn: tuple[int, ...]
@@ -64,20 +66,22 @@ class Candidate:
 
     @property
     def mesh(self) -> dict[str, int]:
-        return {a: i * d for a, i, d in zip(MESH_AXES, self.ici, self.dcn)}
+        """The mesh's axis sizes, by name (expert_outer only where above 1, as the mesh holds it)."""
+        sizes = {a: i * d for a, i, d in zip(CONFIG_AXES, self.ici, self.dcn)}
+        return {a: sizes[a] for a in mesh_axes(sizes)}
 
     def fields(self) -> dict[str, int]:
         """The config keys that select this candidate."""
-        return {**{f"ici_{a}_parallelism": n for a, n in zip(MESH_AXES, self.ici)},
-                **{f"dcn_{a}_parallelism": n for a, n in zip(MESH_AXES, self.dcn)},
+        return {**{f"ici_{a}_parallelism": n for a, n in zip(CONFIG_AXES, self.ici)},
+                **{f"dcn_{a}_parallelism": n for a, n in zip(CONFIG_AXES, self.dcn)},
                 "per_device_batch_size": self.per_device_batch_size}
 
     def overrides(self) -> list[str]:
         return [f"{k}={v}" for k, v in self.fields().items()]
 
     def label(self) -> str:
-        axes = [f"{a} {n}" + (f" (dcn {d})" if d > 1 else "") for a, n, d in zip(MESH_AXES, self.mesh.values(), self.dcn)
-                if n > 1]
+        dcn = dict(zip(CONFIG_AXES, self.dcn))
+        axes = [f"{a} {n}" + (f" (dcn {dcn[a]})" if dcn[a] > 1 else "") for a, n in self.mesh.items() if n > 1]
         return f"{' x '.join(axes) or 'single device'}, batch {self.per_device_batch_size}"
 
 
@@ -97,14 +101,15 @@ def pinned(cfg, overrides: Sequence[str]) -> dict[str, int]:
     from core.config.values import parse_override
 
     keys = {canonical_key(parse_override(text)[0], f"override {text!r}") for text in overrides}
-    names = [f"{p}_{a}_parallelism" for p in ("ici", "dcn") for a in MESH_AXES] + ["per_device_batch_size"]
+    names = [f"{p}_{a}_parallelism" for p in ("ici", "dcn") for a in CONFIG_AXES] + ["per_device_batch_size"]
     return {k: getattr(cfg, k) for k in names if k in keys and getattr(cfg, k) != -1}
 
 
 def valid_for_model(cfg, mesh: dict[str, int], devices: int, batch: int) -> bool:
-    """Heads divisible by tensor, experts by expert, the global batch by the batch shards."""
-    shards = mesh["data"] * mesh["fsdp"] * mesh["expert"]
-    return cfg.num_heads % mesh["tensor"] == 0 and cfg.num_experts % mesh["expert"] == 0 and (batch * devices) % shards == 0
+    """Heads divisible by tensor, experts by expert_outer x expert, the global batch by the batch shards."""
+    experts = mesh.get(EXPERT_OUTER_AXIS, 1) * mesh["expert"]
+    shards = mesh["data"] * mesh["fsdp"] * experts
+    return cfg.num_heads % mesh["tensor"] == 0 and cfg.num_experts % experts == 0 and (batch * devices) % shards == 0
 
 
 def candidates(cfg, target: tg.Target, *, max_batch: int = DEFAULT_MAX_BATCH,
@@ -118,9 +123,14 @@ def candidates(cfg, target: tg.Target, *, max_batch: int = DEFAULT_MAX_BATCH,
     pins = pins or {}
     batches = ([pins["per_device_batch_size"]] if "per_device_batch_size" in pins
                else [1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch])
+    # expert_outer spans granules: GPU hosts (a TPU slice's mesh keeps its axes as they are)
+    outer = target.platform == "cuda" and target.granules > 1
+    dcn_axes = CONFIG_AXES if outer else MESH_AXES
     out = []
-    for dcn in factorizations(target.granules, len(MESH_AXES)):
-        for ici in factorizations(target.devices // target.granules, len(MESH_AXES)):
+    for dcn_sizes in factorizations(target.granules, len(dcn_axes)):
+        dcn = tuple(dict(zip(dcn_axes, dcn_sizes)).get(a, 1) for a in CONFIG_AXES)
+        for ici_sizes in factorizations(target.devices // target.granules, len(MESH_AXES)):
+            ici = tuple(dict(zip(MESH_AXES, ici_sizes)).get(a, 1) for a in CONFIG_AXES)
             for b in batches:
                 c = Candidate(ici, dcn, b)
                 if all(c.fields()[k] == v for k, v in pins.items()) and valid_for_model(cfg, c.mesh, target.devices, b):
@@ -159,7 +169,7 @@ def _state_child(args: dict[str, Any]) -> dict[str, Any]:
         for fields in args["candidates"]:
             c = Candidate(tuple(fields["ici"]), tuple(fields["dcn"]), fields["per_device_batch_size"])
             ccfg = resolve(cfg.replace(**c.fields()), platform, c.mesh).cfg
-            mesh = AbstractMesh(tuple(c.mesh.values()), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+            mesh = AbstractMesh(tuple(c.mesh.values()), tuple(c.mesh), axis_types=(AxisType.Auto,) * len(c.mesh))
             _, state, batch, _ = program.abstract_inputs(ccfg.per_device_batch_size, ccfg.max_target_length, model, mesh)
             out.append(report.state_bytes(ccfg, state, batch))
         return {"state": out}
@@ -225,7 +235,7 @@ def _write(path: Path, entry: dict[str, Any]) -> None:
 
 
 def _record(c: Candidate, state: dict[str, int], usable: int) -> dict[str, Any]:
-    return {"label": c.label(), "mesh": c.mesh, "ici": dict(zip(MESH_AXES, c.ici)), "dcn": dict(zip(MESH_AXES, c.dcn)),
+    return {"label": c.label(), "mesh": c.mesh, "ici": dict(zip(CONFIG_AXES, c.ici)), "dcn": dict(zip(CONFIG_AXES, c.dcn)),
             "per_device_batch_size": c.per_device_batch_size, "overrides": c.overrides(), "status": "pruned",
             "reason": None, "cached": False, "compiled_now": False, "state": state, "state_bytes": state_total(state),
             "total_bytes": None, "usable_bytes": usable, "headroom_bytes": None, "estimated_tokens_per_s": None,
@@ -287,7 +297,7 @@ def search(model: str, stage: str | None, target_name: str, overrides: Sequence[
     if not cands:
         fixed = ", ".join(f"{k}={v}" for k, v in pins.items()) or "no key fixed"
         raise ConfigError(f"--search on {target.name}: no mesh of its {target.devices} devices fits the model's sharding "
-                          f"rules ({cfg.num_heads} heads divisible by tensor, {cfg.num_experts} experts by expert) with "
+                          f"rules ({cfg.num_heads} heads divisible by tensor, {cfg.num_experts} experts by expert_outer x expert) with "
                           f"{fixed}: fix fewer ici_*/dcn_* keys, or set them to -1 to search them.")
     directory = _cache_dir(cache_dir)
     usable, rule = report.usable_memory(target)

@@ -22,13 +22,15 @@ AUTO_INT = -1      # the value of an `auto` integer key (as xla_backend_optimiza
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 
-# The TPU's choices come from a v5e chip's profile and runs; a GPU keeps the CPU's until one is measured.
+# The TPU's choices come from a v5e chip's profile and runs; a GPU keeps the CPU's until one is measured,
+# or where `dsv4 plan`'s estimate for an H200 target chose (uncalibrated GPU constants).
 
 
 def _topk_attention(cfg, platform: str, axes) -> str:
-    """CSA's top-k as a mask over every compressed key on a TPU while the W = T/4 blocks are at most twice
-    the k selected ones (its dense matmuls beat the gather there); gathered keys beyond, and elsewhere."""
-    if platform != "tpu" or cfg.max_target_length // 4 > 2 * cfg.indexer_topk:
+    """CSA's top-k as a mask over every compressed key on a TPU or a GPU while the W = T/4 blocks are at
+    most twice the k selected ones (its dense matmuls beat gathering each query's k keys and scattering
+    their gradient back, which are memory-bound on both); gathered keys beyond, and on a CPU."""
+    if platform == "cpu" or cfg.max_target_length // 4 > 2 * cfg.indexer_topk:
         return "gather"
     return "mask"
 
@@ -80,10 +82,18 @@ def _attention_projections(cfg, platform: str, axes) -> str:
     return "whole" if large and (trains or platform == "gpu") else "chunked"
 
 
+# query rows per chunk of a GPU's training step (docs/benchmarks.md#why-the-defaults)
+_GPU_TRAIN_CHUNK = 512
+
+
 def _attention_chunk(cfg, platform: str, axes) -> int:
     """128 query rows per chunk, and 512 on a TPU where the attention's projections train per chunk:
     each chunk adds their weight gradients into float32 accumulators, whose traffic fewer chunks
-    divide. With the projections whole, 128 measured fastest on the chip, as in the warm-up."""
+    divide. With the projections whole, 128 measured fastest on the chip, as in the warm-up. On a GPU
+    where the step trains the attention, _GPU_TRAIN_CHUNK: each chunk's many small kernels (the
+    indexer's top-k, the masks, the softmax pieces) are fewer launches and passes over fewer chunks."""
+    if platform == "gpu" and stage_of(cfg).trains_rest:
+        return _GPU_TRAIN_CHUNK
     projections = cfg.attention_projections
     if projections == AUTO:
         projections = _attention_projections(cfg, platform, axes)
@@ -115,9 +125,9 @@ PLATFORM_CHOICES: dict[str, tuple[Any, Any]] = {
     "csa_topk_attention": (AUTO, _topk_attention),
     "attention_query_chunk_size": (AUTO_INT, _attention_chunk),
     "attention_projections": (AUTO, _attention_projections),
-    # the mHC mixes' input gradient in closed form on a TPU (no depth-J matmul and relayout there);
-    # the transposed einsum elsewhere, the faster on a CPU
-    "hc_mixes_backward": (AUTO, {"cpu": "autodiff", "gpu": "autodiff", "tpu": "closed"}),
+    # the mHC mixes' input gradient in closed form on a TPU and a GPU (no depth-J matmul and relayout
+    # there); the transposed einsum on a CPU, the faster there
+    "hc_mixes_backward": (AUTO, {"cpu": "autodiff", "gpu": "closed", "tpu": "closed"}),
     # 2048 on a TPU and a GPU: the head's float32 weight gradient is accumulated, and under a mesh summed
     # over the devices, once per chunk (docs/benchmarks.md#why-the-defaults)
     "lm_loss_chunk_size": (AUTO_INT, {"cpu": 256, "gpu": 2048, "tpu": 2048}),

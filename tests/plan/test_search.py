@@ -54,7 +54,8 @@ def test_enumeration_is_every_valid_mesh_and_batch_once(slices):
     cfg = _cfg("num_experts=4")  # 4 heads, 4 experts on 8 devices: tensor 8 and expert 8 are out
     target = dataclasses.replace(parse_target("cpu:8"), slices=slices)
     cands = candidates(cfg, target, max_batch=6)
-    got = [(c.ici, c.dcn, c.per_device_batch_size) for c in cands]
+    assert all(c.ici[3] == c.dcn[3] == 1 for c in cands), "expert_outer split off a GPU's hosts"
+    got = [(c.ici[:3] + c.ici[4:], c.dcn[:3] + c.dcn[4:], c.per_device_batch_size) for c in cands]
     assert len(got) == len(set(got)), "duplicates"
     assert set(got) == _brute_force(cfg, 8, slices, (1, 2, 4))
     for c in cands:
@@ -81,6 +82,42 @@ def test_gpu_hosts_are_the_granules():
     assert cands and {(math.prod(c.ici), math.prod(c.dcn)) for c in cands} == {(8, 2)}
     for c in cands:
         plan_mesh(cfg.replace(**c.fields()), target.devices, target.granules)
+
+
+def test_gpu_hosts_enumerate_expert_outer():
+    """On a GPU target of several hosts the dcn_* also split over expert_outer (the experts across the
+    hosts, the other weights replicated there): every (ici over 4 axes, dcn over 5) whose experts divide
+    expert_outer x expert, each once, each a mesh the compile child accepts with expert_outer named
+    where above 1; on one host none (h200x8: dcn is 1)."""
+    from core.config.schema import load_config
+    from core.parallel.mesh import CONFIG_AXES, plan_mesh
+    from core.plan.search import candidates
+    from core.plan.targets import parse_target
+
+    cfg = load_config("deepseek4-tiny", [], stage="sparse")
+    target = parse_target("h200x16")
+    cands = candidates(cfg, target, max_batch=1)
+    got = {(c.ici, c.dcn) for c in cands}
+    assert len(got) == len(cands), "duplicates"
+    want = set()
+    for ici in itertools.product([1, 2, 4, 8], repeat=4):
+        for dcn in itertools.product([1, 2], repeat=5):
+            if math.prod(ici) != 8 or math.prod(dcn) != 2:
+                continue
+            ici5 = (*ici[:3], 1, ici[3])
+            mesh = dict(zip(CONFIG_AXES, (i * d for i, d in zip(ici5, dcn))))
+            experts = mesh["expert_outer"] * mesh["expert"]
+            if cfg.num_heads % mesh["tensor"] == 0 and cfg.num_experts % experts == 0 and \
+                    16 % (mesh["data"] * mesh["fsdp"] * experts) == 0:
+                want.add((ici5, dcn))
+    assert got == want
+    outer = [c for c in cands if c.dcn[3] == 2]
+    assert outer and all(c.mesh["expert_outer"] == 2 and c.fields()["dcn_expert_outer_parallelism"] == 2 for c in outer)
+    assert all("expert_outer" not in c.mesh for c in cands if c.dcn[3] == 1)
+    for c in outer:
+        ici, dcn = plan_mesh(cfg.replace(**c.fields()), target.devices, target.granules)
+        assert (tuple(ici.values()), tuple(dcn.values())) == (c.ici, c.dcn)
+    assert all(c.dcn[3] == 1 for c in candidates(cfg, parse_target("h200x8"), max_batch=1))
 
 
 def test_overrides_fix_axes_and_the_batch():

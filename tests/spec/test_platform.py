@@ -24,9 +24,9 @@ def test_auto_keys_take_the_platforms_choice(platform, expected):
 
 
 @pytest.mark.parametrize("length, topk, platform, expected", [
-    (4096, 512, "tpu", "mask"), (8192, 512, "tpu", "gather"), (4096, 512, "cpu", "gather"), (4096, 512, "gpu", "gather"),
-    (4096, 256, "tpu", "gather")])
-def test_topk_attention_is_a_mask_on_a_tpu_while_the_blocks_are_at_most_twice_k(length, topk, platform, expected):
+    (4096, 512, "tpu", "mask"), (8192, 512, "tpu", "gather"), (4096, 512, "cpu", "gather"), (4096, 512, "gpu", "mask"),
+    (8192, 512, "gpu", "gather"), (4096, 256, "tpu", "gather"), (4096, 256, "gpu", "gather")])
+def test_topk_attention_is_a_mask_on_a_tpu_or_gpu_while_the_blocks_are_at_most_twice_k(length, topk, platform, expected):
     cfg = load_config("deepseek4-tiny", [f"max_target_length={length}", f"indexer_topk={topk}"])
     assert resolve_config(cfg, platform).csa_topk_attention == expected
 
@@ -34,13 +34,19 @@ def test_topk_attention_is_a_mask_on_a_tpu_while_the_blocks_are_at_most_twice_k(
 @pytest.mark.parametrize("model, stage, platform, projections, chunk", [
     ("deepseek4-284b", "sparse", "tpu", "whole", 128), ("deepseek4-284b", "pretrain", "tpu", "whole", 128),
     ("deepseek4-284b", "warmup", "tpu", "chunked", 128), ("deepseek4-284b", "sparse", "cpu", "chunked", 128),
-    ("deepseek4-284b", "sparse", "gpu", "whole", 128), ("deepseek4-284b", "warmup", "gpu", "whole", 128),
+    ("deepseek4-284b", "sparse", "gpu", "whole", 512), ("deepseek4-284b", "warmup", "gpu", "whole", 128),
+    ("deepseek4-284b", "pretrain", "gpu", "whole", 512),
     # deepseek4-tiny's W_qb gradient (8 KiB) stays on the chip: per chunk, in chunks of 512 where it trains
     ("deepseek4-tiny", "sparse", "tpu", "chunked", 512), ("deepseek4-tiny", "pretrain", "tpu", "chunked", 512),
     ("deepseek4-tiny", "warmup", "tpu", "chunked", 128), ("deepseek4-tiny", "sparse", "cpu", "chunked", 128)])
 def test_attention_projections_run_whole_on_a_tpu_where_large_ones_train(model, stage, platform, projections, chunk):
     resolved = resolve_config(load_config(model, ["max_target_length=4096"], stage=stage), platform)
     assert (resolved.attention_projections, resolved.attention_query_chunk_size) == (projections, chunk)
+
+
+def test_the_mixes_backward_is_closed_on_a_tpu_and_a_gpu():
+    cfg = load_config("deepseek4-tiny", [])
+    assert [resolve_config(cfg, p).hc_mixes_backward for p in ("cpu", "gpu", "tpu")] == ["autodiff", "closed", "closed"]
 
 
 @pytest.mark.parametrize("model, given, chunk", [("deepseek4-tiny", "whole", 128), ("deepseek4-284b", "chunked", 512)])
