@@ -103,7 +103,7 @@ def test_the_screen_passes_over_a_policy_alone(monkeypatch):
 
 
 def test_full_where_the_screen_rules_it_out_or_the_compiler_refuses(monkeypatch):
-    asked, cfg, mesh = _configs("remat_policy=auto", "per_device_batch_size=8")
+    asked, cfg, mesh = _configs("remat_policy=auto")  # the earlier tests' config: its screen's traces are cached
     calls = []
     real = program.StepProgram.compile
     _no_compile(monkeypatch, lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -140,9 +140,8 @@ def test_an_explicit_policy_is_kept(monkeypatch, policy):
 def test_what_the_backward_keeps_per_row():
     """More without remat than with either policy; none at all in the warm-up, whose indexer takes its gradient
     within each layer (core/model/transformer.py: no gradient crosses a layer, under any policy)."""
-    def kept(policy, stage):
-        return remat.kept_bytes_per_row(resolve(load_config("deepseek4-tiny", [*SMALL, f"remat_policy={policy}"],
-                                                      stage=stage), "tpu"))
+    def kept(policy, stage):  # the specs of the screens above (none, projections: their traces are cached)
+        return remat.kept_bytes_per_row(_configs(f"remat_policy={policy}", stage=stage)[1])
 
     sparse = {p: kept(p, "sparse") for p in ("none", "minimal", "projections", "full")}
     assert sparse["none"] > sparse["minimal"] > sparse["full"] > 0, sparse
